@@ -1,0 +1,32 @@
+"""pagedserve.kernels: the engine's device kernels, each a Triton kernel with a PyTorch reference.
+
+Every public function dispatches per call (see :mod:`pagedserve.kernels.dispatch`): Triton on
+CUDA tensors or under ``TRITON_INTERPRET=1``, the ``*_ref`` reference otherwise.
+"""
+
+from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
+from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
+from pagedserve.kernels.paged_attention import paged_attention, paged_attention_ref
+from pagedserve.kernels.rms_norm import rms_norm, rms_norm_ref
+from pagedserve.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from pagedserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from pagedserve.kernels.store_kv import store_kv, store_kv_ref
+
+__all__ = [
+    "gelu_tanh",
+    "gelu_tanh_ref",
+    "layer_norm",
+    "layer_norm_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
+    "use_triton",
+]

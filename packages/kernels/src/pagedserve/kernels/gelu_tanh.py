@@ -1,0 +1,55 @@
+"""GELU with the tanh approximation: GPT-2's ``gelu_new``.
+
+gelu(x) = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), computed in fp32.
+The reference spells the formula exactly as transformers' NewGELUActivation does, so fp32
+results match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.dispatch import use_triton
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@triton.jit
+def _gelu_tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    # tanh(y) = 1 - 2 / (exp(2y) + 1): no libdevice, saturates correctly at +-inf.
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    tl.store(out_ptr + offs, (0.5 * x * (1.0 + tanh)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_triton(x: torch.Tensor) -> torch.Tensor:
+    """Launch wrapper: elementwise over the flattened contiguous input."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n == 0:
+        return out
+    block = 1024
+    _gelu_tanh_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block)
+    return out
+
+
+def gelu_tanh_ref(x: torch.Tensor) -> torch.Tensor:
+    """Reference: transformers' NewGELUActivation formula, in fp32, cast back."""
+    xf = x.float()
+    y = 0.5 * xf * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (xf + 0.044715 * torch.pow(xf, 3.0))))
+    return y.to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of ``x``, same shape and dtype."""
+    if use_triton(x):
+        return gelu_tanh_triton(x)
+    return gelu_tanh_ref(x)

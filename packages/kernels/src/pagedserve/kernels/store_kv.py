@@ -1,0 +1,109 @@
+"""Write the new tokens' keys and values into the paged KV cache.
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token t goes to slot
+``s = slot_mapping[t] = block_id * block_size + offset``, i.e. row ``s`` of the cache viewed
+as ``[num_blocks * block_size, Hkv, D]``. A slot of -1 is padding and is skipped.
+Invariant: the valid slots of one call are distinct (the block manager never maps two new
+tokens to one slot), so the order of the writes does not matter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.dispatch import use_triton
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+    cache_slot_stride, cache_head_stride, n_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # A padding slot (-1) is clamped to 0 so no address is ever negative; the mask drops it.
+    mask = (heads < n_heads) & (dims < head_dim) & (slot >= 0)
+    safe_slot = tl.maximum(slot, 0)
+    dst = safe_slot * cache_slot_stride + heads * cache_head_stride + dims
+    k = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
+    v = tl.load(
+        value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask
+    )
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch wrapper: one program per new token copies its [Hkv, D] key and value rows."""
+    _check(key, value, k_cache, v_cache, slot_mapping)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    n_tokens, n_heads, head_dim = key.shape
+    if n_tokens == 0:
+        return
+    _store_kv_kernel[(n_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(1), k_cache.stride(2), n_heads, head_dim,
+        BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def _check(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(f"store_kv: key {tuple(key.shape)} / value {tuple(value.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(
+            f"store_kv: caches {tuple(k_cache.shape)} do not hold [*, *, Hkv, D] = "
+            f"[*, *, {key.shape[1]}, {key.shape[2]}]"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv: KV caches must be contiguous")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"store_kv: slot_mapping {tuple(slot_mapping.shape)} != (T,)")
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference: one indexed copy into the caches viewed as rows of slots."""
+    _check(key, value, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    n_heads, head_dim = key.shape[1:]
+    k_cache.view(-1, n_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, n_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value [T, Hkv, D]`` at ``slot_mapping [T]`` (-1 = skip), in place."""
+    if use_triton(key):
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,91 @@
+"""Builders of paged-attention inputs for tests and benchmarks (no production code uses this).
+
+A :class:`PagedBatch` holds a varlen batch laid out exactly as the engine lays it out:
+blocks handed out in a shuffled order (so block tables are non-contiguous), padding
+entries in block tables, and every cache slot that no sequence owns filled with NaN, so an
+implementation that reads past a sequence fails loudly. It also keeps each sequence's keys
+and values contiguously, for naive references that know nothing about paging.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    scale: float
+    keys: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], contiguous
+    values: list[torch.Tensor]
+
+    def args(self) -> tuple:
+        """The positional arguments of ``paged_attention``."""
+        return (
+            self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+            self.query_start_loc, self.scale,
+        )  # fmt: skip
+
+
+def make_paged_batch(
+    seqs: list[tuple[int, int]],
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    pad_value: int = -1,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """A batch of sequences given as ``(seq_len, q_len)``: q_len new tokens at the end.
+
+    ``(n, n)`` is a whole prompt, ``(n, 1)`` a decode, ``(n, k)`` with 1 < k < n a prefill
+    chunk or a prompt over a cached prefix. Block tables are padded with ``pad_value`` to
+    the longest sequence plus one, so every table has at least one padding entry.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    shape = (num_blocks, block_size, n_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(seqs), max(blocks_per_seq, default=0) + 1), pad_value)
+    keys, values, queries, starts, next_block = [], [], [0], [], 0
+    for b, (seq_len, q_len) in enumerate(seqs):
+        if not 0 <= q_len <= seq_len:
+            raise ValueError(f"sequence {b}: need 0 <= q_len {q_len} <= seq_len {seq_len}")
+        blocks = order[next_block : next_block + blocks_per_seq[b]]
+        next_block += blocks_per_seq[b]
+        block_tables[b, : len(blocks)] = blocks
+        k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(seq_len)
+        k_cache[blocks[pos // block_size], pos % block_size] = k
+        v_cache[blocks[pos // block_size], pos % block_size] = v
+        keys.append(k)
+        values.append(v)
+        starts.append(torch.randn(q_len, n_q_heads, head_dim, generator=gen).to(dtype))
+        queries.append(queries[-1] + q_len)
+    query = torch.cat(starts) if starts else torch.empty(0, n_q_heads, head_dim, dtype=dtype)
+    return PagedBatch(
+        query=query.to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(torch.int32).to(device),
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(queries, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+        keys=[k.to(device) for k in keys],
+        values=[v.to(device) for v in values],
+    )

@@ -1,0 +1,26 @@
+"""silu_and_mul_ref and gelu_tanh_ref against the formulas the model code would write."""
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import NewGELUActivation
+
+from pagedserve.kernels import gelu_tanh_ref, silu_and_mul_ref
+
+
+def test_silu_and_mul_is_gate_first():
+    x = torch.randn(3, 2, 20)
+    gate, up = x[..., :10], x[..., 10:]
+    assert torch.equal(silu_and_mul_ref(x), F.silu(gate) * up)
+
+
+def test_silu_and_mul_half_precision_is_close_to_fp32():
+    x = torch.randn(4, 32)
+    out = silu_and_mul_ref(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 16)
+    torch.testing.assert_close(out.float(), silu_and_mul_ref(x), atol=1e-2, rtol=1.6e-2)
+
+
+def test_gelu_tanh_is_gpt2_gelu_new_bit_for_bit():
+    x = torch.linspace(-8, 8, 257)
+    assert torch.equal(gelu_tanh_ref(x), NewGELUActivation()(x))
+    torch.testing.assert_close(gelu_tanh_ref(x), F.gelu(x, approximate="tanh"))
