@@ -24,8 +24,10 @@ def _gelu_tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    # tanh(y) = 1 - 2 / (exp(2y) + 1): no libdevice, saturates correctly at +-inf.
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    # tanh(y) = sign(y) * (1 - e) / (1 + e), e = exp(-2|y|) <= 1: no libdevice, no overflow.
+    e = tl.exp(-2.0 * tl.abs(inner))
+    tanh_abs = (1.0 - e) / (1.0 + e)
+    tanh = tl.where(inner < 0, -tanh_abs, tanh_abs)
     tl.store(out_ptr + offs, (0.5 * x * (1.0 + tanh)).to(out_ptr.dtype.element_ty), mask=mask)
 
 

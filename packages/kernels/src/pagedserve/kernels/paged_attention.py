@@ -16,15 +16,225 @@ fp32; the output has the query's dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from pagedserve.kernels.dispatch import use_triton
 
 
-def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    """Launch wrapper (phase 2)."""
-    raise NotImplementedError("paged_attention: the Triton kernel is not written yet")
+@triton.jit
+def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning q tile ``tile_id``: sequence b owns the tiles from
+    ``query_start_loc[b] // BLOCK_Q + b`` on (at least ceil(q_len / BLOCK_Q) of them), so a
+    binary search over that increasing sequence finds it without any host-side metadata."""
+    lo = 0
+    hi = n_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, lse_ptr, scale_log2, n_seqs, head_dim, kv_positions_per_split,
+    q_token_stride, q_head_stride, out_token_stride, out_head_stride, out_split_stride,
+    lse_token_stride, lse_head_stride, cache_block_stride, cache_slot_stride,
+    cache_head_stride, block_table_stride,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
+    split of the KV positions (the whole sequence when there is one split). Rows of the
+    tile are (token, head-in-group) pairs, so each K/V tile is loaded once per group."""
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q)
+    seq_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - seq_start
+    q_tile = tile_id - (seq_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        n_cached = seq_len - q_len
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = q_tile * BLOCK_Q + rows // GROUP
+        row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        q_idx = tl.minimum(q_idx, q_len - 1)  # padding rows alias a real one; never stored
+        q_pos = n_cached + q_idx
+        head = kv_head * GROUP + rows % GROUP
+        dims = tl.arange(0, BLOCK_D)
+        d_mask = dims < head_dim
+        token = (seq_start + q_idx).to(tl.int64)
+        q_off = token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        # Causal: no row of this tile sees past its last token; a split sees its range only.
+        kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
+        kv_start = split * kv_positions_per_split
+        kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(kv_start, kv_stop, TILE_N):
+            pos = start + tl.arange(0, TILE_N)
+            pos_valid = pos < kv_stop
+            # Only this sequence's own block-table entries are read (padding never is).
+            block = tl.load(
+                block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE,
+                mask=pos_valid,
+                other=0,
+            ).to(tl.int64)
+            kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
+            kv_off = kv_off[:, None] + kv_head * cache_head_stride + dims[None, :]
+            kv_mask = pos_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_shift[:, None])
+            alpha = tl.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
+        out_off += split * out_split_stride + dims[None, :]
+        out_mask = row_valid[:, None] & d_mask[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if WRITE_PARTIAL:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            lse_off = token * lse_token_stride + head * lse_head_stride + split
+            tl.store(lse_ptr + lse_off, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_kv_splits_kernel(
+    partial_ptr, lse_ptr, out_ptr, n_splits, head_dim,
+    partial_token_stride, partial_head_stride, lse_token_stride, lse_head_stride,
+    out_token_stride, out_head_stride,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Flash-decoding's reduce: each split's output weighted by exp2(its log-sum-exp)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    s_mask = splits < n_splits
+    lse = tl.load(
+        lse_ptr + token * lse_token_stride + head * lse_head_stride + splits,
+        mask=s_mask, other=float("-inf"),
+    )  # fmt: skip
+    m = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    off = token * partial_token_stride + head * partial_head_stride
+    off += splits[:, None] * head_dim + dims[None, :]
+    part = tl.load(partial_ptr + off, mask=s_mask[:, None] & (dims < head_dim)[None, :], other=0.0)
+    # Splits that saw nothing (weight 0) may hold uninitialised memory: drop, do not scale.
+    part = tl.where(weight[:, None] > 0, part, 0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + token * out_token_stride + head * out_head_stride + dims,
+        out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
+    )  # fmt: skip
+
+
+def _tile_shape(group: int, head_dim: int, decode_like: bool) -> tuple[int, int]:
+    """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step)."""
+    rows = 16 if decode_like else (64 if head_dim <= 128 else 32)
+    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16
+
+
+def _num_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> int:
+    """Split the KV axis only for decode-shaped batches (T == B) with long contexts and
+    too few (sequence, KV head) programs to fill the device; each split keeps >= 512
+    positions so the merge stays cheap."""
+    n_seqs = query.shape[0]
+    if not query.is_cuda or max_context < 1024:
+        return 1
+    n_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    wanted = triton.cdiv(2 * n_sms, max(1, n_seqs * n_kv_heads))
+    return max(1, min(wanted, max_context // 512, 64))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
+    bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
+    tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
+    flash-decoding path (partials + merge); by default it is chosen from shapes."""
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: KV caches must be contiguous")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    n_tokens, n_q_heads, head_dim = query.shape
+    n_seqs, block_size, n_kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
+    group = n_q_heads // n_kv_heads
+    decode_like = n_tokens == n_seqs
+    max_context = block_tables.shape[1] * block_size
+    splits = num_kv_splits or (_num_kv_splits(query, n_kv_heads, max_context) if decode_like else 1)
+    block_m, tile_n = _tile_shape(group, head_dim, decode_like)
+    block_q = block_m // group
+    out = torch.zeros_like(query)
+    if n_tokens == 0 or n_seqs == 0:
+        return out
+    if splits > 1:
+        partial = torch.empty(n_tokens, n_q_heads, splits, head_dim, device=query.device)
+        lse = torch.full((n_tokens, n_q_heads, splits), float("-inf"), device=query.device)
+        target, per_split = partial, triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
+    else:
+        target, lse, per_split = out, out, max_context
+    grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
+        scale * math.log2(math.e), n_seqs, head_dim, per_split,
+        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
+        target.stride(2) if splits > 1 else 0,
+        lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
+        DOT_FP32=query.dtype == torch.float32 or not query.is_cuda, WRITE_PARTIAL=splits > 1,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
+            partial, lse, out, splits, head_dim, partial.stride(0), partial.stride(1),
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
+    return out
 
 
 def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:

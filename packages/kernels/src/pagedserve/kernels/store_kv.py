@@ -28,7 +28,8 @@ def _store_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     # A padding slot (-1) is clamped to 0 so no address is ever negative; the mask drops it.
-    mask = (heads < n_heads) & (dims < head_dim) & (slot >= 0)
+    # (The slot test is broadcast to a tensor: a scalar bool in a mask trips the interpreter.)
+    mask = (heads < n_heads) & (dims < head_dim) & ((heads * 0 + slot) >= 0)
     safe_slot = tl.maximum(slot, 0)
     dst = safe_slot * cache_slot_stride + heads * cache_head_stride + dims
     k = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
