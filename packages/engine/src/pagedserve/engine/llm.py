@@ -1,0 +1,109 @@
+"""LLM: offline batch generation, with vLLM's interface.
+
+llm = LLM(model="path/to/hf-folder")
+outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.models import apply_chat_template
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Generate for a list of prompts at once; the engine batches them continuously."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the order given.
+
+        ``prompts``: strings, or ``{"prompt_token_ids": [...]}`` dicts. ``sampling_params``: one
+        for all prompts, or one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(len(prompts), sampling_params)
+        order: list[str] = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._tokenize(prompt)
+            request_id = self.engine.next_request_id()
+            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            order.append(request_id)
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(self, count: int, params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return list(params)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
+        start, generated = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                generated += 1
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+            bar.set_postfix_str(
+                f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False
+            )
+        bar.close()
+        return [finished[r] for r in order]

@@ -1,0 +1,114 @@
+"""SamplingParams: how to pick each next token and when to stop, with vLLM's names.
+
+Every field is validated here, at the edge, with a ValueError naming the field, so the server can
+turn it into a 400 that says which parameter is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k in (-1, None):
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        if self.best_of is not None:
+            check(
+                isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", "must be >= n"
+            )
+        check(self.temperature >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            "must be 0 or -1 (disabled), or a positive integer",
+        )
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be positive")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None:
+            check(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                "must be at least 1",
+            )
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0"
+        )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                check(
+                    isinstance(value, int) and 0 <= value <= MAX_LOGPROBS,
+                    name,
+                    f"must be in [0, {MAX_LOGPROBS}]",
+                )
+        if self.seed is not None:
+            check(isinstance(self.seed, int), "seed", "must be an integer")
+        check(
+            all(isinstance(s, str) and s for s in self.stop_strings),
+            "stop",
+            "must be non-empty strings",
+        )
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be token ids",
+        )
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0 or not -100.0 <= float(bias) <= 100.0:
+                    raise ValueError(
+                        f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}"
+                    )
+        if self.use_beam_search:
+            check(self.temperature == 0.0 or self.n > 1, "n", "must be > 1 for beam search")

@@ -1,0 +1,18 @@
+"""pagedserve.models: model architectures over the paged KV cache, the loader, the tokenizer."""
+
+from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.loader import load_model
+from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.tokenizer import apply_chat_template, load_tokenizer
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionMetadata",
+    "ModelConfig",
+    "ModelLoadError",
+    "ParallelContext",
+    "apply_chat_template",
+    "load_model",
+    "load_tokenizer",
+]

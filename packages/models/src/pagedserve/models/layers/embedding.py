@@ -1,0 +1,65 @@
+"""Vocabulary-parallel embedding and LM head.
+
+With tensor parallelism each rank holds a contiguous slice of the vocabulary. The embedding
+looks up the tokens in its slice (zeros elsewhere) and an all-reduce sums the slices; the LM
+head computes its slice of the logits and a gather joins them. With one rank both are plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.vocab_per_rank = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.vocab_per_rank
+        self.vocab_end = min(vocab_size, self.vocab_start + self.vocab_per_rank)
+        self.tp_size = tp_size
+        self.all_reduce = all_reduce
+        self.weight = nn.Parameter(
+            torch.zeros(self.vocab_per_rank, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = loaded[self.vocab_start : self.vocab_end]
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        in_shard = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
+        local = torch.where(in_shard, token_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return self.all_reduce(out) if self.all_reduce is not None else out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over this rank's vocabulary slice, gathered to the whole vocab."""
+
+    def __init__(
+        self, *args, gather: Callable[[torch.Tensor], torch.Tensor] | None = None, **kw
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.gather = gather
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1 and self.gather is not None:
+            logits = self.gather(logits)
+        return logits[..., : self.vocab_size]

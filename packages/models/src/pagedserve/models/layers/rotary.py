@@ -1,0 +1,81 @@
+"""Rotary position embedding: the cos/sin cache, with the RoPE scalings models configure.
+
+The cache is computed once, in float32, as ``[max_position, rotary_dim]`` with cos in the first
+half of the columns and sin in the second (the layout ``pagedserve.kernels.rotary_embedding``
+reads). Frequencies follow transformers' arithmetic exactly, so fp32 logits match it bit for bit
+where the rest of the model does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import rotary_embedding
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either spelling: transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling``."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling") or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth
+    blend between them."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
+    rope_type = params["rope_type"]
+    inv_freq = _base_inv_freq(rotary_dim, float(params["rope_theta"]))
+    positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+    if rope_type == "linear":
+        positions = positions / float(params["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params)
+    elif rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3 are)")
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key at the given positions (neox / rotate-half style)."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], is_neox: bool = True
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.is_neox = is_neox
+        rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        self.register_buffer(
+            "cos_sin_cache", build_cos_sin_cache(rotary_dim, max_position, params), persistent=False
+        )
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        return rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)

@@ -1,0 +1,28 @@
+"""From a Hugging Face folder to a ready model: pick the architecture, build it, load weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.models.config import ModelConfig
+from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.weights import iterate_weights
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
+
+
+def load_model(config: ModelConfig, par: ParallelContext | None = None) -> nn.Module:
+    """Build the model on ``config.torch_device`` in ``config.torch_dtype`` and load its weights."""
+    model_cls = MODEL_CLASSES[config.arch]
+    with torch.device(config.torch_device):
+        model = model_cls(config, par)
+    model.load_weights(
+        (name, tensor.to(config.torch_dtype)) for name, tensor in iterate_weights(config.model)
+    )
+    return model.eval()

@@ -1,0 +1,146 @@
+"""Tiny random-weight checkpoints of every supported architecture, for tests and tutorials.
+
+Each is built from transformers' own config and model classes (no download) and saved as a normal
+Hugging Face folder with a small byte-level BPE tokenizer trained on the spot, so pagedserve loads
+it exactly as it loads a real model, and transformers can run the same weights as the reference.
+
+Weights are drawn with a larger spread than a real initialisation (``initializer_range``), so the
+next-token distribution is peaked and greedy decoding does not sit on near-ties.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TINY_VOCAB = 512
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paged attention reads keys and values through a block table.",
+    "Continuous batching admits new requests at every step; finished ones free their blocks at once.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Prefix caching hashes full blocks as a chain, so a later request with the same prefix reuses them.",
+    "Hello, world! Bonjour le monde. Hallo Welt. 你好，世界。 🙂 1234567890",
+]
+
+
+def _llama_family_config(arch: str, overrides: dict[str, Any]):
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        cls = transformers.LlamaConfig
+    elif arch == "mistral":
+        cls, common["sliding_window"] = transformers.MistralConfig, None
+    elif arch == "qwen2":
+        cls, common["tie_word_embeddings"] = transformers.Qwen2Config, True
+    elif arch == "qwen3":
+        cls, common["head_dim"] = transformers.Qwen3Config, 32
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+    common.update(overrides)
+    return cls(**common)
+
+
+def _gpt2_config(overrides: dict[str, Any]):
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        n_positions=512,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    return transformers.GPT2Config(**common)
+
+
+def build_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A byte-level BPE tokenizer with <|endoftext|>=0? no: <unk>=0, <|im_start|>=1, <|im_end|>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def make_tiny_checkpoint(
+    arch: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32", **overrides: Any
+) -> Path:
+    """Write a random-weight ``arch`` checkpoint (+ tokenizer) to ``out_dir``; returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    config = _gpt2_config(overrides) if arch == "gpt2" else _llama_family_config(arch, overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tiny_tokenizer(out_dir, config.vocab_size)
+    return out_dir
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt, never stopping early (EOS included).
+
+    ``generate(min_new_tokens=...)`` would suppress EOS instead, which changes the tokens; this
+    loop is plain argmax over transformers' own forward with its own KV cache.
+    """
+    import torch
+
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            out = model(
+                torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return tokens

@@ -1,0 +1,31 @@
+"""The tokenizer and chat template, read from the model folder through transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.models.config import ModelLoadError
+
+
+def load_tokenizer(model_dir: str):
+    """A transformers fast tokenizer for ``model_dir`` (tokenizer.json; never downloads)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from e
+
+
+def apply_chat_template(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs
+) -> list[int]:
+    """Prompt token ids for a chat, through the tokenizer's own template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use a plain completion prompt")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

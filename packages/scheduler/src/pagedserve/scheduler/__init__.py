@@ -1,0 +1,20 @@
+"""pagedserve.scheduler: iteration-level continuous batching (host-side only, no torch)."""
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

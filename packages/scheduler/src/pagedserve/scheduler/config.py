@@ -1,0 +1,44 @@
+"""Configuration of the continuous-batching scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step, and of the waiting queue.
+
+    ``max_num_batched_tokens`` is the token budget of a step: decodes cost one token each,
+    prefill chunks as many tokens as they carry. ``long_prefill_token_threshold`` caps how much
+    of the budget one prompt may take in a step (0 = no cap beyond the budget).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    max_num_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_waiting < 1:
+            raise ValueError("max_num_waiting must be >= 1")

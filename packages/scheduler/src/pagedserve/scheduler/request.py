@@ -1,0 +1,96 @@
+"""A request as the scheduler sees it: tokens, how many are computed, and when to stop.
+
+There is no prefill phase and no decode phase. A request knows ``num_tokens`` tokens (prompt plus
+output so far) of which ``num_computed_tokens`` have keys and values in the cache. Each step the
+scheduler gives it some of the rest: a prefill chunk while the prompt is being read, one token
+once it is generating.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    ``stop_token_ids`` already holds the EOS token unless the request ignores EOS. The engine
+    keeps what the scheduler does not need (sampling parameters, detokenizer) in ``payload``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    payload: Any = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The stop condition the last output token met, if any (stop strings: the engine)."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.min_tokens and last in self.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

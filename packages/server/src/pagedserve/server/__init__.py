@@ -1,0 +1,1 @@
+"""pagedserve.server: the command line and (soon) the OpenAI-compatible HTTP server."""
