@@ -1,6 +1,7 @@
 """pagedserve.scheduler: iteration-level continuous batching (host-side only, no torch)."""
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.scheduler import (
     ScheduledRequest,
@@ -11,10 +12,12 @@ from pagedserve.scheduler.scheduler import (
 
 __all__ = [
     "Request",
+    "RequestRejectedError",
     "RequestStatus",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SchedulerOverloadedError",
     "SchedulerStats",
 ]

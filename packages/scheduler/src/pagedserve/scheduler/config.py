@@ -11,7 +11,15 @@ class SchedulerConfig:
 
     ``max_num_batched_tokens`` is the token budget of a step: decodes cost one token each,
     prefill chunks as many tokens as they carry. ``long_prefill_token_threshold`` caps how much
-    of the budget one prompt may take in a step (0 = no cap beyond the budget).
+    of the budget one prompt may take in a step (0 = no cap beyond the budget), so that one long
+    prompt cannot crowd out the decodes and the other prompts of a step.
+
+    ``policy`` is ``"fcfs"`` (arrival order) or ``"priority"`` (lower ``Request.priority`` first,
+    then arrival; the lowest-priority running request is the one preempted).
+
+    The waiting queue is bounded so that an overloaded server refuses at once (503) instead of
+    queueing without end: at most ``max_num_waiting`` requests and ``max_num_waiting_tokens``
+    tokens (0 = no token cap) wait at a time.
     """
 
     max_num_seqs: int = 64
@@ -21,6 +29,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     max_num_waiting: int = 1024
+    max_num_waiting_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -41,4 +50,10 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_num_waiting < 1:
-            raise ValueError("max_num_waiting must be >= 1")
+            raise ValueError(f"max_num_waiting must be >= 1, got {self.max_num_waiting}")
+        if self.max_num_waiting_tokens and self.max_num_waiting_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_waiting_tokens must be 0 (no cap) or >= max_model_len "
+                f"({self.max_num_waiting_tokens} < {self.max_model_len}): otherwise a long prompt "
+                "could never be queued"
+            )

@@ -41,6 +41,10 @@ class Request:
 
     ``stop_token_ids`` already holds the EOS token unless the request ignores EOS. The engine
     keeps what the scheduler does not need (sampling parameters, detokenizer) in ``payload``.
+
+    Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
+    or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
+    lookup at admission decides where computing starts.
     """
 
     request_id: str
@@ -55,7 +59,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
+    arrival_order: int = -1  # set by the scheduler: breaks ties between equal arrival times
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

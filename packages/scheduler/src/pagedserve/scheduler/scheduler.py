@@ -1,22 +1,37 @@
 """The iteration-level scheduler.
 
-Every step: running requests first get their next token (or next prefill chunk), then waiting
-requests are admitted while the token budget, the sequence cap and the KV cache allow. When a
-running request cannot get a block, the newest running request is preempted: its blocks are
-freed and it goes back to the front of the waiting queue, to be recomputed (mostly from the
-prefix cache) when it returns.
+There is no prefill phase and no decode phase. Every request knows how many of its tokens are
+computed; every step gives each running request its next token or its next prefill chunk, then
+admits waiting requests, all under one token budget (``max_num_batched_tokens``) and one sequence
+cap (``max_num_seqs``). A long prompt is read in chunks, so it never stalls the decodes.
+
+When a running request cannot get a block, the running request that matters least (the newest
+under FCFS, the lowest priority under the priority policy) is preempted: its blocks are freed and
+it goes back to the waiting queue, ahead of later arrivals, to be recomputed when it returns. The
+prefix cache usually still holds most of its blocks, and recomputing the same tokens gives the
+same keys and values, so its output continues exactly as if it had never been preempted.
+
+Invariants, after every call:
+- ``running`` is in policy order (admission order for FCFS, ``policy_key`` for priority), so the
+  preemption victim is always ``running[-1]``: a request that has not been scheduled in this
+  step yet, or the request that needs the block itself.
+- Every request in ``requests`` is either in ``running`` or in ``waiting``; a finished or aborted
+  request is in neither and holds no block.
 
 The scheduler decides; it does not compute. It never imports torch.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import Request, RequestStatus
 
 
@@ -37,6 +52,9 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step: what each scheduled request computes, the block copies to run first, and the
+    requests preempted while making room."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -52,43 +70,169 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
+    """A snapshot of the counters the engine exports as metrics.
+
+    ``num_running``, ``num_waiting`` and ``num_waiting_tokens`` are current; ``num_preemptions``,
+    ``num_steps`` and ``total_scheduled_tokens`` are cumulative; ``num_scheduled_tokens`` and
+    ``num_scheduled_seqs`` describe the last step.
+    """
+
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_tokens: int = 0
     num_preemptions: int = 0
+    num_steps: int = 0
+    total_scheduled_tokens: int = 0
     num_scheduled_tokens: int = 0
+    num_scheduled_seqs: int = 0
 
 
 class Scheduler:
-    """Continuous batching under one token budget, with chunked prefill and preemption."""
+    """Continuous batching under one token budget, with chunked prefill, preemption and
+    admission control."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.stats = SchedulerStats()
+        self._arrivals = itertools.count()
+        self._num_preemptions = 0
+        self._num_steps = 0
+        self._total_scheduled_tokens = 0
+        self._last_step = (0, 0)  # scheduled tokens, scheduled sequences
 
-    # ---- queue -------------------------------------------------------------------------
+    # ---- admission -----------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a new request, or refuse it at once.
+
+        Raises ``RequestRejectedError`` (a ValueError) when it can never run: an empty prompt,
+        ``max_tokens`` < 1, prompt + max_tokens over ``max_model_len``, or more blocks than the
+        KV cache can give one request. Raises ``SchedulerOverloadedError`` when the waiting
+        queue is full. Raises ValueError when the request id is already in use.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_fits(request)
+        self._check_not_overloaded(request)
         request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        max_len = self.config.max_model_len
+        if num_prompt == 0:
+            raise RequestRejectedError("the prompt is empty: give at least one token")
+        if request.max_tokens < 1:
+            raise RequestRejectedError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if num_prompt + request.max_tokens > max_len:
+            raise RequestRejectedError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens"
+            )
+        # The last sampled token is never fed back, so it needs no slot. The watermark is kept
+        # free on admission, so one request may hold at most num_blocks - watermark blocks (a
+        # request that needed more could wait at the head of the queue forever).
+        max_kv_tokens = num_prompt + request.max_tokens - 1
+        blocks_needed = -(-max_kv_tokens // self.kv.block_size)
+        blocks_usable = self.kv.num_blocks - self.kv.watermark_blocks
+        if blocks_needed > blocks_usable:
+            raise RequestRejectedError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) needs "
+                f"{blocks_needed} KV blocks of {self.kv.block_size} tokens, but the KV cache can "
+                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache"
+            )
+
+    def _check_not_overloaded(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_num_waiting:
+            raise SchedulerOverloadedError(
+                f"the waiting queue is full ({len(self.waiting)} requests, max_num_waiting = "
+                f"{self.config.max_num_waiting}): retry later"
+            )
+        cap = self.config.max_num_waiting_tokens
+        if cap and self.waiting.num_tokens + request.num_tokens > cap:
+            raise SchedulerOverloadedError(
+                f"the waiting queue is full ({self.waiting.num_tokens} tokens waiting, "
+                f"max_num_waiting_tokens = {cap}): retry later"
+            )
+
+    def add_forked_request(self, parent_request_id: str, child: Request) -> None:
+        """Run ``child`` beside a running parent whose tokens it extends (n > 1, beam search).
+
+        The child shares every block of the parent (``kv.fork``: reference counts + 1); the first
+        write into a shared, partly filled block copies it first (copy-on-write). The child has
+        computed what the parent has computed, and takes the parent's place in the policy order:
+        it goes right after the parent and the parent's earlier children in ``running``, with
+        the parent's priority and arrival.
+        """
+        parent = self.requests.get(parent_request_id)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {parent_request_id!r} is not running: it cannot be forked")
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        computed = parent.num_computed_tokens
+        if child.num_tokens <= computed or (
+            child.all_token_ids[:computed] != parent.all_token_ids[:computed]
+        ):
+            raise ValueError(
+                f"a child of {parent_request_id!r} must start with the parent's {computed} "
+                "computed tokens and have at least one more"
+            )
+        self.kv.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.priority = parent.priority
+        child.arrival_time = parent.arrival_time
+        child.arrival_order = parent.arrival_order
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        index = self.running.index(parent) + 1
+        while (
+            index < len(self.running) and self.running[index].arrival_order == child.arrival_order
+        ):
+            index += 1
+        self.running.insert(index, child)
+
+    # ---- queries -------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_tokens=self.waiting.num_tokens,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+            total_scheduled_tokens=self._total_scheduled_tokens,
+            num_scheduled_tokens=self._last_step[0],
+            num_scheduled_seqs=self._last_step[1],
+        )
+
+    # ---- finishing from outside ----------------------------------------------------------
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (or abort) requests wherever they are; their blocks are freed at once."""
+        """Finish (abort, or stop on a stop string) requests wherever they are, mid-prefill
+        included; their blocks are freed at once. Unknown or finished ids are ignored (an abort
+        may race with the request's own end)."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request in self.running:
+            if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
@@ -99,71 +243,70 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Decide one step: running requests first, then admissions, under one token budget.
+
+        No request is admitted in a step that preempted one: the cache has just run dry, and a
+        new request would only take the blocks that the preempted one needs to return.
+        """
         output = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(output, budget)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
-        self.stats.num_scheduled_tokens = output.num_scheduled_tokens
+        num_tokens = output.num_scheduled_tokens
+        self._last_step = (num_tokens, len(output.scheduled))
+        self._num_steps += 1
+        self._total_scheduled_tokens += num_tokens
         return output
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, and finish requests that stop.
 
         ``sampled`` maps request id -> next token for the requests whose chunk reached their
-        last known token. Returns the requests that got a new token (finished ones included).
+        last known token (``needs_sample``). A request finished between ``schedule`` and here
+        (an abort, a stop string) is skipped. Returns the requests that got a new token,
+        finished ones included; finished requests have already freed their blocks.
         """
         updated = []
+        stopped = False
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
                 continue
+            needs_sample = item.needs_sample
             request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
+            token = sampled.get(request.request_id) if needs_sample else None
             if token is None:
                 continue
             request.append_output_token(token)
             updated.append(request)
             stop = request.check_stop()
             if stop is not None:
-                self.running.remove(request)
                 self._finish(request, stop)
+                stopped = True
+        if stopped:
+            self.running = [r for r in self.running if not r.is_finished]
         return updated
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """The next chunk: every uncomputed token, capped by the long-prefill threshold (when
+        chunked prefill is on) and by what is left of the budget."""
+        num_new = request.num_tokens - num_computed
         threshold = self.config.long_prefill_token_threshold
-        if threshold and num_new > 1:
+        if threshold and self.config.enable_chunked_prefill:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        max_seqs = self.config.max_num_seqs
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(output.scheduled) < max_seqs:
             request = self.running[index]
-            num_new = self._chunk(request, budget)
-            if num_new <= 0:
-                index += 1
-                continue
-            while not self.kv.allocate_slots(
-                request.request_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                num_new,
-                cache_salt=request.cache_salt,
-            ):
-                victim = self.running.pop()
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # the request preempted itself; nothing after it is left running
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # the request was the last one running, and preempted itself
             output.scheduled.append(
                 ScheduledRequest(
                     request,
@@ -176,16 +319,38 @@ class Scheduler:
             index += 1
         return budget
 
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Get ``request`` the slots for its chunk, preempting from the tail of ``running`` until
+        the pool can give them. False when ``request`` itself had to go."""
+        while not self.kv.allocate_slots(
+            request.request_id,
+            request.all_token_ids,
+            request.num_computed_tokens,
+            num_new,
+            cache_salt=request.cache_salt,
+        ):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        max_seqs = self.config.max_num_seqs
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < max_seqs
+            and len(output.scheduled) < max_seqs
+        ):
+            request = self.waiting.peek()
             hits, num_cached = self.kv.get_computed_blocks(
                 request.all_token_ids, request.cache_salt
             )
-            request.num_computed_tokens = num_cached
-            num_new = self._chunk(request, budget)
-            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_cached:
-                break
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if not self.config.enable_chunked_prefill and num_cached + num_new < request.num_tokens:
+                break  # the whole prompt must fit in this step's budget
             if not self.kv.allocate_slots(
                 request.request_id,
                 request.all_token_ids,
@@ -194,13 +359,13 @@ class Scheduler:
                 computed_blocks=hits,
                 cache_salt=request.cache_salt,
             ):
-                request.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
+                break  # the head waits for blocks; nothing behind it jumps the queue
+            self.waiting.pop()
+            request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._add_running(request)
             output.scheduled.append(
                 ScheduledRequest(
                     request, num_cached, num_new, self.kv.get_block_table(request.request_id)
@@ -208,14 +373,21 @@ class Scheduler:
             )
             budget -= num_new
 
+    def _add_running(self, request: Request) -> None:
+        """Keep ``running`` in policy order, so that its tail is the next preemption victim."""
+        if self.config.policy == "priority":
+            bisect.insort_right(self.running, request, key=policy_key)
+        else:
+            self.running.append(request)
+
     def _preempt(self, request: Request) -> None:
-        """Free a running request's blocks and put it back at the head of the queue."""
+        """Free a running request's blocks and send it back to wait, ahead of later arrivals."""
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._num_preemptions += 1
+        self.waiting.add_preempted(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

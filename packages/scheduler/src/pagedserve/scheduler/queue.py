@@ -1,0 +1,128 @@
+"""The waiting queue, in the order the scheduling policy admits requests.
+
+``fcfs``: first come, first served. New requests join the back; a preempted request returns to
+the front, ahead of everything that arrived after it (it was admitted before them).
+``priority``: lower ``priority`` value first, then earlier arrival. A preempted request returns
+to its place in that order.
+
+Both keep a running count of the tokens they hold, for the waiting-token cap. A request does not
+change while it waits, so adding its ``num_tokens`` on entry and subtracting it on exit is exact.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterator
+
+from pagedserve.scheduler.request import Request
+
+
+def policy_key(request: Request) -> tuple[int, float, int]:
+    """Order of the priority policy: lower priority value first, then arrival."""
+    return (request.priority, request.arrival_time, request.arrival_order)
+
+
+class WaitingQueue:
+    """Base: the token count and the shared interface of both policies."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+
+    def add(self, request: Request) -> None:
+        """A new request joins the queue."""
+        raise NotImplementedError
+
+    def add_preempted(self, request: Request) -> None:
+        """A preempted request returns to the queue, ahead of later arrivals."""
+        raise NotImplementedError
+
+    def peek(self) -> Request:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        raise NotImplementedError
+
+    def remove(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        raise NotImplementedError
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class FCFSQueue(WaitingQueue):
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+        self.num_tokens += request.num_tokens
+
+    def add_preempted(self, request: Request) -> None:
+        self._queue.appendleft(request)
+        self.num_tokens += request.num_tokens
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        request = self._queue.popleft()
+        self.num_tokens -= request.num_tokens
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+        self.num_tokens -= request.num_tokens
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue(WaitingQueue):
+    """A list kept sorted by ``policy_key``; the head is at index 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        bisect.insort(self._queue, request, key=policy_key)
+        self.num_tokens += request.num_tokens
+
+    add_preempted = add
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        request = self._queue.pop(0)
+        self.num_tokens -= request.num_tokens
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+        self.num_tokens -= request.num_tokens
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+def make_waiting_queue(policy: str) -> WaitingQueue:
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"unknown scheduling policy {policy!r}: use 'fcfs' or 'priority'")
