@@ -35,6 +35,10 @@ test-kernels: setup
 demo: setup model
 	$(BIN)/python tools/demo.py
 
+# The site (docs/ + tutorials rendered at build time by tools/build_docs) into site/, --strict.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
