@@ -1,0 +1,143 @@
+"""One token budget for prefill chunks and decodes, preemption by recompute, the two policies,
+and the counters the engine exports."""
+
+from __future__ import annotations
+
+from pagedserve.blockmgr import KVCacheManager
+from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=64, block_size=4, caching=True, **config) -> Scheduler:
+    config.setdefault("max_num_batched_tokens", 64)
+    config.setdefault("max_model_len", 64)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, watermark=0)
+    return Scheduler(SchedulerConfig(**config), kv)
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    s.update(out, {x.request.request_id: token for x in out.scheduled if x.needs_sample})
+    return out
+
+
+def shares(out) -> list[tuple[str, int]]:
+    return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+
+
+def test_long_prompt_is_chunked_and_never_stalls_decodes():
+    s = make_scheduler(max_num_batched_tokens=8, max_model_len=64)
+    s.add_request(Request("d", [1, 2], max_tokens=20))
+    step(s)
+    s.add_request(Request("long", list(range(100, 125)), max_tokens=2))
+    chunks = []
+    while s.requests.get("long") and not s.requests["long"].output_token_ids:
+        out = step(s)
+        assert shares(out)[0] == ("d", 1)  # the decode runs every step
+        assert out.num_scheduled_tokens <= 8
+        chunks.append(dict(shares(out))["long"])
+    assert chunks == [7, 7, 7, 4]  # 25 prompt tokens, 7 per step beside the decode
+
+
+def test_long_prefill_threshold_caps_one_prompt_per_step():
+    s = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=5)
+    s.add_request(Request("a", list(range(12)), max_tokens=2))
+    s.add_request(Request("b", list(range(50, 53)), max_tokens=5))
+    assert shares(step(s)) == [("a", 5), ("b", 3)]
+    assert shares(step(s)) == [("a", 5), ("b", 1)]
+    assert shares(step(s)) == [("a", 2), ("b", 1)]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_it_fits_in():
+    s = make_scheduler(max_num_batched_tokens=64, enable_chunked_prefill=False)
+    s.add_request(Request("a", [1] * 40, max_tokens=3))
+    s.add_request(Request("b", [2] * 30, max_tokens=3))
+    assert shares(step(s)) == [("a", 40)]  # b (30) does not fit in the 24 left: it waits
+    assert shares(step(s)) == [("a", 1), ("b", 30)]
+
+
+def test_sequence_cap_holds_admissions():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(Request(f"r{i}", [i + 1] * 3, max_tokens=5))
+    assert shares(step(s)) == [("r0", 3), ("r1", 3)]
+    assert s.stats.num_running == 2 and s.stats.num_waiting == 1
+
+
+def test_newest_running_request_is_preempted_and_recomputed_from_the_prefix_cache():
+    # 6 blocks of 4. a and b (7-token prompts) take 2 blocks each, then a third each at
+    # position 8; at position 12 a needs a fourth, and the newest (b) gives its blocks up.
+    s = make_scheduler(num_blocks=6)
+    s.add_request(Request("a", list(range(1, 8)), max_tokens=12))
+    s.add_request(Request("b", list(range(11, 18)), max_tokens=12))
+    for _ in range(5):
+        assert not step(s).preempted  # positions 0..6, then 7, 8, 9, 10
+    assert not step(s).preempted  # position 11: both hold 3 full blocks, none is free
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert shares(out) == [("a", 1)]
+    b = s.requests["b"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.waiting.peek() is b and s.stats.num_preemptions == 1
+    tokens_before = list(b.output_token_ids)
+    assert b.num_tokens == 13  # 12 computed before the preemption, 1 sampled
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    out = step(s)
+    (item,) = out.scheduled
+    # a's fourth block evicted b's third (the LRU gives up a prefix's tail first); b's first
+    # two blocks are still cached: only the rest is recomputed, and b samples on from there.
+    assert item.request is b and item.num_computed_tokens == 8
+    assert item.num_new_tokens == 13 - 8
+    assert b.output_token_ids == tokens_before + [7]
+
+
+def test_a_request_alone_that_cannot_grow_preempts_itself_and_returns():
+    s = make_scheduler(num_blocks=3, caching=False)
+    s.add_request(Request("a", [1] * 8, max_tokens=5))  # 12 tokens in the cache: 3 blocks
+    s.add_request(Request("b", [2] * 3, max_tokens=2))
+    step(s)  # a: 2 blocks; b: 1 block
+    out = step(s)  # a needs a 3rd block: b (newest) is preempted
+    assert [r.request_id for r in out.preempted] == ["b"]
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.num_free_blocks == 3
+
+
+def test_priority_policy_admits_lower_value_first_and_preempts_the_lowest():
+    s = make_scheduler(num_blocks=6, max_num_seqs=2, policy="priority")
+    s.add_request(Request("low", list(range(1, 8)), max_tokens=12, priority=5))
+    s.add_request(Request("high", list(range(11, 18)), max_tokens=12, priority=0))
+    s.add_request(Request("mid", list(range(21, 24)), max_tokens=2, priority=1))
+    out = step(s)
+    assert shares(out) == [("high", 7), ("mid", 3)]
+    assert [r.request_id for r in s.running] == ["high", "mid"]
+    step(s)  # mid finishes (max_tokens=2)
+    out = step(s)
+    assert [r.request_id for r in s.running] == ["high", "low"]
+    while not out.preempted:
+        out = step(s)
+    assert [r.request_id for r in out.preempted] == ["low"]  # high keeps going
+
+
+def test_fcfs_preempted_request_goes_back_ahead_of_later_arrivals():
+    s = make_scheduler(num_blocks=6, max_num_seqs=2)
+    s.add_request(Request("a", list(range(1, 8)), max_tokens=12))
+    s.add_request(Request("b", list(range(11, 18)), max_tokens=12))
+    s.add_request(Request("c", [3, 3], max_tokens=2))
+    out = step(s)
+    while not out.preempted:
+        out = step(s)
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_stats_count_steps_tokens_and_preemptions():
+    s = make_scheduler(max_num_batched_tokens=10)
+    s.add_request(Request("a", [1] * 6, max_tokens=3))
+    s.add_request(Request("b", [2] * 6, max_tokens=3))
+    step(s)
+    st = s.stats
+    assert (st.num_scheduled_tokens, st.num_scheduled_seqs, st.num_steps) == (10, 2, 1)
+    assert (st.num_running, st.num_waiting, st.num_preemptions) == (2, 0, 0)
+    while s.has_unfinished_requests():
+        step(s)
+    st = s.stats
+    assert st.total_scheduled_tokens == 12 + 2 * 2 and st.num_running == 0
