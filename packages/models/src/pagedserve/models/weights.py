@@ -1,8 +1,10 @@
 """Reading safetensors checkpoints and copying their tensors into a model's parameters.
 
 A checkpoint is one ``model.safetensors`` or several shards listed in
-``model.safetensors.index.json``. Tensors are read one at a time (memory-mapped), so loading
-never holds two copies of the model.
+``model.safetensors.index.json``. Tensors are yielded as ``CheckpointTensor`` handles that read
+nothing until asked: a tensor-parallel rank narrows a handle to its rows or columns and reads
+only those bytes (safetensors ``get_slice``), so no rank ever materialises a weight it does not
+hold, and loading never holds two copies of the model.
 """
 
 from __future__ import annotations
@@ -33,24 +35,106 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """A lazy view of one tensor in a safetensors file: ``narrow``, ``t``, ``chunk``, ``to``.
+
+    The view is a box of index ranges over the stored tensor, a permutation of its dimensions
+    (``t`` for GPT-2's Conv1D weights) and a target dtype; ``read()`` fetches exactly the box.
+    It mirrors the few ``torch.Tensor`` methods the weight loaders use, so a loader works on a
+    real tensor and on a handle alike; ``materialize`` turns either into a tensor. A handle is
+    valid while ``iterate_weights`` is on its tensor (the file is open).
+    """
+
+    def __init__(self, source, ranges: list[tuple[int, int]], dims: list[int], dtype=None):
+        self._source = source
+        self._ranges = ranges  # per stored dimension: [start, stop)
+        self._dims = dims  # stored dimension of each view dimension
+        self._dtype = dtype
+
+    @classmethod
+    def open(cls, source) -> CheckpointTensor:
+        shape = source.get_shape()
+        return cls(source, [(0, n) for n in shape], list(range(len(shape))))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._ranges[d][1] - self._ranges[d][0] for d in self._dims)
+
+    def dim(self) -> int:
+        return len(self._dims)
+
+    def _with(self, ranges=None, dims=None, dtype=None) -> CheckpointTensor:
+        return CheckpointTensor(
+            self._source, ranges or self._ranges, dims or self._dims, dtype or self._dtype
+        )
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ModelLoadError(
+                f"cannot take [{start}, {start + length}) of dimension {dim} of a checkpoint "
+                f"tensor of shape {tuple(self.shape)}"
+            )
+        stored = self._dims[dim]
+        base = self._ranges[stored][0]
+        ranges = list(self._ranges)
+        ranges[stored] = (base + start, base + start + length)
+        return self._with(ranges=ranges)
+
+    def t(self) -> CheckpointTensor:
+        if self.dim() != 2:
+            raise ValueError(f"t() expects a 2-D tensor, got {self.dim()}-D")
+        return self._with(dims=self._dims[::-1])
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[CheckpointTensor]:
+        """torch.chunk's split: pieces of ``ceil(size / chunks)``, the last one shorter."""
+        size = self.shape[dim]
+        step = -(-size // chunks)
+        return [self.narrow(dim, s, min(step, size - s)) for s in range(0, size, step)]
+
+    def to(self, dtype: torch.dtype) -> CheckpointTensor:
+        return self._with(dtype=dtype)
+
+    def read(self) -> torch.Tensor:
+        """Read the view's box from the file (only those bytes) as a contiguous tensor."""
+        tensor = self._source[tuple(slice(a, b) for a, b in self._ranges)]
+        if self._dims != sorted(self._dims):
+            tensor = tensor.permute(self._dims)
+        if self._dtype is not None:
+            tensor = tensor.to(self._dtype)
+        return tensor.contiguous()
+
+
+def materialize(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
+    """A real tensor from a loader's input, reading a checkpoint handle if that is what it is."""
+    return loaded.read() if isinstance(loaded, CheckpointTensor) else loaded
+
+
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint as a lazy handle (read by the loader that consumes it)."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor.open(f.get_slice(name))
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
+def copy_shard(dst: torch.Tensor, shard: torch.Tensor | CheckpointTensor, what: str) -> None:
+    """Copy one rank's shard into (a slice of) a parameter, with a clear error on a mismatch."""
+    if tuple(dst.shape) != tuple(shard.shape):
         raise ModelLoadError(
-            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+            f"shape mismatch for {what}: parameter {tuple(dst.shape)} vs checkpoint shard "
+            f"{tuple(shard.shape)}"
         )
-    param.data.copy_(loaded)
+    dst.copy_(materialize(shard))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
+    """A replicated parameter: every rank holds the whole checkpoint tensor."""
+    copy_shard(param.data, loaded, "a replicated parameter")
 
 
 def load_stacked_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]],
     stacked_params: list[tuple[str, str, object]],
     rename: Callable[[str], str | None],
 ) -> None:

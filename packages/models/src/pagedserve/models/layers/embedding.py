@@ -1,8 +1,11 @@
 """Vocabulary-parallel embedding and LM head.
 
-With tensor parallelism each rank holds a contiguous slice of the vocabulary. The embedding
-looks up the tokens in its slice (zeros elsewhere) and an all-reduce sums the slices; the LM
-head computes its slice of the logits and a gather joins them. With one rank both are plain.
+With tensor parallelism each rank holds a contiguous slice of ``ceil(vocab / tp_size)`` rows
+of the vocabulary; when the vocabulary does not divide evenly, the last rank's slice is padded
+with zero rows (and a rank past the end holds padding only). The embedding looks up the tokens
+in its slice (zeros elsewhere) and an all-reduce sums the slices; the LM head computes its
+slice of the logits, a gather concatenates the slices in rank order and the padding columns are
+cut off. With one rank both are plain.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.models.config import ModelLoadError
+from pagedserve.models.weights import CheckpointTensor, copy_shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.vocab_per_rank = -(-vocab_size // tp_size)
-        self.vocab_start = tp_rank * self.vocab_per_rank
+        self.vocab_start = min(vocab_size, tp_rank * self.vocab_per_rank)
         self.vocab_end = min(vocab_size, self.vocab_start + self.vocab_per_rank)
         self.tp_size = tp_size
         self.all_reduce = all_reduce
@@ -36,9 +42,14 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = loaded[self.vocab_start : self.vocab_end]
-        param.data[: shard.shape[0]].copy_(shard)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
+        if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size:
+            raise ModelLoadError(
+                f"embedding checkpoint tensor has shape {tuple(loaded.shape)}; expected "
+                f"{self.vocab_size} rows (the vocabulary)"
+            )
+        rows = self.vocab_end - self.vocab_start
+        copy_shard(param.data[:rows], loaded.narrow(0, self.vocab_start, rows), "vocabulary slice")
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

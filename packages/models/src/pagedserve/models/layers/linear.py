@@ -5,8 +5,9 @@ no communication. A row-parallel layer splits its *input* features: each rank co
 sum, and an all-reduce adds them. Attention puts qkv (column) before o_proj (row) and the MLP puts
 gate_up (column) before down (row), so each block needs one all-reduce.
 
-With ``tp_size == 1`` (today's default) these are plain linear layers. Each parameter carries a
-``weight_loader`` that takes the full checkpoint tensor and copies in this rank's shard.
+With ``tp_size == 1`` these are plain linear layers. Each parameter carries a ``weight_loader``
+that takes the whole checkpoint tensor (a lazy ``CheckpointTensor`` handle when loading from
+disk), narrows it to this rank's rows or columns and reads only those.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.models.config import ModelLoadError
+from pagedserve.models.parallel import kv_heads_per_rank
+from pagedserve.models.weights import CheckpointTensor, copy_shard, default_weight_loader
+
+Loaded = torch.Tensor | CheckpointTensor
 
 
 def _attach_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
@@ -39,6 +46,7 @@ class ColumnParallelLinear(nn.Module):
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_size = output_size
         self.output_size_per_rank = output_size // tp_size
         self.weight = _attach_loader(
             nn.Parameter(
@@ -55,11 +63,10 @@ class ColumnParallelLinear(nn.Module):
                 self.weight_loader,
             )
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = loaded.narrow(
-            0, self.tp_rank * self.output_size_per_rank, self.output_size_per_rank
-        )
-        param.data.copy_(shard)
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
+        _check_full(loaded, 0, self.output_size, "column-parallel output features")
+        size = self.output_size_per_rank
+        copy_shard(param.data, loaded.narrow(0, self.tp_rank * size, size), "column shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -73,24 +80,34 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **kw) -> None:
+        tp_size = kw.get("tp_size", 1)
+        if any(size % tp_size for size in output_sizes):
+            raise ValueError(f"output sizes {output_sizes} are not all divisible by {tp_size}")
         super().__init__(input_size, sum(output_sizes), bias=bias, **kw)
         self.output_sizes = output_sizes
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: int | None = None
     ) -> None:
         if shard_id is None:
             raise ValueError("a merged projection is loaded one shard at a time")
+        _check_full(loaded, 0, self.output_sizes[shard_id], f"merged projection part {shard_id}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        copy_shard(
+            param.data.narrow(0, offset, size),
+            loaded.narrow(0, self.tp_rank * size, size),
+            f"merged projection part {shard_id}",
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """The fused query/key/value projection; heads are split across ranks.
 
-    When there are fewer KV heads than ranks, each KV head is replicated on
-    ``tp_size // num_kv_heads`` ranks.
+    Rank r holds query heads ``[r * Hq / tp, (r + 1) * Hq / tp)`` and the KV heads they attend
+    to. When there are fewer KV heads than ranks, each KV head is replicated on
+    ``tp_size // num_kv_heads`` ranks: rank r holds KV head ``r * Hkv // tp``, which is the
+    group of its query heads because query head h reads KV head ``h // (Hq / Hkv)``.
     """
 
     def __init__(
@@ -107,16 +124,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_heads % tp_size:
             raise ValueError(f"{num_heads} attention heads cannot be split over {tp_size} ranks")
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = num_heads // tp_size
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp_size)
         if num_kv_heads >= tp_size:
-            if num_kv_heads % tp_size:
-                raise ValueError(f"{num_kv_heads} KV heads cannot be split over {tp_size} ranks")
-            self.num_kv_heads = num_kv_heads // tp_size
             self.kv_head_start = tp_rank * self.num_kv_heads
         else:
-            if tp_size % num_kv_heads:
-                raise ValueError(f"{tp_size} ranks cannot share {num_kv_heads} KV heads evenly")
-            self.num_kv_heads = 1
             self.kv_head_start = tp_rank * num_kv_heads // tp_size
         out_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(
@@ -137,16 +150,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None
     ) -> None:
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+            total = self.total_num_heads * self.head_dim
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, start = self.kv_size, self.kv_head_start * self.head_dim
+            total = self.total_num_kv_heads * self.head_dim
         else:
             raise ValueError(f"qkv shard must be 'q', 'k' or 'v', got {shard_id!r}")
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        _check_full(loaded, 0, total, f"{shard_id} projection")
+        copy_shard(
+            param.data.narrow(0, offset, size),
+            loaded.narrow(0, start, size),
+            f"{shard_id} projection",
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -166,6 +186,7 @@ class RowParallelLinear(nn.Module):
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
         self.input_size_per_rank = input_size // tp_size
         self.all_reduce = all_reduce
         self.weight = _attach_loader(
@@ -178,13 +199,13 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = _attach_loader(
                 nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False),
-                lambda p, w: p.data.copy_(w),
+                default_weight_loader,  # the bias is whole on every rank, added after the sum
             )
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(
-            loaded.narrow(1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
-        )
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
+        _check_full(loaded, 1, self.input_size, "row-parallel input features")
+        size = self.input_size_per_rank
+        copy_shard(param.data, loaded.narrow(1, self.tp_rank * size, size), "row shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -193,3 +214,12 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias  # added once, after the reduce
         return y
+
+
+def _check_full(loaded: Loaded, dim: int, expected: int, what: str) -> None:
+    """The checkpoint tensor must be whole along the split dimension before a rank narrows it."""
+    if loaded.dim() <= dim or loaded.shape[dim] != expected:
+        raise ModelLoadError(
+            f"checkpoint tensor for the {what} has shape {tuple(loaded.shape)}; expected "
+            f"{expected} along dimension {dim}"
+        )
