@@ -2,7 +2,6 @@
 CPU, compiled on CUDA) against the reference."""
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -49,17 +48,15 @@ def test_rejects_bad_pairs_shape():
 @pytest.fixture
 def triton_copy_blocks(monkeypatch):
     """The kernel runs compiled on CUDA; on CPU it needs Triton's interpreter, which is
-    chosen when @triton.jit runs, so the module is reloaded with TRITON_INTERPRET=1."""
+    chosen when @triton.jit runs, so the module is reloaded with TRITON_INTERPRET=1 unless
+    its kernel is interpreted already. It stays so afterwards: harmless, since dispatch
+    still picks the reference on CPU whenever TRITON_INTERPRET is unset."""
     if torch.cuda.is_available():
-        yield copy_blocks_module.copy_blocks_triton, "cuda"
-        return
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+        return copy_blocks_module.copy_blocks_triton, "cuda"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    module = copy_blocks_module if interpreting else importlib.reload(copy_blocks_module)
-    yield module.copy_blocks_triton, "cpu"
-    if not interpreting:
-        monkeypatch.undo()
+    if type(copy_blocks_module._copy_blocks_kernel).__name__ != "InterpretedFunction":
         importlib.reload(copy_blocks_module)
+    return copy_blocks_module.copy_blocks_triton, "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -8,12 +8,16 @@ from pagedserve.kernels.dispatch import use_triton
 from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
 from pagedserve.kernels.paged_attention import paged_attention, paged_attention_ref
+from pagedserve.kernels.penalties import apply_penalties, apply_penalties_ref
 from pagedserve.kernels.rms_norm import rms_norm, rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from pagedserve.kernels.sampling import sample_tokens, sample_tokens_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
+    "apply_penalties",
+    "apply_penalties_ref",
     "gelu_tanh",
     "gelu_tanh_ref",
     "layer_norm",
@@ -24,6 +28,8 @@ __all__ = [
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",
+    "sample_tokens",
+    "sample_tokens_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

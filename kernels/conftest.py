@@ -1,0 +1,78 @@
+"""Kernel-correctness suite: every Triton kernel against its ``*_ref``, over a grid.
+
+On a machine without CUDA the kernels run in Triton's interpreter. ``@triton.jit`` reads
+TRITON_INTERPRET when it decorates, i.e. when a kernel module is imported, so this file
+sets it first thing, before any test module imports a kernel. If kernel modules were
+imported earlier in the same process (``pytest tests kernels``), they are reloaded in
+place, so even functions imported before now see interpreted kernels.
+
+Outside this folder the variable is restored after collection, so in a mixed run the other
+tests keep the reference path that dispatch picks on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+_KERNEL_MODULES = ("pagedserve.kernels.", "pagedserve.blockmgr.copy_blocks")
+
+
+def _reload_kernel_modules_imported_too_early() -> None:
+    if ON_CUDA or _INTERPRET_BEFORE == "1":
+        return
+    for name in sorted(sys.modules):
+        if name.startswith(_KERNEL_MODULES):
+            importlib.reload(sys.modules[name])
+
+
+_reload_kernel_modules_imported_too_early()
+
+import suite_grid  # noqa: E402  (after the environment is set)
+import tolerances  # noqa: E402
+
+
+def _set_interpret(value: str | None) -> None:
+    if ON_CUDA:
+        return
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+
+
+def pytest_collection_finish(session) -> None:
+    _set_interpret(_INTERPRET_BEFORE)
+
+
+def pytest_runtest_setup(item) -> None:
+    _set_interpret("1")
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    _set_interpret(_INTERPRET_BEFORE)
+
+
+def pytest_report_header(config) -> list[str]:
+    mode = "compiled" if ON_CUDA else "TRITON_INTERPRET=1 (interpreter)"
+    device = torch.cuda.get_device_name() if ON_CUDA else "cpu"
+    return [
+        f"kernel suite: device={device}, triton {mode}, grid={suite_grid.GRID} "
+        f"(set {suite_grid.GRID_ENV}=tiny|full), dtypes={suite_grid.DTYPE_NAMES}",
+        *tolerances.table_lines(),
+    ]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Repeat the header at the end: ``-q`` (as CI runs the suite) hides report headers."""
+    if terminalreporter.verbosity < 0:
+        for line in pytest_report_header(terminalreporter.config):
+            terminalreporter.write_line(line)
