@@ -1,0 +1,242 @@
+"""The Starlette application: routes, body parsing, the gate middleware, metrics, lifespan.
+
+``build_app(engine, config)`` takes an ``AsyncLLM`` (anything with its interface) and returns an
+ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
+Starlette's TestClient). Routes:
+
+    POST /v1/completions        POST /v1/chat/completions     GET /v1/models[/{id}]
+    POST /tokenize              POST /detokenize              GET /health  GET /metrics  GET /version
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from importlib import metadata
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pagedserve.server.config import ServerConfig
+from pagedserve.server.errors import (
+    EXCEPTION_HANDLERS,
+    APIError,
+    EngineDeadError,
+    from_validation_error,
+    parse_json_body,
+)
+from pagedserve.server.metrics import EngineMetrics
+from pagedserve.server.middleware import GateMiddleware
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedserve.server.serving import ServerState, now_s
+from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
+from pagedserve.server.serving_completion import create_completion
+
+logger = logging.getLogger("pagedserve.server")
+METRICS_REFRESH_S = 10.0
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object (415 for another content type, 400 for bad UTF-8 or JSON)."""
+    content_type = request.headers.get("content-type", "application/json")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the body must be application/json, got {content_type!r}", 415)
+    data = parse_json_body(await request.body())
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object", 400)
+    return data
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The JSON body validated as ``model``; every failure is a 4xx in OpenAI's shape."""
+    data = await read_json(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(
+            f"the model {name!r} does not exist", 404, param="model", code="model_not_found"
+        )
+
+
+# ---- routes ------------------------------------------------------------------------------------
+
+
+async def completions(request: Request) -> Response:
+    body = await read_body(request, CompletionRequest)
+    return await create_completion(request, state_of(request), body)
+
+
+async def chat_completions(request: Request) -> Response:
+    body = await read_body(request, ChatCompletionRequest)
+    return await create_chat_completion(request, state_of(request), body)
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    engine = state.engine
+    return ModelCard(
+        id=state.model_name,
+        created=state.created,
+        root=str(engine.model_config.model),
+        max_model_len=engine.scheduler_config.max_model_len,
+    )
+
+
+async def list_models(request: Request) -> Response:
+    state = state_of(request)
+    return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
+
+
+async def retrieve_model(request: Request) -> Response:
+    state = state_of(request)
+    check_model(state, request.path_params["model_id"])
+    return JSONResponse(_model_card(state).model_dump())
+
+
+async def tokenize(request: Request) -> Response:
+    state = state_of(request)
+    data = await read_json(request)
+    kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+    check_model(state, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        tokens = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    else:
+        tokens = state.engine.tokenizer.encode(
+            body.prompt, add_special_tokens=body.add_special_tokens
+        )
+    max_len = state.engine.scheduler_config.max_model_len
+    return JSONResponse(
+        TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len).model_dump()
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_body(request, DetokenizeRequest)
+    check_model(state, body.model)
+    vocab = state.engine.model_config.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise APIError(f"token ids must be in [0, {vocab})", 400, param="tokens")
+    return JSONResponse(
+        DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump()
+    )
+
+
+async def health(request: Request) -> Response:
+    """200 while the engine runs; 503 once it is dead, or while the server drains."""
+    state = state_of(request)
+    try:
+        await state.engine.check_health()
+    except EngineDeadError as e:
+        return JSONResponse({"status": "dead", "error": str(e)}, status_code=503)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    body = await asyncio.to_thread(request.app.state.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request) -> Response:
+    try:
+        value = metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:  # pragma: no cover - always installed in the venv
+        value = "unknown"
+    return JSONResponse(VersionResponse(version=value).model_dump())
+
+
+ROUTES = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
+]
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+def build_app(
+    engine, config: ServerConfig | None = None, model_name: str | None = None
+) -> Starlette:
+    """The ASGI app serving ``engine`` (an AsyncLLM) under ``model_name``.
+
+    The engine is shut down with the app's lifespan (uvicorn); in-process users that skip the
+    lifespan shut it down themselves.
+    """
+    config = config or ServerConfig()
+    name = model_name or config.served_model_name or str(engine.model_config.model)
+    state = ServerState(engine=engine, config=config, model_name=name, created=now_s())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        refresher = asyncio.create_task(_refresh_metrics(app.state.metrics))
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            await engine.shutdown()
+
+    app = Starlette(
+        routes=ROUTES,
+        middleware=[
+            Middleware(
+                GateMiddleware,
+                api_key=config.api_key,
+                max_body_bytes=config.max_body_bytes,
+                max_header_bytes=config.max_header_bytes,
+            )
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    app.state.metrics = EngineMetrics(engine, name)
+    return app
+
+
+async def _refresh_metrics(engine_metrics: EngineMetrics) -> None:
+    """Drain finished-request latencies into the histograms even when nobody scrapes."""
+    while True:
+        await asyncio.sleep(METRICS_REFRESH_S)
+        try:
+            engine_metrics.refresh()
+        except Exception:  # a metrics hiccup must never take the server down
+            logger.exception("refreshing metrics failed")

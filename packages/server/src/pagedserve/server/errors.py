@@ -1,0 +1,186 @@
+"""Errors in OpenAI's shape, and the one place where exceptions become HTTP statuses.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}`` so that the official
+clients raise their typed exceptions (BadRequestError, AuthenticationError, NotFoundError,
+RateLimitError...). ``param`` names the request field at fault when there is one.
+
+Mapping: invalid parameters (pydantic, SamplingParams, the engine's validation, the scheduler's
+``RequestRejectedError``) -> 400; bad key -> 401; unknown model or route -> 404; body too
+large -> 413; headers too large -> 431; queue full (``SchedulerOverloadedError``) or draining ->
+503 with Retry-After; engine dead -> 503; anything else -> 500 (its details go to the log only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from pagedserve.engine import EngineDeadError, SamplingParams
+from pagedserve.scheduler import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("pagedserve.server")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, OpenAI error type, offending parameter and headers."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _ERROR_TYPES.get(self.status_code, "invalid_request_error")
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param=param)
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    return APIError(message, 503, code="overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids (integers >= 0) "
+    "or a list of such lists",
+    "stop": "must be a string or a list of strings",
+    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts "
+    "(only text is supported)",
+}
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or "(" in part or part in {"str", "int", "float", "bool", "dict", "list"}
+
+
+def from_validation_error(error: ValidationError) -> APIError:
+    """The first problem pydantic found, with its location as ``param`` (``messages.0.role``)."""
+    first = error.errors(include_url=False)[0]
+    raw_loc = [str(part) for part in first.get("loc", ())]
+    # Union members show up in the location as type tags ("str", "list[int]"): drop them, and
+    # say what the union accepts rather than why its first member failed.
+    loc = [part for part in raw_loc if not _is_type_tag(part)]
+    param = ".".join(loc) or None
+    named = [part for part in loc if not part.isdigit()]
+    if len(loc) < len(raw_loc) and named and named[-1] in _UNION_HINTS:
+        return bad_request(f"{param} {_UNION_HINTS[named[-1]]}", param)
+    where = f"{param}: " if param else ""
+    return bad_request(f"{where}{first.get('msg', 'invalid value')}", param)
+
+
+_SAMPLING_FIELDS = {
+    name for name in SamplingParams.__dataclass_fields__ if not name.startswith("_")
+}
+
+
+def from_value_error(error: ValueError, aliases: dict[str, str] | None = None) -> APIError:
+    """A 400 for a ValueError whose message starts with the field's name (SamplingParams's
+    convention). ``aliases`` renames engine names to the API's (``logprobs`` -> ``top_logprobs``
+    in chat)."""
+    message = str(error) or "invalid request"
+    match = re.match(r"[A-Za-z_]+", message)
+    param = match.group(0) if match and match.group(0) in _SAMPLING_FIELDS else None
+    if param and aliases and param in aliases:
+        new = aliases[param]
+        message = new + message[len(param) :]
+        param = new
+    return bad_request(message, param)
+
+
+def from_engine_error(error: BaseException, retry_after_s: int) -> APIError:
+    """Map what ``AsyncLLM.generate`` raises before its first output to an APIError."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, SchedulerOverloadedError):
+        return overloaded(f"the server is overloaded: {error}", retry_after_s)
+    if isinstance(error, RequestRejectedError | ValueError):
+        return from_value_error(error)
+    if isinstance(error, EngineDeadError):
+        return APIError(f"the engine is not running: {error}", 503, code="engine_dead")
+    logger.exception("unexpected engine error", exc_info=error)
+    return APIError("internal server error", 500)
+
+
+def parse_json_body(raw: bytes) -> object:
+    """The body as JSON, with 400s that say what is wrong (bad UTF-8, bad JSON)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e.reason}") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise bad_request("the request body is nested too deeply") from e
+
+
+# ---- Starlette exception handlers ------------------------------------------------------------
+
+
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 404/405 (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    else:
+        message = exc.detail or HTTPStatus(exc.status_code).phrase
+    return APIError(message, exc.status_code, headers=dict(exc.headers or {})).response()
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError("internal server error", 500).response()
+
+
+EXCEPTION_HANDLERS = {
+    APIError: handle_api_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

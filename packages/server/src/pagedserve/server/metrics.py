@@ -1,0 +1,124 @@
+"""/metrics: the engine's stats in Prometheus text, through prometheus-client.
+
+Names follow vLLM's with a ``pagedserve:`` prefix, each labelled with the served model name:
+gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``; counters
+``prefix_cache_queries_total``, ``prefix_cache_hits_total`` (tokens), ``num_preemptions_total``,
+``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``;
+histograms ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
+``e2e_request_latency_seconds``, ``request_queue_time_seconds``.
+
+The engine keeps the cumulative totals itself, so they are exported through a custom collector
+(the counters' values are read, never re-counted). Finished-request latencies are handed over
+once by ``get_stats(drain=True)``; ``refresh`` drains them into the histograms, on every scrape
+and periodically (so they never pile up in the engine between scrapes). One registry per app:
+two servers in one process (tests) never share series.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
+TTFT_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+TPOT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
+LATENCY_BUCKETS += (60.0, 120.0, 240.0, 480.0, 960.0)
+
+_HISTOGRAMS = {
+    # attribute of FinishedRequestStats -> (metric name, help, buckets)
+    "time_to_first_token": ("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+    "time_per_output_token": (
+        "time_per_output_token_seconds",
+        "Mean time per output token after the first, per request.",
+        TPOT_BUCKETS,
+    ),
+    "e2e_latency": ("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
+    "queue_time": (
+        "request_queue_time_seconds",
+        "Time spent waiting in the queue.",
+        LATENCY_BUCKETS,
+    ),
+}
+
+_COUNTERS = {
+    # attribute of EngineStats -> (metric name without _total, help)
+    "prefix_cache_queries": (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
+    "prompt_tokens_total": ("prompt_tokens", "Prompt tokens processed."),
+    "generation_tokens_total": ("generation_tokens", "Tokens generated."),
+}
+
+
+class EngineMetrics(Collector):
+    """Reads ``engine.get_stats()``; ``render()`` is the /metrics body."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._lock = threading.Lock()
+        self._stats = None
+        self.histograms = {
+            attr: Histogram(
+                PREFIX + name, help_, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(model_name)
+            for attr, (name, help_, buckets) in _HISTOGRAMS.items()
+        }
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.registry.register(self)
+
+    def refresh(self) -> None:
+        """Take a fresh snapshot and move the newly finished requests into the histograms."""
+        with self._lock:
+            stats = self.engine.get_stats(drain=True)
+            for finished in stats.finished_requests:
+                for attr, histogram in self.histograms.items():
+                    value = getattr(finished, attr)
+                    if value is not None:
+                        histogram.observe(value)
+                reason = finished.finish_reason or "unknown"
+                self.request_success.labels(self.model_name, reason).inc()
+            self._stats = stats
+
+    def render(self) -> bytes:
+        self.refresh()
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        if stats is None:
+            return
+        labels = [self.model_name]
+        gauges = (
+            ("num_requests_running", "Requests running (in the batch).", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV blocks in use (1 = full).",
+                stats.kv_cache_usage,
+            ),
+        )
+        for name, help_, value in gauges:
+            gauge = GaugeMetricFamily(PREFIX + name, help_, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        for attr, (name, help_) in _COUNTERS.items():
+            counter = CounterMetricFamily(PREFIX + name, help_, labels=["model_name"])
+            counter.add_metric(labels, getattr(stats, attr))
+            yield counter

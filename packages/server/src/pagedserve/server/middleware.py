@@ -1,0 +1,127 @@
+"""The gate every HTTP request passes first: header size, path normalisation, API key, body size.
+
+One pure-ASGI middleware, in this order, so that nothing is read from a caller before it is
+known to be allowed:
+
+1. headers larger than ``max_header_bytes`` -> 431;
+2. the path is normalised (percent-decoding until stable, backslashes as slashes, empty and dot
+   segments resolved, trailing slash dropped) and written back into the scope. Routing and the
+   key check therefore see the *same* path: ``//v1/models``, ``/v1/%6Dodels`` or
+   ``/health/../v1/models`` cannot reach a protected route unauthenticated, because they are
+   either routed as ``/v1/models`` (and checked as such) or not routed at all;
+3. with an API key, every path but ``/health`` needs ``Authorization: Bearer <key>``, compared in
+   constant time (``hmac.compare_digest`` on the bytes) -> 401 otherwise;
+4. a declared ``Content-Length`` over ``max_body_bytes`` -> 413 at once; a chunked body is
+   counted as it is read and fails with 413 when it passes the cap.
+"""
+
+from __future__ import annotations
+
+import hmac
+from urllib.parse import quote, unquote
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedserve.server.errors import APIError
+
+UNPROTECTED_PATHS = frozenset({"/health"})
+
+
+def normalize_path(path: str) -> str:
+    """The canonical form of a URL path (see the module docstring)."""
+    for _ in range(8):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    segments: list[str] = []
+    for segment in path.replace("\\", "/").split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(segment)
+    return "/" + "/".join(segments)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value
+    return None
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    value = _header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+class GateMiddleware:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, max_header_bytes: int
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            scope = self._check(scope)
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, self._counting_receive(receive), send)
+
+    def _check(self, scope: Scope) -> Scope:
+        header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
+        if header_bytes > self.max_header_bytes:
+            raise APIError(
+                f"request headers are {header_bytes} bytes; the limit is {self.max_header_bytes}",
+                431,
+            )
+        path = normalize_path(scope["path"])
+        scope = dict(scope, path=path, raw_path=quote(path).encode())
+        if self.api_key is not None and path not in UNPROTECTED_PATHS:
+            token = bearer_token(scope)
+            if token is None or not hmac.compare_digest(token, self.api_key):
+                raise APIError(
+                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = _header(scope, b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError("Content-Length must be a non-negative integer", 400)
+            if int(length) > self.max_body_bytes:
+                raise self._too_large(int(length))
+        return scope
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(
+            f"the request body is {size} bytes or more; the limit is {self.max_body_bytes}", 413
+        )
+
+    def _counting_receive(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self._too_large(received)
+            return message
+
+        return counted

@@ -1,0 +1,210 @@
+"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.models import apply_chat_template
+from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.logprobs import chat_logprobs
+from pagedserve.server.protocol import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from pagedserve.server.serving import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Choice,
+    ChoiceStreams,
+    ClientDisconnected,
+    ServerState,
+    aborted_error,
+    build_sampling_params,
+    check_common,
+    check_prompt,
+    child_params,
+    error_event,
+    final_outputs,
+    hold_back,
+    new_id,
+    now_s,
+    resolve_max_tokens,
+    sse,
+    unless_disconnected,
+)
+
+# SamplingParams's names -> the chat API's, so a 400 names the field the client sent.
+CHAT_ALIASES = {"logprobs": "top_logprobs"}
+
+
+def chat_prompt_ids(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Prompt token ids through the model's own chat template; template errors are 400s."""
+    conversation = []
+    for message in messages:
+        entry = {"role": message.role, "content": message.text()}
+        if message.name:
+            entry["name"] = message.name
+        conversation.append(entry)
+    try:
+        return apply_chat_template(
+            state.engine.tokenizer, conversation, add_generation_prompt, **(template_kwargs or {})
+        )
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from e
+    except Exception as e:  # jinja2's TemplateError (raise_exception in a template), TypeError
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+
+
+def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """``max_completion_tokens`` (OpenAI's new name) or ``max_tokens``, and which was used."""
+    new, old = body.max_completion_tokens, body.max_tokens
+    if new is not None and old is not None and new != old:
+        raise bad_request(
+            "max_tokens and max_completion_tokens disagree; give one of them",
+            "max_completion_tokens",
+        )
+    return (new, "max_completion_tokens") if new is not None else (old, "max_tokens")
+
+
+def plan_choices(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], list[Choice]]:
+    check_common(state, body)
+    if body.tools:
+        raise bad_request("tools are not supported", "tools")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    prompt_ids = chat_prompt_ids(
+        state, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+    )
+    check_prompt(state, prompt_ids, "messages")
+    requested, param = max_tokens_of(body)
+    max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = build_sampling_params(
+        state, body, max_tokens=max_tokens, logprobs=logprobs, aliases=CHAT_ALIASES
+    )
+    choices = [Choice(j, 0, prompt_ids, child_params(params, j)) for j in range(body.n)]
+    return prompt_ids, choices
+
+
+async def create_chat_completion(
+    request: Request, state: ServerState, body: ChatCompletionRequest
+) -> Response:
+    state.check_admitting()
+    prompt_ids, choices = plan_choices(state, body)
+    request_id = new_id("chatcmpl")
+    streams = ChoiceStreams(state, request_id, choices, body.priority)
+    view = _ChatView(state, body, request_id, len(prompt_ids), choices)
+    try:
+        await unless_disconnected(request, streams.admitted())
+        if body.stream:
+            return StreamingResponse(
+                view.stream(streams), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        finals = await unless_disconnected(request, final_outputs(streams))
+    except ClientDisconnected:
+        streams.cancel()
+        return Response(status_code=499)
+    return JSONResponse(view.response(finals).model_dump())
+
+
+class _ChatView:
+    """Turns engine outputs into OpenAI chat bodies and SSE chunks."""
+
+    def __init__(self, state, body, request_id, num_prompt_tokens, choices) -> None:
+        self.state, self.body, self.id = state, body, request_id
+        self.num_prompt_tokens, self.choices = num_prompt_tokens, choices
+        self.created = now_s()
+        self.tokenizer = state.engine.tokenizer
+        self.k = body.top_logprobs or 0
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.num_prompt_tokens + completion_tokens,
+        )
+
+    def _logprobs(self, token_ids, logprobs):
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(self.tokenizer, token_ids, logprobs, self.k)
+
+    def response(self, finals) -> ChatCompletionResponse:
+        out = []
+        for choice in self.choices:
+            completion = finals[choice.index].outputs[0]
+            out.append(
+                ChatCompletionChoice(
+                    index=choice.index,
+                    message=AssistantMessage(content=completion.text),
+                    logprobs=self._logprobs(completion.token_ids, completion.logprobs),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+        tokens = sum(len(finals[c.index].outputs[0].token_ids) for c in self.choices)
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=out,
+            usage=self.usage(tokens),
+        )
+
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+        )
+        return sse(chunk.model_dump_json())
+
+    async def stream(self, streams: ChoiceStreams) -> AsyncIterator[str]:
+        sent_chars = {c.index: 0 for c in self.choices}
+        sent_tokens = {c.index: 0 for c in self.choices}
+        try:
+            for choice in self.choices:
+                role = DeltaMessage(role="assistant", content="")
+                yield self._chunk([ChatCompletionStreamChoice(index=choice.index, delta=role)])
+            async for index, output in streams:
+                completion = output.outputs[0]
+                if completion.finish_reason == "abort":
+                    raise aborted_error(self.state)
+                text = hold_back(completion.text, self.choices[index].params, output.finished)
+                delta = text[sent_chars[index] :]
+                if not delta and not output.finished:
+                    continue
+                new_ids = completion.token_ids[sent_tokens[index] :]
+                new_lps = completion.logprobs[sent_tokens[index] :] if completion.logprobs else None
+                chunk = ChatCompletionStreamChoice(
+                    index=index,
+                    delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                    logprobs=self._logprobs(new_ids, new_lps),
+                    finish_reason=completion.finish_reason if output.finished else None,
+                    stop_reason=completion.stop_reason if output.finished else None,
+                )
+                sent_chars[index] = len(text)
+                sent_tokens[index] = len(completion.token_ids)
+                yield self._chunk([chunk])
+            if self.body.include_usage_in_stream:
+                yield self._chunk([], self.usage(sum(sent_tokens.values())))
+        except APIError as error:
+            yield error_event(error)
+        yield SSE_DONE
