@@ -259,56 +259,53 @@ def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> 
         )
 
 
-def _gather_kv_padded(
+def _gather_kv(
     cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
-    """The cached tokens of n sequences as ``[n, max_len, Hkv, D]``, zero past each seq_len.
+    """The cached tokens of n sequences, heads first: ``[Hkv, n, max_len, D]``.
 
-    Only each sequence's own blocks are gathered (padding entries of the block table are
-    never used as indices). Slots past seq_len in a sequence's last block are replaced by
-    zeros, not merely masked later, because a stale NaN times a zero probability is NaN.
+    One index_select per cache, straight into the layout the matmuls read (no zero fill,
+    no permute copy). Positions past a sequence's end are clamped to its last token, so
+    only the sequence's own blocks and only slots < seq_len are read: stale slots (NaN
+    included) never enter, and the padding holds finite values that the -inf mask on the
+    scores turns into exact zeros.
     """
-    n_seqs, block_size = seq_lens.shape[0], cache.shape[1]
-    device = cache.device
-    n_blocks = (seq_lens.long() + block_size - 1) // block_size
-    max_blocks = int(n_blocks.max())
-    used = torch.arange(max_blocks, device=device) < n_blocks[:, None]
-    kv = cache.new_zeros(n_seqs, max_blocks, *cache.shape[1:])
-    kv[used] = cache[block_tables[:, :max_blocks][used].long()]
-    rows, last = torch.arange(n_seqs, device=device), n_blocks - 1
-    tail_len = seq_lens.long() - last * block_size
-    keep = torch.arange(block_size, device=device) < tail_len[:, None]
-    kv[rows, last] = torch.where(keep[:, :, None, None], kv[rows, last], 0)
-    return kv.flatten(1, 2)
+    block_size, n_kv_heads, head_dim = cache.shape[1:]
+    max_len = int(seq_lens.max())
+    pos = torch.arange(max_len, device=cache.device)
+    pos = torch.minimum(pos[None, :], (seq_lens.long() - 1)[:, None])  # [n, max_len]
+    slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+    by_head = cache.view(-1, n_kv_heads, head_dim).transpose(0, 1)  # [Hkv, slots, D]
+    kv = by_head.index_select(1, slots.flatten())
+    return kv.view(n_kv_heads, seq_lens.shape[0], max_len, head_dim).float()
 
 
 def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-    """All q_len == 1 rows at once: one padded gather, two batched matmuls, fp32 softmax."""
+    """All q_len == 1 rows at once: one gather per cache, two batched matmuls, fp32 softmax."""
     n_seqs, n_q_heads, head_dim = query.shape
     n_kv_heads = k_cache.shape[2]
-    k = _gather_kv_padded(k_cache, block_tables, seq_lens).float()  # [n, L, Hkv, D]
-    v = _gather_kv_padded(v_cache, block_tables, seq_lens).float()
-    q = query.float().view(n_seqs, n_kv_heads, n_q_heads // n_kv_heads, head_dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [n, Hkv, G, L]
-    past_end = torch.arange(k.shape[1], device=k.device) >= seq_lens[:, None]
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2))  # [n, Hkv, G, D]
-    return out.reshape(n_seqs, n_q_heads, head_dim).to(query.dtype)
+    k = _gather_kv(k_cache, block_tables, seq_lens)  # [Hkv, n, L, D]
+    v = _gather_kv(v_cache, block_tables, seq_lens)
+    q = query.float().view(n_seqs, n_kv_heads, n_q_heads // n_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, n, G, L]
+    past_end = torch.arange(k.shape[2], device=k.device) >= seq_lens[:, None]
+    scores.masked_fill_(past_end[None, :, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, n, G, D]
+    return out.transpose(0, 1).reshape(n_seqs, n_q_heads, head_dim).to(query.dtype)
 
 
-def _prefill_ref(query, k_cache, v_cache, block_table, seq_len: int, scale) -> torch.Tensor:
+def _prefill_ref(query, k_cache, v_cache, block_table, seq_len, scale) -> torch.Tensor:
     """One sequence with q_len > 1: SDPA over exactly its seq_len cached tokens."""
-    q_len, n_q_heads, head_dim = query.shape
-    block_size = k_cache.shape[1]
-    blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
-    k = k_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)  # [Hkv, S, D]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+    q_len, n_q_heads, _ = query.shape
+    k = _gather_kv(k_cache, block_table[None], seq_len[None])[:, 0]  # [Hkv, S, D]
+    v = _gather_kv(v_cache, block_table[None], seq_len[None])[:, 0]
     q = query.float().transpose(0, 1)  # [Hq, q_len, D]
-    n_cached = seq_len - q_len
+    n_kv = k.shape[1]
+    n_cached = n_kv - q_len
     mask = None
     if n_cached:
-        q_pos = torch.arange(n_cached, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(n_cached, n_kv, device=query.device)
+        mask = torch.arange(n_kv, device=query.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=not n_cached, scale=scale,
         enable_gqa=n_q_heads != k.shape[0],
@@ -337,11 +334,11 @@ def paged_attention_ref(
             query[rows], k_cache, v_cache, block_tables[decode], seq_lens[decode], scale
         )
     prefill = (q_lens > 1).nonzero().flatten().tolist()
-    bounds, lens = starts.tolist(), seq_lens.tolist()
+    bounds = starts.tolist()
     for b in prefill:
         start, end = bounds[b], bounds[b + 1]
         out[start:end] = _prefill_ref(
-            query[start:end], k_cache, v_cache, block_tables[b], lens[b], scale
+            query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale
         )
     return out
 
