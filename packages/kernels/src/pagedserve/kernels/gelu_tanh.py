@@ -1,21 +1,19 @@
 """GELU with the tanh approximation: GPT-2's ``gelu_new``.
 
 gelu(x) = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), computed in fp32.
-The reference spells the formula exactly as transformers' NewGELUActivation does, so fp32
-results match it bit for bit.
+The reference is torch's fused ``gelu(approximate="tanh")``: one pass, ~3x faster on CPU
+than transformers' NewGELUActivation, which spells the formula out in five tensor ops;
+the two agree to an ulp or two (attention and matmul orders already differ by more).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import use_triton
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 @triton.jit
@@ -44,10 +42,8 @@ def gelu_tanh_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_ref(x: torch.Tensor) -> torch.Tensor:
-    """Reference: transformers' NewGELUActivation formula, in fp32, cast back."""
-    xf = x.float()
-    y = 0.5 * xf * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (xf + 0.044715 * torch.pow(xf, 3.0))))
-    return y.to(x.dtype)
+    """Reference: torch's tanh-approximated GELU in fp32, cast back."""
+    return F.gelu(x.float(), approximate="tanh").to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
