@@ -16,6 +16,7 @@ import torch
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampler import Sampler
@@ -47,7 +48,14 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        self.runner = ModelRunner(self.model_config, self.cache_config)
+        if args.tensor_parallel_size == 1:
+            self.runner = ModelRunner(self.model_config, self.cache_config)
+        else:  # rank 0 of a tensor-parallel group; same interface (lazy: it imports EngineError)
+            from pagedserve.engine.distributed import TensorParallelExecutor
+
+            self.runner = TensorParallelExecutor(
+                self.model_config, self.cache_config, args.tensor_parallel_size
+            )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             self.cache_config.block_size,
@@ -59,6 +67,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
+        self.stats = StatsCollector()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -82,6 +91,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate a request against the model and queue it."""
         if params.n != 1 or params.use_beam_search:
@@ -127,14 +137,32 @@ class LLMEngine:
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             stop_token_ids=frozenset(stop_ids),
+            priority=priority,
             arrival_time=now,
             payload=state,
         )
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests wherever they are (blocks freed at once); unknown ids are ignored.
+
+        Returns the final output (finish_reason "abort") of each request that was still live.
+        """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        now = time.monotonic()
+        outputs = []
+        for request in aborted:
+            request.payload.metrics.finished_time = now
+            self._record_finished(request)
+            outputs.append(self.make_output(request))
+        if aborted:
+            self._record_step([])  # the gauges (running, waiting, KV usage) changed
+        return outputs
+
+    def get_stats(self, drain: bool = True) -> EngineStats:
+        """Gauges, counters and finished-request latencies; safe to call from any thread."""
+        return self.stats.snapshot(drain)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -153,7 +181,33 @@ class LLMEngine:
         logits, request_ids = self.runner.execute(scheduled)
         sampled = self._sample(logits, request_ids)
         updated = self.scheduler.update(scheduled, sampled)
-        return [self._process_new_token(request) for request in updated]
+        outputs = [self._process_new_token(request) for request in updated]
+        self._record_step(updated)
+        return outputs
+
+    def _record_step(self, updated: list[Request]) -> None:
+        kv = self.kv_cache_manager
+        self.stats.record_step(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=self.scheduler.stats.num_preemptions,
+            new_prompt_tokens=sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1),
+            new_generation_tokens=len(updated),
+        )
+
+    def _record_finished(self, request: Request) -> None:
+        self.stats.record_finished(
+            finished_request_stats(
+                request.request_id,
+                request.status.finish_reason,
+                request.num_prompt_tokens,
+                request.num_output_tokens,
+                request.payload.metrics,
+            )
+        )
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, int]:
         if not request_ids:
@@ -179,6 +233,7 @@ class LLMEngine:
         self._check_stop_strings(request, state)
         if request.is_finished:
             state.metrics.finished_time = now
+            self._record_finished(request)
         return self.make_output(request)
 
     def _check_stop_strings(self, request: Request, state: RequestState) -> None:

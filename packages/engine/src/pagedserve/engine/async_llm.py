@@ -1,0 +1,282 @@
+"""AsyncLLM: the online engine. Many concurrent callers, one engine loop, async streams of outputs.
+
+The blocking ``LLMEngine.step()`` runs in one dedicated engine thread, so the event loop (the
+HTTP server) stays responsive while the model runs. That thread is the only one that touches the
+engine: callers do not add or abort requests directly, they queue commands that the engine
+thread applies between steps. The loop steps while any request is unfinished and sleeps (blocked
+on the command queue) when idle. Each step's outputs go back to the callers' event loops through
+``call_soon_threadsafe``, one asyncio queue per request.
+
+Invariants:
+- a request's stream ends with exactly one finished output, or with an exception;
+- a caller that stops iterating (client disconnect, task cancelled) aborts its request, so its
+  blocks are freed in the engine thread's next round;
+- if the engine thread dies, every pending caller gets ``EngineDeadError``, new calls get it at
+  once, and ``errored``/``check_health`` report it (the server's /health reads them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.metrics import EngineStats
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.models import load_tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (it crashed, or was shut down); no request can be served."""
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+    arrival_time: float
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _AbortCommand:
+    request_ids: list[str]
+
+
+_SHUTDOWN = object()
+
+
+class _RequestStream:
+    """One request's outputs, carried from the engine thread into its caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: hand ``item`` to the consumer's loop (dropped if that loop is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's event loop is closed: nobody is listening any more
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The newest item. Outputs are cumulative, so older ones waiting behind it are skipped."""
+        item = await self.queue.get()
+        while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            item = self.queue.get_nowait()
+        return item
+
+
+class AsyncLLM:
+    """An LLMEngine driven by a background thread, with ``generate`` as an async iterator."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.engine = LLMEngine(args)
+        # A tokenizer of its own for callers: the engine thread detokenizes concurrently, and a
+        # fast tokenizer must not be encoded in one thread while it decodes in another.
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.model_config = self.engine.model_config
+        self.scheduler_config = self.engine.scheduler_config
+        self.cache_config = self.engine.cache_config
+        self.dead_error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams, dead_error, _closed and queueing
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(args)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine accepts requests (its loop is started lazily, on demand)."""
+        return not self._closed and self.dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
+
+    def get_stats(self, drain: bool = True) -> EngineStats:
+        """Gauges, cumulative counters and (drained) finished-request latencies, for /metrics."""
+        return self.engine.get_stats(drain)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative RequestOutputs of one request; the last has ``finished=True``.
+
+        Invalid requests raise (ValueError, or the scheduler's admission errors) from the first
+        ``__anext__``, before anything is yielded.
+        """
+        stream = _RequestStream(asyncio.get_running_loop())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        command = _AddCommand(
+            request_id,
+            list(prompt_token_ids),
+            sampling_params,
+            prompt,
+            priority,
+            time.monotonic(),
+            done,
+        )
+        self._register_and_submit(request_id, stream, command)
+        added = finished = False
+        try:
+            # shield: a cancelled caller must not cancel ``done`` itself, or the engine thread's
+            # set_result raises InvalidStateError and kills the loop (the finally aborts instead).
+            await asyncio.shield(asyncio.wrap_future(done))
+            added = True
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+            if not finished and (added or not done.done()):
+                self._submit(_AbortCommand([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a finished output (finish_reason "abort")."""
+        self._submit(_AbortCommand([request_id]))
+
+    async def shutdown(self) -> None:
+        """Stop the engine loop; requests still pending end with EngineDeadError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            self._commands.put(_SHUTDOWN)
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # ---- caller side ---------------------------------------------------------------------
+
+    def _register_and_submit(self, request_id: str, stream: _RequestStream, command) -> None:
+        with self._lock:
+            self._raise_if_unavailable()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._engine_loop, name="pagedserve-engine", daemon=True
+                )
+                self._thread.start()
+            self._commands.put(command)
+
+    def _submit(self, command) -> None:
+        with self._lock:
+            if self._closed or self.dead_error is not None or self._thread is None:
+                return  # nothing to abort: the loop is gone or never ran
+            self._commands.put(command)
+
+    def _raise_if_unavailable(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+            self._deliver(self.engine.abort_request(list(self.engine.scheduler.requests)))
+        except BaseException as error:  # noqa: BLE001 - any failure kills the loop, loudly
+            self._die(error)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; wait for one if ``block``. False means shut down."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _SHUTDOWN:
+                return False
+            if isinstance(command, _AbortCommand):
+                self._deliver(self.engine.abort_request(command.request_ids))
+            else:
+                self._add(command)
+
+    def _add(self, command: _AddCommand) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                prompt=command.prompt,
+                arrival_time=command.arrival_time,
+                priority=command.priority,
+            )
+        except Exception as error:  # a rejected request, not an engine failure
+            command.done.set_exception(error)
+        else:
+            command.done.set_result(None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                stream.put(output)
+
+    def _die(self, error: BaseException) -> None:
+        dead = EngineDeadError(f"the engine loop died: {error!r}")
+        dead.__cause__ = error
+        with self._lock:
+            self.dead_error = error
+            pending = []
+            while True:
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+        for command in pending:
+            if isinstance(command, _AddCommand) and not command.done.done():
+                command.done.set_exception(dead)
+        self._fail_all(dead)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(error)

@@ -1,0 +1,119 @@
+"""Engine metrics in one place: gauges, cumulative counters, and finished-request latencies.
+
+The engine thread records into a ``StatsCollector`` after every step; the server (another thread)
+reads a consistent ``EngineStats`` snapshot from it for /metrics. Counters are cumulative since
+the engine started (Prometheus counters); the finished-request latencies are handed over once:
+``snapshot(drain=True)`` returns those recorded since the previous drain, so an exporter can
+feed them into histograms without counting any twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+
+from pagedserve.engine.outputs import RequestMetrics
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """Latencies (seconds) of one finished request; None where the request never got there."""
+
+    request_id: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float | None
+    time_to_first_token: float | None
+    time_per_output_token: float | None
+    e2e_latency: float | None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics. Gauges are as of the last step; counters are cumulative."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_requests_finished: int = 0
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+def finished_request_stats(
+    request_id: str,
+    finish_reason: str | None,
+    num_prompt_tokens: int,
+    num_generation_tokens: int,
+    metrics: RequestMetrics,
+) -> FinishedRequestStats:
+    """Derive a finished request's latencies from its timestamps."""
+    tpot = None
+    if (
+        metrics.first_token_time is not None
+        and metrics.last_token_time is not None
+        and num_generation_tokens > 1
+    ):
+        tpot = (metrics.last_token_time - metrics.first_token_time) / (num_generation_tokens - 1)
+    e2e = None if metrics.finished_time is None else metrics.finished_time - metrics.arrival_time
+    return FinishedRequestStats(
+        request_id=request_id,
+        finish_reason=finish_reason,
+        num_prompt_tokens=num_prompt_tokens,
+        num_generation_tokens=num_generation_tokens,
+        queue_time=metrics.time_in_queue,
+        time_to_first_token=metrics.time_to_first_token,
+        time_per_output_token=tpot,
+        e2e_latency=e2e,
+    )
+
+
+class StatsCollector:
+    """Thread-safe accumulator: the engine thread writes, any thread takes snapshots."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+
+    def record_step(
+        self,
+        *,
+        num_running: int,
+        num_waiting: int,
+        kv_cache_usage: float,
+        prefix_cache_queries: int,
+        prefix_cache_hits: int,
+        num_preemptions: int,
+        new_prompt_tokens: int,
+        new_generation_tokens: int,
+    ) -> None:
+        """Gauges and cumulative totals (as read from the scheduler/KV manager) + this step's tokens."""
+        with self._lock:
+            s = self._stats
+            s.num_running, s.num_waiting, s.kv_cache_usage = (
+                num_running,
+                num_waiting,
+                kv_cache_usage,
+            )
+            s.prefix_cache_queries, s.prefix_cache_hits = prefix_cache_queries, prefix_cache_hits
+            s.num_preemptions = num_preemptions
+            s.prompt_tokens_total += new_prompt_tokens
+            s.generation_tokens_total += new_generation_tokens
+
+    def record_finished(self, finished: FinishedRequestStats) -> None:
+        with self._lock:
+            self._stats.num_requests_finished += 1
+            self._stats.finished_requests.append(finished)
+
+    def snapshot(self, drain: bool = True) -> EngineStats:
+        """A copy of the current stats; with ``drain`` the finished-request list starts over."""
+        with self._lock:
+            snap = replace(self._stats, finished_requests=list(self._stats.finished_requests))
+            if drain:
+                self._stats.finished_requests.clear()
+            return snap
