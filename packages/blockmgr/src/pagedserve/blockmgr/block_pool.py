@@ -7,14 +7,24 @@ prefix can pick it up (a prefix-cache hit) and skip recomputing it.
 
 Invariants (checked by the tests):
 - a block is in the free queue if and only if its ``ref_count`` is 0;
-- ``cached_block_by_hash[h]`` is a block whose ``block_hash`` is ``h``;
+- ``cached_block_by_hash[h]`` is a block whose ``block_hash`` is ``h``, and every block with a
+  hash is in that map (one block per hash);
 - a hashed block holds exactly the tokens its hash covers (the caller hashes only full blocks).
+
+Eviction order: the free queue's front is handed out first. A freed block without a hash is
+worth nothing and goes to the front; a freed block with a hash goes to the back, so cached
+blocks are evicted least recently used first. All operations are O(1).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+
+class BlockPoolExhausted(RuntimeError):
+    """``allocate`` found no free block; callers check ``num_free_blocks`` first."""
 
 
 @dataclass(eq=False)
@@ -39,7 +49,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Front = evicted first. OrderedDict gives O(1) removal from the middle on a cache hit.
+        # Front = handed out first. OrderedDict gives O(1) removal from the middle on a hit.
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_block_by_hash: dict[bytes, KVBlock] = {}
 
@@ -47,14 +57,25 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free_queue)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that carry a prefix hash, held or free."""
+        return len(self.cached_block_by_hash)
+
+    def free_block_ids(self) -> Iterator[int]:
+        """Free block ids in eviction order (the first is handed out next)."""
+        return iter(self._free_queue)
+
     def usage(self) -> float:
         """Fraction of blocks held by some sequence (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self) -> KVBlock:
-        """Take the least recently freed block; if it was cached, its hash is forgotten."""
+        """Take the block at the front of the free queue; if it was cached, its hash is evicted."""
         if not self._free_queue:
-            raise RuntimeError("block pool exhausted: the caller must check num_free_blocks first")
+            raise BlockPoolExhausted(
+                "block pool exhausted: check num_free_blocks before allocating"
+            )
         block_id, _ = self._free_queue.popitem(last=False)
         block = self.blocks[block_id]
         self._evict_hash(block)
@@ -68,11 +89,7 @@ class BlockPool:
         block.ref_count += 1
 
     def release(self, block: KVBlock) -> None:
-        """Drop one reference. A block nobody holds goes back to the free queue.
-
-        A block that carries a hash goes to the back (kept longest, reusable by a later prefix
-        hit); a block with no hash is worthless once free, so it goes to the front.
-        """
+        """Drop one reference. A block nobody holds goes back to the free queue."""
         if block.ref_count <= 0:
             raise RuntimeError(f"release of a free block: {block!r}")
         block.ref_count -= 1
@@ -85,22 +102,25 @@ class BlockPool:
         return self.cached_block_by_hash.get(block_hash)
 
     def register(self, block: KVBlock, block_hash: bytes) -> None:
-        """Record that ``block`` holds the full block of tokens that ``block_hash`` covers."""
+        """Record that ``block`` now holds the full block of tokens that ``block_hash`` covers.
+
+        If another block already holds the same content (two sequences computed the same block
+        at once), that one stays the cached copy and ``block`` stays unhashed.
+        """
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached_block_by_hash:
-            return  # the same content already sits in another block; keep that one
+            return
         block.block_hash = block_hash
         self.cached_block_by_hash[block_hash] = block
 
     def evict_all_cached(self) -> None:
-        """Forget every cached hash (reset of the prefix cache)."""
-        for block in list(self.cached_block_by_hash.values()):
+        """Forget every cached hash (a reset of the prefix cache)."""
+        for block in self.cached_block_by_hash.values():
             block.block_hash = None
         self.cached_block_by_hash.clear()
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
-            if self.cached_block_by_hash.get(block.block_hash) is block:
-                del self.cached_block_by_hash[block.block_hash]
+            del self.cached_block_by_hash[block.block_hash]
             block.block_hash = None

@@ -7,7 +7,13 @@ values, in order. Token ``p`` of a sequence lives in slot
 The manager hands out blocks through the prefix cache, shares blocks between sequences with the
 same prefix (or between the children of a fork), and copies a shared block before a sequence
 writes into it (copy-on-write). It never touches tensors: the copies it decides are handed to the
-engine (``take_blocks_to_copy``), which runs ``copy_blocks`` before the step.
+engine (``take_blocks_to_copy``), which runs ``copy_blocks`` before the step's forward.
+
+Invariants (held by the tests' state machine):
+- a block's ``ref_count`` equals the number of block tables that hold it;
+- every sequence's block table holds exactly its computed tokens' keys and values, once the
+  step's copies and writes have run;
+- a block a sequence writes into is held by that sequence alone.
 """
 
 from __future__ import annotations
@@ -19,16 +25,30 @@ from pagedserve.blockmgr.block_pool import BlockPool, KVBlock
 from pagedserve.blockmgr.prefix_hash import extend_block_hashes
 
 
+class StalePrefixHitError(ValueError):
+    """``allocate_slots`` got hit blocks that no longer hold the sequence's prefix."""
+
+
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache counters, in tokens: queried on admission, and found in the cache."""
+    """Prefix-cache counters, counted once per admission: requests, tokens queried, tokens hit.
 
+    A request that waits several steps before it is admitted is counted once, when admitted; a
+    preempted request that is admitted again is counted again (it really queries again).
+    """
+
+    requests: int = 0
     queries: int = 0
     hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
 
 
 class KVCacheManager:
@@ -41,13 +61,17 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
     ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
+        # Per sequence: hashes of its full known blocks, and how many of them are registered.
         self._block_hashes: dict[str, list[bytes]] = {}
+        self._num_registered: dict[str, int] = {}
         self._blocks_to_copy: list[tuple[int, int]] = []
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -58,7 +82,7 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def usage(self) -> float:
-        """Fraction of the KV cache held by running sequences."""
+        """Fraction of the KV cache held by running sequences (cached-but-free counts as free)."""
         return self.pool.usage()
 
     def get_block_table(self, seq_id: str) -> list[int]:
@@ -69,13 +93,14 @@ class KVCacheManager:
     ) -> tuple[list[KVBlock], int]:
         """Look up the longest cached prefix of ``token_ids``, in whole blocks.
 
-        Returns the hit blocks and how many tokens they cover. Nothing is held yet; pass the
-        blocks to ``allocate_slots``. The last prompt token is never served from the cache: its
-        logits are needed to sample the first output token.
+        Returns the hit blocks and how many tokens they cover. Nothing is held and nothing is
+        counted yet: pass the blocks to ``allocate_slots``, which takes the references and
+        records the statistics when the request is admitted. The last token is never served
+        from the cache: its logits are needed to sample the next token.
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        max_blocks = max(0, len(token_ids) - 1) // self.block_size
         hashes = extend_block_hashes(
             [], token_ids[: max_blocks * self.block_size], self.block_size, cache_salt
         )
@@ -85,12 +110,10 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_stats.queries += len(token_ids)
-        self.prefix_cache_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        """Blocks a sequence must still get to hold ``num_tokens`` tokens."""
+        """Blocks a sequence must still get to hold ``num_tokens`` tokens (copies not counted)."""
         held = len(self.block_tables.get(seq_id, ()))
         return max(0, -(-num_tokens // self.block_size) - held)
 
@@ -107,21 +130,31 @@ class KVCacheManager:
     ) -> bool:
         """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens``.
 
-        ``computed_blocks`` (from ``get_computed_blocks``, first call for a sequence only) are
-        shared, not copied. If the sequence is about to write into a block that another sequence
-        also holds, that block is copied first. Full blocks whose tokens are all known are
-        registered in the prefix cache. All or nothing: returns False and changes nothing when
-        the pool cannot supply the blocks (the scheduler then preempts or waits).
+        ``computed_blocks`` (from ``get_computed_blocks``; first call for a sequence only) are
+        shared, not copied, and must cover exactly ``num_computed_tokens``. A block the new
+        tokens land in that another sequence also holds is copied first (copy-on-write). Full
+        blocks whose tokens are all known are registered in the prefix cache. A new sequence
+        must leave the watermark free, so that admitting it does not force a preemption at the
+        next decode step. All or nothing: returns False and changes nothing when the pool
+        cannot supply the blocks (the scheduler then preempts or waits).
         """
+        if num_new_tokens < 0 or num_computed_tokens < 0:
+            raise ValueError("token counts must be non-negative")
         table = self.block_tables.get(seq_id)
         is_new = table is None
+        if not is_new and computed_blocks:
+            raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")
+        hit_hashes = (
+            self._check_hits(token_ids, num_computed_tokens, computed_blocks, cache_salt)
+            if computed_blocks
+            else None
+        )
         table = [] if table is None else table
         total = num_computed_tokens + num_new_tokens
-        num_held_after_hits = len(table) + len(computed_blocks)
-        num_new_blocks = max(0, -(-total // self.block_size) - num_held_after_hits)
+        num_new_blocks = max(0, -(-total // self.block_size) - len(table) - len(computed_blocks))
         reactivated = sum(1 for b in computed_blocks if b.ref_count == 0)
-        cow_index = self._shared_block_written(table, num_computed_tokens)
-        needed = num_new_blocks + reactivated + (cow_index is not None)
+        shared = self._shared_blocks_written(table, num_computed_tokens, total)
+        needed = num_new_blocks + reactivated + len(shared)
         reserve = self.watermark_blocks if is_new else 0
         if needed > self.pool.num_free_blocks - reserve:
             return False
@@ -129,11 +162,15 @@ class KVCacheManager:
         for block in computed_blocks:
             self.pool.touch(block)
         table.extend(computed_blocks)
-        if cow_index is not None:
-            self._copy_on_write(table, cow_index)
+        for index in shared:
+            self._copy_on_write(table, index)
         for _ in range(num_new_blocks):
             table.append(self.pool.allocate())
         self.block_tables[seq_id] = table
+        if hit_hashes is not None:
+            self._block_hashes[seq_id] = hit_hashes  # hit blocks are registered already
+        if is_new and self.enable_prefix_caching:
+            self.prefix_cache_stats.record(len(token_ids), len(computed_blocks) * self.block_size)
         self._cache_full_blocks(seq_id, table, token_ids[: min(total, len(token_ids))], cache_salt)
         return True
 
@@ -141,11 +178,18 @@ class KVCacheManager:
         """Release a sequence's blocks, tail first, so the cached head of a prefix outlives it."""
         table = self.block_tables.pop(seq_id, None)
         self._block_hashes.pop(seq_id, None)
+        self._num_registered.pop(seq_id, None)
         for block in reversed(table or []):
             self.pool.release(block)
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """Give ``child_id`` the parent's blocks, shared (refcount + 1 each), for n > 1 and beams."""
+        """Give ``child_id`` the parent's blocks, shared (refcount + 1 each), for n > 1 and beams.
+
+        Nothing is copied now: the first of the two to write into the shared, partially filled
+        last block gets a private copy of it (see ``allocate_slots``).
+        """
+        if parent_id not in self.block_tables:
+            raise ValueError(f"cannot fork {parent_id!r}: it holds no blocks")
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id!r} already has blocks")
         parent = self.block_tables[parent_id]
@@ -153,23 +197,56 @@ class KVCacheManager:
             self.pool.touch(block)
         self.block_tables[child_id] = list(parent)
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
+        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies decided since the last call; the engine runs them."""
         copies, self._blocks_to_copy = self._blocks_to_copy, []
         return copies
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (False) while any block is held, as in vLLM."""
+        if self.pool.num_free_blocks != self.num_blocks:
+            return False
         self.pool.evict_all_cached()
+        return True
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _shared_block_written(self, table: list[KVBlock], num_computed_tokens: int) -> int | None:
-        """Index of the block the next write lands in, if another sequence also holds it."""
-        index = num_computed_tokens // self.block_size
-        if index < len(table) and table[index].ref_count > 1:
-            return index
-        return None
+    def _check_hits(
+        self,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        hits: Sequence[KVBlock],
+        cache_salt: str | None,
+    ) -> list[bytes]:
+        """Refuse hit blocks that do not (any longer) hold this sequence's prefix.
+
+        Between ``get_computed_blocks`` and ``allocate_slots`` another allocation may evict a
+        free cached block and reuse it; sharing it would silently serve foreign keys/values.
+        """
+        if num_computed_tokens != len(hits) * self.block_size:
+            raise ValueError(
+                f"{len(hits)} hit blocks cover {len(hits) * self.block_size} tokens, "
+                f"not num_computed_tokens={num_computed_tokens}"
+            )
+        expected = extend_block_hashes(
+            [], token_ids[:num_computed_tokens], self.block_size, cache_salt
+        )
+        for block, block_hash in zip(hits, expected, strict=True):
+            if block.block_hash != block_hash:
+                raise StalePrefixHitError(
+                    f"block {block.block_id} no longer holds this prefix; look the hits up again "
+                    "right before allocate_slots"
+                )
+        return expected
+
+    def _shared_blocks_written(self, table: list[KVBlock], start: int, end: int) -> list[int]:
+        """Indices of held blocks that tokens ``[start, end)`` land in and others also hold."""
+        if end <= start:
+            return []
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        return [i for i in range(first, min(last + 1, len(table))) if table[i].ref_count > 1]
 
     def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
         shared = table[index]
@@ -181,10 +258,17 @@ class KVCacheManager:
     def _cache_full_blocks(
         self, seq_id: str, table: list[KVBlock], known_tokens: Sequence[int], cache_salt: str | None
     ) -> None:
+        """Hash the sequence's newly full blocks and register them in the prefix cache.
+
+        Blocks are registered when allocated for the step that computes them: a request
+        admitted later in the same step may share them, and reads them only after this step's
+        ``store_kv`` wrote them (every layer stores the whole batch before attending).
+        """
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(seq_id, [])
-        num_before = len(hashes)
         extend_block_hashes(hashes, known_tokens, self.block_size, cache_salt)
-        for i in range(num_before, len(hashes)):
+        first = self._num_registered.get(seq_id, 0)
+        for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])
+        self._num_registered[seq_id] = len(hashes)

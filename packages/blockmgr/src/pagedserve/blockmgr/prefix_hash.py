@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
 from collections.abc import Sequence
-
-import numpy as np
 
 _PROCESS_SEED = os.urandom(16)
 
@@ -25,7 +24,7 @@ def hash_block(
     """Hash one full block given its parent's hash (None for the first block)."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _PROCESS_SEED)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(array("q", token_ids).tobytes())  # fixed width: the token/salt boundary is unambiguous
     if extra_key:
         h.update(b"\x00salt\x00" + extra_key.encode("utf-8"))
     return h.digest()
