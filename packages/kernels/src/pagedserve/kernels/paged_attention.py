@@ -262,22 +262,23 @@ def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> 
 def _gather_kv(
     cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
-    """The cached tokens of n sequences, heads first: ``[Hkv, n, max_len, D]``.
+    """The cached tokens of n sequences, heads first, in fp32: ``[Hkv, n, max_len, D]``.
 
-    One index_select per cache, straight into the layout the matmuls read (no zero fill,
-    no permute copy). Positions past a sequence's end are clamped to its last token, so
-    only the sequence's own blocks and only slots < seq_len are read: stale slots (NaN
-    included) never enter, and the padding holds finite values that the -inf mask on the
-    scores turns into exact zeros.
+    Positions past a sequence's end are clamped to its last token, so only the sequence's
+    own blocks and only slots < seq_len are read: stale slots (NaN included) never enter,
+    and the padding holds finite values that the -inf mask on the scores turns into exact
+    zeros. Two passes over the gathered tokens only: a row gather from the contiguous cache
+    (an index_select on a transposed view would copy the whole cache first), then one
+    transposing copy into the layout the batched matmuls read.
     """
     block_size, n_kv_heads, head_dim = cache.shape[1:]
-    max_len = int(seq_lens.max())
+    n_seqs, max_len = seq_lens.shape[0], int(seq_lens.max())
     pos = torch.arange(max_len, device=cache.device)
     pos = torch.minimum(pos[None, :], (seq_lens.long() - 1)[:, None])  # [n, max_len]
     slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-    by_head = cache.view(-1, n_kv_heads, head_dim).transpose(0, 1)  # [Hkv, slots, D]
-    kv = by_head.index_select(1, slots.flatten())
-    return kv.view(n_kv_heads, seq_lens.shape[0], max_len, head_dim).float()
+    rows = cache.view(-1, n_kv_heads * head_dim).index_select(0, slots.flatten())
+    kv = torch.empty(n_kv_heads, n_seqs, max_len, head_dim, device=cache.device)
+    return kv.copy_(rows.view(n_seqs, max_len, n_kv_heads, head_dim).permute(2, 0, 1, 3))
 
 
 def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
