@@ -24,15 +24,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
 
 
 @dataclass(eq=False)
@@ -83,19 +84,20 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
     def check_stop(self) -> RequestStatus | None:
         """The stop condition the last output token met, if any (stop strings: the engine)."""
-        if not self.output_token_ids:
+        num_output = len(self.output_token_ids)
+        if not num_output:
             return None
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.min_tokens and last in self.stop_token_ids:
+        if last in self.stop_token_ids and num_output >= self.min_tokens:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

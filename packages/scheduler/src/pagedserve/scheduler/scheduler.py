@@ -273,9 +273,10 @@ class Scheduler:
             request = item.request
             if request.is_finished:
                 continue
-            needs_sample = item.needs_sample
             request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id) if needs_sample else None
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk short of the last known token: nothing to sample
+            token = sampled.get(request.request_id)
             if token is None:
                 continue
             request.append_output_token(token)
