@@ -20,6 +20,7 @@ def bytes_per_block(
 
 
 def num_blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:
+    """Whole blocks that fit in ``memory_bytes``; at least one, or a clear error."""
     num_blocks = memory_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(
@@ -27,6 +28,30 @@ def num_blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:
             "raise kv_cache_memory or lower block_size"
         )
     return num_blocks
+
+
+def gpu_kv_cache_budget(
+    total_bytes: int, gpu_memory_utilization: float, peak_torch_bytes: int, non_torch_bytes: int
+) -> int:
+    """Bytes the KV cache may take on a GPU, after a profiling forward of the largest step.
+
+    The engine may use ``total * gpu_memory_utilization`` of the device. Out of that come the
+    peak that torch allocated during the profiling forward (weights and the activations of a
+    full token budget, the profiling cache excluded) and what lives outside torch's allocator
+    (the CUDA context, NCCL buffers); the rest is the KV cache's, as in vLLM.
+    """
+    usable = int(total_bytes * gpu_memory_utilization)
+    budget = usable - peak_torch_bytes - non_torch_bytes
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {gpu_memory_utilization:.0%} of "
+            f"{total_bytes / gib:.1f} GiB is {usable / gib:.2f} GiB, and the model's peak "
+            f"({peak_torch_bytes / gib:.2f} GiB) plus non-torch memory ({non_torch_bytes / gib:.2f} "
+            "GiB) take all of it; raise gpu_memory_utilization, lower max_num_batched_tokens, or "
+            "use a smaller model"
+        )
+    return budget
 
 
 def allocate_kv_caches(
@@ -54,8 +79,19 @@ def allocate_kv_caches(
 
 
 def log_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    """One start-up line, as vLLM prints it: tokens that fit and concurrency at max_model_len."""
+    """One start-up line, as vLLM prints it: tokens that fit and concurrency at max_model_len.
+
+    A cache smaller than one ``max_model_len`` sequence is allowed (tests shrink it on purpose
+    to force preemption) but warned about: a request that long could never be admitted.
+    """
     tokens = num_blocks * block_size
+    if tokens < max_model_len:
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than max_model_len (%d): a request of "
+            "max_model_len tokens cannot run; lower max_model_len or give the cache more memory",
+            tokens,
+            max_model_len,
+        )
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
         "request: %.2fx",

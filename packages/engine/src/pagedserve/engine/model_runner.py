@@ -10,6 +10,7 @@ the last token of each sequence that reached the end of its known tokens is turn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -19,11 +20,17 @@ from pagedserve.blockmgr.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
     bytes_per_block,
+    gpu_kv_cache_budget,
     log_cache_size,
     num_blocks_for_memory,
 )
+from pagedserve.blockmgr.slot_mapping import build_paged_batch
 from pagedserve.models import AttentionMetadata, ModelConfig, load_model
-from pagedserve.scheduler import SchedulerOutput
+from pagedserve.scheduler import Request, SchedulerOutput
+
+# Tokens of the GPU profiling step: the engine's default token budget (max_num_batched_tokens),
+# or max_model_len when that is larger (the budget without chunked prefill).
+PROFILE_NUM_TOKENS = 2048
 
 
 @dataclass
@@ -60,28 +67,81 @@ class ModelRunner:
         return self.model_config.num_kv_heads
 
     def _num_blocks(self) -> int:
+        """KV cache blocks: ``num_blocks`` if given, else ``kv_cache_memory`` bytes, else on a GPU
+        what a profiling step leaves of ``gpu_memory_utilization``, else (CPU) 1 GiB."""
         cc, mc = self.cache_config, self.model_config
         if cc.num_blocks is not None:
             return cc.num_blocks
         block_bytes = bytes_per_block(
             mc.num_layers, cc.block_size, self._kv_heads_per_rank(), mc.head_dim, mc.torch_dtype
         )
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cc.gpu_memory_utilization)
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_gpu_kv_cache_budget(block_bytes)
         else:
-            budget = cc.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        return num_blocks_for_memory(cc.kv_cache_memory or budget, block_bytes)
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        return num_blocks_for_memory(budget, block_bytes)
+
+    @torch.inference_mode()
+    def _profile_gpu_kv_cache_budget(self, block_bytes: int) -> int:
+        """Run the largest step once on dummy tokens; the KV cache gets what is left.
+
+        The step is ``PROFILE_NUM_TOKENS`` tokens (at least ``max_model_len``) as prefills of up
+        to ``max_model_len`` each, through the real attention path over a throwaway cache just
+        large enough to hold them; that cache's bytes are taken off the measured peak.
+        """
+        mc, cc, dev = self.model_config, self.cache_config, self.device
+        num_tokens = max(PROFILE_NUM_TOKENS, mc.max_model_len)
+        lengths = [mc.max_model_len] * (num_tokens // mc.max_model_len)
+        if num_tokens % mc.max_model_len:
+            lengths.append(num_tokens % mc.max_model_len)
+        tables, num_blocks = [], 0
+        for length in lengths:
+            count = -(-length // cc.block_size)
+            tables.append(range(num_blocks, num_blocks + count))
+            num_blocks += count
+        batch = build_paged_batch(tables, [0] * len(lengths), lengths, cc.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        caches = allocate_kv_caches(
+            mc.num_layers,
+            num_blocks,
+            cc.block_size,
+            self._kv_heads_per_rank(),
+            mc.head_dim,
+            mc.torch_dtype,
+            dev,
+        )
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev),
+            block_tables=torch.from_numpy(batch.block_tables).to(dev),
+            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
+            query_start_loc=torch.from_numpy(batch.query_start_loc).to(dev),
+            max_query_len=max(lengths),
+            max_seq_len=max(lengths),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(batch.positions).to(dev)
+        hidden = self.model(input_ids, positions, caches, meta)
+        last_rows = torch.from_numpy(batch.query_start_loc[1:].astype(np.int64) - 1).to(dev)
+        self.model.compute_logits(hidden[last_rows])
+        torch.cuda.synchronize(dev)
+        peak_torch = torch.cuda.max_memory_allocated(dev) - num_blocks * block_bytes
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
+        del caches, hidden, meta, input_ids, positions
+        torch.cuda.empty_cache()
+        return gpu_kv_cache_budget(total, cc.gpu_memory_utilization, peak_torch, non_torch)
 
     # ---- one step ------------------------------------------------------------------------
 
     def prepare_input(self, output: SchedulerOutput) -> ModelInput:
-        block_size = self.cache_config.block_size
         token_chunks, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
         offset = 0
         for item in output.scheduled:
             start, count = item.num_computed_tokens, item.num_new_tokens
-            token_chunks.append(item.request.all_token_ids[start : start + count])
+            token_chunks.append(_token_slice(item.request, start, count))
             starts.append(start)
             counts.append(count)
             tables.append(item.block_table)
@@ -89,39 +149,23 @@ class ModelRunner:
             if item.needs_sample:
                 sample_ids.append(item.request.request_id)
                 logits_rows.append(offset - 1)
-
-        counts_np = np.asarray(counts, dtype=np.int64)
-        seq_index = np.repeat(np.arange(len(counts)), counts_np)
-        query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
-        np.cumsum(counts_np, out=query_start_loc[1:])
-        positions = np.asarray(starts, dtype=np.int64)[seq_index] + (
-            np.arange(offset, dtype=np.int64) - query_start_loc[:-1][seq_index]
-        )
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = table
-        slot_mapping = (
-            block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size
-        )
-        seq_lens = np.asarray(starts, dtype=np.int32) + counts_np.astype(np.int32)
+        batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
 
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            max_query_len=int(counts_np.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev),
+            block_tables=torch.from_numpy(batch.block_tables).to(dev),
+            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
+            query_start_loc=torch.from_numpy(batch.query_start_loc).to(dev),
+            max_query_len=max(counts),
+            max_seq_len=int(batch.seq_lens.max()),
         )
         input_ids = torch.from_numpy(
-            np.fromiter((t for c in token_chunks for t in c), dtype=np.int64, count=offset)
+            np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=offset)
         )
         return ModelInput(
             input_ids=input_ids.to(dev),
-            positions=torch.from_numpy(positions).to(dev),
+            positions=torch.from_numpy(batch.positions).to(dev),
             attn_metadata=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
@@ -141,3 +185,15 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         return logits, model_input.sample_request_ids
+
+
+def _token_slice(request: Request, start: int, count: int) -> list[int]:
+    """Tokens ``[start, start + count)`` of prompt + output, without concatenating the two
+    (``all_token_ids`` would copy the whole sequence for every request at every step)."""
+    prompt, end = request.prompt_token_ids, start + count
+    if end <= len(prompt):
+        return prompt[start:end]
+    output = request.output_token_ids
+    if start >= len(prompt):
+        return output[start - len(prompt) : end - len(prompt)]
+    return prompt[start:] + output[: end - len(prompt)]

@@ -1,0 +1,73 @@
+"""KV cache sizing: blocks from a byte budget, the GPU budget after profiling, the start-up line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedserve.blockmgr.kv_cache import (
+    bytes_per_block,
+    gpu_kv_cache_budget,
+    log_cache_size,
+    num_blocks_for_memory,
+)
+
+GIB = 1 << 30
+
+
+def test_bytes_per_block_counts_keys_and_values_of_every_layer():
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32, 16-token blocks.
+    assert bytes_per_block(30, 16, 3, 64, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
+    assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+
+
+def test_num_blocks_for_memory_floors_and_refuses_zero():
+    assert num_blocks_for_memory(10_000, 3_000) == 3
+    with pytest.raises(ValueError, match="raise kv_cache_memory"):
+        num_blocks_for_memory(100, 3_000)
+
+
+def test_gpu_budget_is_utilised_memory_minus_peak_and_non_torch():
+    assert gpu_kv_cache_budget(80 * GIB, 0.9, 10 * GIB, 1 * GIB) == int(72 * GIB) - 11 * GIB
+    with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
+        gpu_kv_cache_budget(16 * GIB, 0.5, 7 * GIB, 1 * GIB)
+
+
+def test_start_up_line_gives_blocks_tokens_and_concurrency(caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.blockmgr"):
+        log_cache_size(1456, 16, 2048)
+    (record,) = caplog.records
+    assert "1456 blocks of 16 tokens (23296 tokens)" in record.getMessage()
+    assert "2048 tokens per request: 11.38x" in record.getMessage()
+
+
+def test_a_cache_smaller_than_max_model_len_is_warned_about(caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.blockmgr"):
+        log_cache_size(10, 8, 512)
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    assert "fewer than max_model_len (512)" in caplog.records[0].getMessage()
+
+
+def test_engine_sizes_the_cache_from_kv_cache_memory(tiny_checkpoint):
+    from pagedserve.engine import LLM
+
+    llm = LLM(model=tiny_checkpoint("llama"), block_size=16, kv_cache_memory=1 << 20)
+    runner = llm.engine.runner
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 KV heads of 16, fp32
+    assert runner.num_blocks == (1 << 20) // block_bytes
+    k_cache, v_cache = runner.kv_caches[0]
+    assert k_cache.shape == v_cache.shape == (runner.num_blocks, 16, 2, 16)
+    assert llm.engine.kv_cache_manager.num_blocks == runner.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sizing_profiles_then_fills_the_utilised_memory(tiny_checkpoint):
+    from pagedserve.engine import LLM
+
+    llm = LLM(model=tiny_checkpoint("llama"), device="cuda", gpu_memory_utilization=0.3)
+    _, total = torch.cuda.mem_get_info()
+    assert llm.engine.runner.num_blocks > 0
+    assert torch.cuda.memory_allocated() <= 0.3 * total
