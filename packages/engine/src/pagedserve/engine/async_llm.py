@@ -215,7 +215,7 @@ class AsyncLLM:
             while self._apply_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
-            self._deliver(self.engine.abort_request(list(self.engine.scheduler.requests)))
+            self._deliver(self.engine.abort_request(self.engine.unfinished_request_ids()))
         except BaseException as error:  # noqa: BLE001 - any failure kills the loop, loudly
             self._die(error)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
@@ -72,6 +73,25 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search, as vLLM's ``LLM.beam_search``: each output holds the ``beam_width`` best
+        hypotheses, best first (score = sum of logprobs / length ** length_penalty)."""
+        sampling = SamplingParams(
+            n=params.beam_width,
+            best_of=params.beam_width,
+            temperature=0.0,
+            use_beam_search=True,
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            length_penalty=params.length_penalty,
+        )
+        return self.generate(prompts, sampling, use_tqdm)
+
     def _params_per_prompt(self, count: int, params) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * count
@@ -96,9 +116,12 @@ class LLM:
             total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
         )
         start, generated = time.perf_counter(), 0
+        seen: dict[str, int] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
-                generated += 1
+                count = sum(len(o.token_ids) for o in output.outputs)
+                generated += max(0, count - seen.get(output.request_id, 0))
+                seen[output.request_id] = count
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)

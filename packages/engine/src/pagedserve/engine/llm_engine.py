@@ -1,8 +1,13 @@
 """LLMEngine: the step loop that ties scheduler, model runner, sampler and detokenizer together.
 
-``add_request`` validates and queues; ``step`` runs one iteration: schedule, forward, sample,
-update (append tokens, stop, free), detokenize, and returns a RequestOutput for every request
-that advanced. Offline ``LLM`` and online ``AsyncLLM`` both drive this loop.
+``add_request`` validates and queues; ``step`` runs one iteration: schedule, forward, decide the
+next tokens (sampling, n > 1 forks, beam steps), update (append tokens, stop, free), detokenize,
+and returns a cumulative RequestOutput for every request that advanced. Offline ``LLM`` and
+online ``AsyncLLM`` both drive this loop.
+
+The scheduler sees sequences; the engine groups them into requests (sequence_group.py): a request
+with ``n > 1`` forks into n sequences after its prompt is read, and a beam-search request keeps
+its live beams as sequences that fork and drop each step (beam_search.py).
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.blockmgr import KVCacheManager
+from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedserve.engine.detokenizer import find_stop_string
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.engine.sampler import Sampler, SamplingMetadata
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
 
@@ -30,17 +37,20 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class RequestState:
-    """What the engine keeps per request beyond the scheduler's view (``Request.payload``)."""
+class StepDecisions:
+    """Everything one step decided before ``scheduler.update`` applies the sampled tokens."""
 
-    params: SamplingParams
-    prompt: str | None
-    generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
-    metrics: RequestMetrics
-    text_checked: int = 0  # characters of text already searched for stop strings
-    stop_string_hit: str | None = None
-    new_text: list[str] = field(default_factory=list)
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    new_children: list[tuple[SequenceState, int, dict[int, float] | None]] = field(
+        default_factory=list
+    )
+    beam_forks: list[tuple[BeamSearchGroup, Request, list[int], float]] = field(
+        default_factory=list
+    )
+    beam_drops: list[Request] = field(default_factory=list)
+    beam_groups: list[BeamSearchGroup] = field(default_factory=list)
+    waiting_beams: list[Request] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -67,7 +77,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
         self.stats = StatsCollector()
+        self._step_prompt_tokens = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -93,15 +105,17 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate a request against the model and queue it."""
-        if params.n != 1 or params.use_beam_search:
-            raise ValueError("n > 1 and beam search are not supported yet")
+        """Validate a request against the model and queue it (its first sequence)."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
         max_len = self.scheduler_config.max_model_len
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= max_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len}"
@@ -109,25 +123,9 @@ class LLMEngine:
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else max_len - len(prompt_token_ids)
         )
-        if len(prompt_token_ids) + max_tokens > max_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_len})"
-            )
-        seed = (
-            params.seed
-            if params.seed is not None
-            else int(torch.randint(2**62, (1,), generator=self._seed_source))
-        )
         now = arrival_time if arrival_time is not None else time.monotonic()
-        state = RequestState(
-            params=params,
-            prompt=prompt,
-            generator=torch.Generator(device=self.runner.device).manual_seed(seed),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens
-            ),
-            metrics=RequestMetrics(arrival_time=now),
-        )
+        group = self._new_group(request_id, list(prompt_token_ids), params, prompt, now, max_tokens)
+        state = group.new_state(0, self.tokenizer, self.runner.device)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -136,12 +134,39 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
-            stop_token_ids=frozenset(stop_ids),
+            stop_token_ids=frozenset() if params.use_beam_search else frozenset(stop_ids),
             priority=priority,
             arrival_time=now,
             payload=state,
         )
         self.scheduler.add_request(request)
+        group.sequences.append(request)
+        self.groups[request_id] = group
+
+    def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(2**62, (1,), generator=self._seed_source))
+        )
+        common = dict(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=now),
+            seed=seed,
+        )
+        if not params.use_beam_search:
+            return SequenceGroup(**common)
+        return BeamSearchGroup(
+            **common,
+            beam_width=params.best_of or params.n,
+            eos_token_ids=frozenset(params.stop_token_ids or ())
+            | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
+            max_tokens=max_tokens,
+            tokenizer=self.tokenizer,
+        )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests wherever they are (blocks freed at once); unknown ids are ignored.
@@ -149,23 +174,28 @@ class LLMEngine:
         Returns the final output (finish_reason "abort") of each request that was still live.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        now = time.monotonic()
         outputs = []
-        for request in aborted:
-            request.payload.metrics.finished_time = now
-            self._record_finished(request)
-            outputs.append(self.make_output(request))
-        if aborted:
-            self._record_step([])  # the gauges (running, waiting, KV usage) changed
+        for request_id in ids:
+            group = self.groups.get(request_id)
+            if group is None:
+                continue
+            live = [s.request_id for s in group.sequences if not s.is_finished]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            group.aborted = True
+            outputs.append(self._group_output(group, time.monotonic()))
+        if outputs:
+            self._record_step(0)  # the gauges (running, waiting, KV usage) changed
         return outputs
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.groups)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or self.scheduler.has_unfinished_requests()
 
     def get_stats(self, drain: bool = True) -> EngineStats:
         """Gauges, counters and finished-request latencies; safe to call from any thread."""
         return self.stats.snapshot(drain)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -175,54 +205,168 @@ class LLMEngine:
             return []
         now = time.monotonic()
         for item in scheduled.scheduled:
-            metrics = item.request.payload.metrics
+            metrics = item.request.payload.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        logits, request_ids = self.runner.execute(scheduled)
-        sampled = self._sample(logits, request_ids)
-        updated = self.scheduler.update(scheduled, sampled)
-        outputs = [self._process_new_token(request) for request in updated]
-        self._record_step(updated)
+        logits, seq_ids = self.runner.execute(scheduled)
+        decisions = self._decide(logits, seq_ids)
+        updated = self.scheduler.update(scheduled, decisions.sampled)
+        for beam in decisions.waiting_beams:
+            beam.num_computed_tokens -= 1  # recompute its last token when its siblings catch up
+        touched: dict[str, SequenceGroup] = {}
+        num_tokens = 0
+        for request in updated:
+            group = request.payload.group
+            touched[group.request_id] = group
+            num_tokens += 1
+            if not isinstance(group, BeamSearchGroup):
+                self._process_new_token(request, decisions.logprobs.get(request.request_id))
+        for state, token, logprobs in decisions.new_children:
+            self._start_child(state, token, logprobs)
+            num_tokens += 1
+        self._apply_beam_decisions(decisions, touched)
+        now = time.monotonic()
+        outputs = [self._group_output(group, now) for group in touched.values()]
+        self._record_step(num_tokens)
         return outputs
 
-    def _record_step(self, updated: list[Request]) -> None:
-        kv = self.kv_cache_manager
-        self.stats.record_step(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=kv.usage(),
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-            num_preemptions=self.scheduler.stats.num_preemptions,
-            new_prompt_tokens=sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1),
-            new_generation_tokens=len(updated),
-        )
+    def _decide(self, logits: torch.Tensor, seq_ids: list[str]) -> StepDecisions:
+        """Sampled tokens (and forks) for sampling requests; beam steps for beam groups."""
+        decisions = StepDecisions()
+        rows: list[int] = []
+        row_states: list[tuple[Request | None, SequenceState]] = []
+        beam_rows: dict[str, list[tuple[Request, int]]] = {}
+        for row, seq_id in enumerate(seq_ids):
+            request = self.scheduler.requests[seq_id]
+            state: SequenceState = request.payload
+            group = state.group
+            if isinstance(group, BeamSearchGroup):
+                beam_rows.setdefault(group.request_id, []).append((request, row))
+                continue
+            rows.append(row)
+            row_states.append((request, state))
+            if group.needs_fork:
+                group.forked = True
+                for index in range(1, group.params.n):
+                    rows.append(row)
+                    row_states.append((None, group.new_state(index, self.tokenizer, logits.device)))
+        if rows:
+            self._sample(logits[torch.tensor(rows, device=logits.device)], row_states, decisions)
+        for group_id, beams in beam_rows.items():
+            self._beam_step(self.groups[group_id], beams, logits, decisions)
+        return decisions
 
-    def _record_finished(self, request: Request) -> None:
-        self.stats.record_finished(
-            finished_request_stats(
-                request.request_id,
-                request.status.finish_reason,
-                request.num_prompt_tokens,
-                request.num_output_tokens,
-                request.payload.metrics,
+    def _sample(self, logits, row_states, decisions: StepDecisions) -> None:
+        meta = SamplingMetadata(
+            params=[s.params for _, s in row_states],
+            generators=[s.generator for _, s in row_states],
+            prompt_token_ids=[s.group.prompt_token_ids for _, s in row_states],
+            output_token_ids=[r.output_token_ids if r else [] for r, _ in row_states],
+            masked_token_ids=[
+                self._masked_tokens(r or s.group.sequences[0]) for r, s in row_states
+            ],
+        )
+        out = self.sampler(logits, meta)
+        tokens = out.token_ids.tolist()
+        for row, ((request, state), token) in enumerate(zip(row_states, tokens, strict=True)):
+            logprobs = None
+            if state.params.logprobs is not None:
+                logprobs = out.row_logprobs(row, state.params.logprobs)
+            if request is None:
+                decisions.new_children.append((state, token, logprobs))
+                continue
+            decisions.sampled[request.request_id] = token
+            if logprobs is not None:
+                decisions.logprobs[request.request_id] = logprobs
+
+    @staticmethod
+    def _masked_tokens(request: Request) -> frozenset[int]:
+        """Stop tokens may not be sampled before ``min_tokens`` tokens are out (vLLM's rule)."""
+        if request.num_output_tokens < request.min_tokens:
+            return request.stop_token_ids
+        return frozenset()
+
+    # ---- n > 1 and beams -----------------------------------------------------------------
+
+    def _start_child(self, state: SequenceState, token: int, logprobs) -> None:
+        """Sequence ``state.index`` of an n > 1 request: it forks the parent's blocks."""
+        group = state.group
+        parent = group.sequences[0]
+        child = Request(
+            request_id=group.child_request_id(state.index),
+            prompt_token_ids=list(group.prompt_token_ids),
+            max_tokens=parent.max_tokens,
+            min_tokens=parent.min_tokens,
+            stop_token_ids=parent.stop_token_ids,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            payload=state,
+        )
+        child.append_output_token(token)
+        group.sequences.append(child)
+        stop = child.check_stop()
+        if stop is not None:
+            child.status = stop  # done at its first token: it never needs a block
+        elif parent.status is RequestStatus.RUNNING:
+            self.scheduler.add_forked_request(parent.request_id, child)
+        else:
+            # The parent ended at its first token and freed its blocks; the child is queued
+            # afresh and finds the prompt's blocks in the prefix cache.
+            self.scheduler.add_request(child)
+        self._process_new_token(child, logprobs)
+
+    def _beam_step(self, group: BeamSearchGroup, beams, logits, decisions: StepDecisions) -> None:
+        live = [s for s in group.sequences if not s.is_finished]
+        if {r.request_id for r, _ in beams} != {s.request_id for s in live}:
+            decisions.waiting_beams.extend(r for r, _ in beams)
+            return
+        row_of = {r.request_id: row for r, row in beams}
+        rows = torch.tensor([row_of[s.request_id] for s in live], device=logits.device)
+        plan = group.step(live, logits[rows])
+        decisions.sampled.update(plan.sampled)
+        group.beam_scores.update(plan.scores)
+        decisions.beam_forks.extend((group, *fork) for fork in plan.forks)
+        decisions.beam_drops.extend(plan.dropped)
+        decisions.beam_groups.append(group)
+
+    def _apply_beam_decisions(self, decisions: StepDecisions, touched) -> None:
+        for group, parent, output_ids, score in decisions.beam_forks:
+            child = Request(
+                request_id=group.next_child_id(),
+                prompt_token_ids=list(group.prompt_token_ids),
+                max_tokens=parent.max_tokens,
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+                payload=group.new_state(0, self.tokenizer, self.runner.device),
             )
-        )
+            child.output_token_ids.extend(output_ids)
+            self.scheduler.add_forked_request(parent.request_id, child)
+            group.sequences.append(child)
+            group.beam_scores[child.request_id] = score
+        dropped = [r.request_id for r in decisions.beam_drops]
+        self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
+        for group in decisions.beam_groups:
+            live = [s for s in group.sequences if not s.is_finished]
+            live.sort(key=lambda s: group.beam_scores[s.request_id], reverse=True)
+            group.sequences = live
+            touched[group.request_id] = group
+            if group.done:
+                self._touch_metrics(group, time.monotonic())
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, int]:
-        if not request_ids:
-            return {}
-        states = [self.scheduler.requests[r].payload for r in request_ids]
-        tokens = self.sampler(logits, [s.params for s in states], [s.generator for s in states])
-        return dict(zip(request_ids, tokens.tolist(), strict=True))
+    # ---- per token -----------------------------------------------------------------------
 
-    def _process_new_token(self, request: Request) -> RequestOutput:
-        state: RequestState = request.payload
-        now = time.monotonic()
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.last_token_time = now
+    def _touch_metrics(self, group: SequenceGroup, now: float) -> None:
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+            self._step_prompt_tokens += len(group.prompt_token_ids)
+        group.metrics.last_token_time = now
+
+    def _process_new_token(self, request: Request, logprobs: dict[int, float] | None) -> None:
+        state: SequenceState = request.payload
+        self._touch_metrics(state.group, time.monotonic())
         token = request.output_token_ids[-1]
+        if logprobs is not None:
+            state.record_logprobs(logprobs, token)
         hidden_stop = (
             request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
         )
@@ -231,12 +375,8 @@ class LLMEngine:
         if request.is_finished:
             state.detokenizer.flush()
         self._check_stop_strings(request, state)
-        if request.is_finished:
-            state.metrics.finished_time = now
-            self._record_finished(request)
-        return self.make_output(request)
 
-    def _check_stop_strings(self, request: Request, state: RequestState) -> None:
+    def _check_stop_strings(self, request: Request, state: SequenceState) -> None:
         stops = state.params.stop_strings
         text = state.detokenizer.text
         if not stops or state.stop_string_hit is not None:
@@ -254,22 +394,34 @@ class LLMEngine:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         request.status = RequestStatus.FINISHED_STOPPED
 
-    def make_output(self, request: Request) -> RequestOutput:
-        """A snapshot of a request: its whole text so far (``LLM``) — AsyncLLM derives deltas."""
-        state: RequestState = request.payload
-        completion = CompletionOutput(
-            index=0,
-            text=state.detokenizer.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
+    # ---- outputs and metrics -------------------------------------------------------------
+
+    def _group_output(self, group: SequenceGroup, now: float) -> RequestOutput:
+        output = group.make_output()
+        if group.is_finished and self.groups.pop(group.request_id, None) is not None:
+            group.metrics.finished_time = now
+            self.stats.record_finished(
+                finished_request_stats(
+                    group.request_id,
+                    output.outputs[0].finish_reason if output.outputs else "abort",
+                    len(group.prompt_token_ids),
+                    sum(len(o.token_ids) for o in output.outputs),
+                    group.metrics,
+                )
+            )
+        return output
+
+    def _record_step(self, num_new_tokens: int) -> None:
+        kv = self.kv_cache_manager
+        stats = self.scheduler.stats
+        self.stats.record_step(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=stats.num_preemptions,
+            new_prompt_tokens=self._step_prompt_tokens,
+            new_generation_tokens=num_new_tokens,
         )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            metrics=state.metrics,
-        )
+        self._step_prompt_tokens = 0

@@ -111,4 +111,37 @@ class SamplingParams:
                         f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}"
                     )
         if self.use_beam_search:
-            check(self.temperature == 0.0 or self.n > 1, "n", "must be > 1 for beam search")
+            self._validate_beam_search()
+        elif self.best_of not in (None, self.n):
+            raise ValueError(
+                f"best_of is only used by beam search (its beam width); got best_of={self.best_of} "
+                f"with n={self.n}: use n to ask for several samples"
+            )
+
+    def _validate_beam_search(self) -> None:
+        """Beam search is deterministic: it takes no sampling knobs, stop strings or logprobs.
+        Its ``stop_token_ids`` end a hypothesis as EOS does."""
+        if self.temperature != 0.0:
+            raise ValueError("temperature must be 0 with beam search (it is deterministic)")
+        unsupported = {
+            "top_p": self.top_p != 1.0,
+            "top_k": self.top_k != 0,
+            "min_p": self.min_p != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "logit_bias": bool(self.logit_bias),
+            "stop": bool(self.stop_strings),
+            "min_tokens": self.min_tokens != 0,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"{name} is not supported with beam search")
+        if self.max_tokens is None:
+            raise ValueError("max_tokens must be set for beam search")
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n

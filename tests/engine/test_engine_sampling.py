@@ -1,0 +1,152 @@
+"""The assembled engine on tiny models: seeds, logprobs, n > 1 over shared blocks, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.models.testing import transformers_greedy
+
+PROMPT = [5, 17, 99, 240, 3, 77, 8, 120, 45, 301, 12, 9, 64, 200, 31, 18, 7, 250, 99, 4]  # 20
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    return LLM(model=llama, block_size=8, num_gpu_blocks_override=256)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(llama):
+    return AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_seeded_request_same_alone_and_in_a_mixed_batch_of_8(llm):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": PROMPT}], seeded, use_tqdm=False)[0]
+    others = [
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=1.0, max_tokens=9),
+        SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=14),
+        SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.2, max_tokens=7),
+        SamplingParams(temperature=1.0, presence_penalty=0.5, logit_bias={3: 5.0}, max_tokens=6),
+        SamplingParams(n=2, temperature=1.0, max_tokens=8),
+        SamplingParams(temperature=0.9, frequency_penalty=1.0, min_tokens=3, max_tokens=10),
+    ]
+    prompts = [{"prompt_token_ids": [9 + i, 40 + 3 * i, 7, 300 - i]} for i in range(7)]
+    batch = llm.generate(
+        prompts[:3] + [{"prompt_token_ids": PROMPT}] + prompts[3:],
+        others[:3] + [seeded] + others[3:],
+        use_tqdm=False,
+    )
+    assert batch[3].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(batch[6].outputs) == 2
+    assert_no_block_held(llm)
+
+
+def test_temperature_0_is_deterministic_and_equals_transformers(llm, hf_llama):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    first, second = (
+        llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0] for _ in range(2)
+    )
+    expected = transformers_greedy(hf_llama, PROMPT, 10)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == expected
+    # logprobs: transformers' log_softmax at each position; the top 3 and the sampled token
+    with torch.inference_mode():
+        logits = hf_llama(torch.tensor([PROMPT + expected])).logits[0, len(PROMPT) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    out = first.outputs[0]
+    assert len(out.logprobs) == 10
+    for step, (token, entry) in enumerate(zip(expected, out.logprobs, strict=True)):
+        assert list(entry)[:3] == reference[step].topk(3).indices.tolist()
+        assert entry[token] == pytest.approx(float(reference[step, token]), abs=1e-4)
+    cumulative = sum(float(reference[i, t]) for i, t in enumerate(expected))
+    assert out.cumulative_logprob == pytest.approx(cumulative, abs=1e-3)
+
+
+def test_n_4_children_equal_separately_seeded_requests(llm):
+    """Sequence i of a seeded n=4 request draws from seed + i, so it must equal a lone request
+    with that seed: the fork and its copy-on-write keep every child's cache its own."""
+    params = SamplingParams(n=4, temperature=1.0, seed=77, max_tokens=10, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    for i, completion in enumerate(out.outputs):
+        alone = SamplingParams(temperature=1.0, seed=77 + i, max_tokens=10, ignore_eos=True)
+        ref = llm.generate([{"prompt_token_ids": PROMPT}], alone, use_tqdm=False)[0]
+        assert completion.token_ids == ref.outputs[0].token_ids
+        assert completion.finish_reason == "length"
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_no_block_held(llm)
+
+
+def blocks_held(llm: LLM) -> int:
+    kv = llm.engine.kv_cache_manager
+    return kv.num_blocks - kv.num_free_blocks
+
+
+def test_n_4_holds_the_prompt_blocks_once(llama):
+    """20 prompt tokens in blocks of 8: 2 full blocks + a partial one. After the first decode
+    step, n=4 holds the 2 full blocks once and 4 private last blocks (copy-on-write): 6 blocks.
+    Four separate requests hold 4 x 3 = 12 (prefix caching off, so nothing else is shared)."""
+    llm = LLM(model=llama, block_size=8, num_gpu_blocks_override=64, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("n4", PROMPT, SamplingParams(n=4, max_tokens=5, ignore_eos=True))
+    engine.step()  # prefill + fork
+    engine.step()  # every child writes its first token: copy-on-write of the shared last block
+    assert blocks_held(llm) == 6
+    engine.abort_request("n4")
+    for i in range(4):
+        engine.add_request(f"s{i}", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert blocks_held(llm) == 12
+    engine.abort_request([f"s{i}" for i in range(4)])
+    assert blocks_held(llm) == 0
+
+
+def test_stop_string_across_a_token_boundary(llm):
+    base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], base, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    pieces = [tokenizer.decode(out.token_ids[: i + 1]) for i in range(len(out.token_ids))]
+    # a stop string made of the last character of token 4's text and the first of token 5's
+    boundary = len(pieces[3])
+    assert len(pieces[4]) > boundary and boundary >= 1
+    stop = out.text[boundary - 1 : boundary + 1]
+    first = out.text.find(stop)
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+            include_stop_str_in_output=include,
+        )  # fmt: skip
+        got = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+        assert got.finish_reason == "stop" and got.stop_reason == stop
+        assert got.text == out.text[: first + (len(stop) if include else 0)]
+    assert_no_block_held(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm, hf_llama):
+    expected = transformers_greedy(hf_llama, PROMPT, 8)
+    stop_at = expected[3]
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    first = expected.index(stop_at)
+    assert out.token_ids == expected[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens: the stop token cannot even be sampled before min_tokens tokens are out
+    params = SamplingParams(
+        temperature=0, max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True, min_tokens=6
+    )
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    assert stop_at not in out.token_ids[:6]
