@@ -248,3 +248,32 @@ def test_stats_count_tokens_and_latencies(llama):
         assert 0 <= f.queue_time <= f.time_to_first_token <= f.e2e_latency
         assert f.time_per_output_token > 0
     assert llm.get_stats().finished_requests == []  # drained
+
+
+def test_streamed_text_is_never_retracted_and_n_streams_together(llama):
+    """With a stop string the stream holds back a possible stop prefix: every streamed text is a
+    prefix of the final one, which ends before the stop string. n=3 streams 3 completions."""
+    prompt = [5, 17, 99, 240, 3, 77, 8]
+
+    async def main():
+        llm = make_engine(llama)
+        try:
+            free = await collect(
+                llm, prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "free"
+            )
+            text = free[-1].outputs[0].text
+            stop = text[5:8]
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+            stopped = await collect(llm, prompt, params, "stopped")
+            sampled = await collect(llm, prompt, SamplingParams(n=3, seed=3, max_tokens=6), "n3")
+            return llm, text, stop, stopped, sampled
+        finally:
+            await llm.shutdown()
+
+    llm, text, stop, stopped, sampled = asyncio.run(main())
+    final = stopped[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.text == text[: text.find(stop)]
+    assert all(final.text.startswith(o.outputs[0].text) for o in stopped)
+    assert [o.index for o in sampled[-1].outputs] == [0, 1, 2]
+    assert all(o.finish_reason is not None for o in sampled[-1].outputs)
+    assert_all_blocks_free(llm)

@@ -12,14 +12,22 @@ _WINDOW = 6
 
 
 class IncrementalDetokenizer:
+    """Text of the output tokens, built incrementally.
+
+    The window starts on the last few prompt tokens: tokenizers that drop a word's leading
+    space when it starts a decode (SentencePiece) then give the first output word its space.
+    Invariant: ``text`` is the decode of the output tokens up to ``read_offset``, less any
+    trailing incomplete character, plus what ``flush`` adds at the end.
+    """
+
     def __init__(
         self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids[-_WINDOW:])  # context, then outputs
         self.prefix_offset = 0  # start of the decode window (in self.token_ids)
-        self.read_offset = 0  # tokens whose text has been emitted
+        self.read_offset = len(self.token_ids)  # tokens whose text has been emitted
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
