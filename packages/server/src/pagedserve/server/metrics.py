@@ -1,7 +1,8 @@
 """/metrics: the engine's stats in Prometheus text, through prometheus-client.
 
 Names follow vLLM's with a ``pagedserve:`` prefix, each labelled with the served model name:
-gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``; counters
+gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (as of the
+engine's last step) and ``num_requests_in_flight`` (the server's own, live); counters
 ``prefix_cache_queries_total``, ``prefix_cache_hits_total`` (tokens), ``num_preemptions_total``,
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``;
 histograms ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
@@ -17,7 +18,7 @@ two servers in one process (tests) never share series.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -63,9 +64,10 @@ _COUNTERS = {
 class EngineMetrics(Collector):
     """Reads ``engine.get_stats()``; ``render()`` is the /metrics body."""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, in_flight: Callable[[], int] = lambda: 0) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.in_flight = in_flight
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._stats = None
@@ -112,6 +114,11 @@ class EngineMetrics(Collector):
                 "kv_cache_usage_perc",
                 "Fraction of KV blocks in use (1 = full).",
                 stats.kv_cache_usage,
+            ),
+            (
+                "num_requests_in_flight",
+                "Engine requests the HTTP server is waiting on or streaming (live, not per step).",
+                self.in_flight(),
             ),
         )
         for name, help_, value in gauges:

@@ -242,11 +242,12 @@ class ChoiceStreams:
             generator = state.engine.generate(
                 choice.prompt_token_ids, choice.params, engine_id, choice.prompt_text, priority
             )
-            self._pumps.append(
-                asyncio.create_task(self._pump(choice.index, engine_id, generator, first))
-            )
+            pump = asyncio.create_task(self._pump(choice.index, generator, first))
+            # Out of in_flight only once the pump is done (its abort, if any, is submitted).
+            pump.add_done_callback(lambda _, key=engine_id: state.in_flight.pop(key, None))
+            self._pumps.append(pump)
 
-    async def _pump(self, index: int, engine_id: str, generator, first: asyncio.Future) -> None:
+    async def _pump(self, index: int, generator, first: asyncio.Future) -> None:
         try:
             async for output in generator:
                 if not first.done():
@@ -258,7 +259,6 @@ class ChoiceStreams:
                 first.exception()  # retrieved: the consumer reads it through ``admitted``
             self._queue.put_nowait((index, error))
         finally:
-            self.state.in_flight.pop(engine_id, None)
             await generator.aclose()
 
     async def admitted(self) -> None:
@@ -284,10 +284,9 @@ class ChoiceStreams:
 
     def cancel(self) -> None:
         """Abort every choice still running (synchronous: safe in a cancelled scope)."""
-        for pump, engine_id in zip(self._pumps, self.engine_ids):
+        for pump in self._pumps:
             if not pump.done():
                 pump.cancel()
-            self.state.in_flight.pop(engine_id, None)
 
 
 async def final_outputs(streams: ChoiceStreams) -> dict[int, RequestOutput]:
