@@ -4,9 +4,11 @@
 - A request sharing a long prefix with an earlier one (or with one admitted in the same step)
   reports exactly the shared full blocks in ``num_cached_tokens``.
 - Blocks written while decoding are cached too, and serve a later prompt that extends them.
-- Fork (n > 1) after prefill: parent and child share every block, then decode different tokens;
-  the shared, partly filled block is copied before the first write, and each keeps its own KV:
-  its logits equal transformers' on its own token sequence, step after step.
+- Fork after prefill (scheduler + model runner): parent and child share every block, then
+  decode different tokens; the shared, partly filled block is copied before the first write,
+  and each keeps its own KV: its logits equal transformers' on its own tokens, step after step.
+- The same through the engine: ``SamplingParams(n=2)`` children diverge, and each equals an
+  n=1 run with its own seed.
 """
 
 from __future__ import annotations
@@ -144,6 +146,19 @@ def test_forked_children_keep_separate_kv(tiny, llm):
     )
     assert child.output_token_ids[1:] == transformers_greedy(hf, prompt + [second_best], n)
     engine.scheduler.finish_requests(["parent", "child"], RequestStatus.FINISHED_ABORTED)
+
+
+def test_n2_children_diverge_and_each_equals_its_own_run(tiny, llm):
+    """Sampling with n=2: the two sequences fork after the prompt (sharing its partly filled
+    last block), diverge at once, and each equals an n=1 run with its own seed (seed + i)."""
+    prompt = _prompt(12, 21)
+    params = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    (both,) = _generate(llm, [prompt], SamplingParams(n=2, seed=5, **params))
+    children = [c.token_ids for c in both.outputs]
+    assert children[0][0] != children[1][0]
+    for i, child in enumerate(children):
+        (alone,) = _generate(llm, [prompt], SamplingParams(seed=5 + i, **params))
+        assert child == alone.outputs[0].token_ids
 
 
 @pytest.mark.slow
