@@ -28,7 +28,7 @@ import torch
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sequence_group import SequenceGroup
-from pagedserve.scheduler import Request
+from pagedserve.scheduler import Request, RequestStatus, Scheduler
 
 
 @dataclass
@@ -194,3 +194,62 @@ class BeamSearchGroup(SequenceGroup):
             finish_reason="stop" if hypothesis.ended_by_eos else "length",
             stop_reason=hypothesis.token_ids[-1] if hypothesis.ended_by_eos else None,
         )
+
+
+@dataclass
+class BeamDecisions:
+    """The beam steps of one engine step, applied around ``scheduler.update``.
+
+    ``step_group`` runs before the update (its continuing beams' tokens go into ``sampled``);
+    ``apply`` runs after it: forks (children share the parent's blocks), drops (blocks freed).
+    """
+
+    forks: list[tuple[BeamSearchGroup, Request, list[int], float]] = field(default_factory=list)
+    drops: list[Request] = field(default_factory=list)
+    groups: list[BeamSearchGroup] = field(default_factory=list)
+    waiting: list[Request] = field(default_factory=list)
+
+    def step_group(
+        self,
+        group: BeamSearchGroup,
+        beams: list[tuple[Request, int]],
+        logits: torch.Tensor,
+        sampled: dict[str, int],
+    ) -> None:
+        """One beam step for ``group`` from ``beams`` (request, logits row), if all are here."""
+        live = [s for s in group.sequences if not s.is_finished]
+        if {r.request_id for r, _ in beams} != {s.request_id for s in live}:
+            self.waiting.extend(r for r, _ in beams)
+            return
+        row_of = {r.request_id: row for r, row in beams}
+        rows = torch.tensor([row_of[s.request_id] for s in live], device=logits.device)
+        plan = group.step(live, logits[rows])
+        sampled.update(plan.sampled)
+        group.beam_scores.update(plan.scores)
+        self.forks.extend((group, *fork) for fork in plan.forks)
+        self.drops.extend(plan.dropped)
+        self.groups.append(group)
+
+    def apply(self, scheduler: Scheduler, tokenizer, device) -> list[BeamSearchGroup]:
+        """Fork and drop beams after the update; returns the groups that stepped."""
+        for group, parent, output_ids, score in self.forks:
+            child = Request(
+                request_id=group.next_child_id(),
+                prompt_token_ids=list(group.prompt_token_ids),
+                max_tokens=parent.max_tokens,
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+                payload=group.new_state(0, tokenizer, device),
+            )
+            child.output_token_ids.extend(output_ids)
+            scheduler.add_forked_request(parent.request_id, child)
+            group.sequences.append(child)
+            group.beam_scores[child.request_id] = score
+        scheduler.finish_requests(
+            [r.request_id for r in self.drops], RequestStatus.FINISHED_ABORTED
+        )
+        for group in self.groups:
+            live = [s for s in group.sequences if not s.is_finished]
+            live.sort(key=lambda s: group.beam_scores[s.request_id], reverse=True)
+            group.sequences = live
+        return self.groups

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.blockmgr import KVCacheManager
-from pagedserve.engine.beam_search import BeamSearchGroup
+from pagedserve.engine.beam_search import BeamDecisions, BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.detokenizer import find_stop_string
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
@@ -45,12 +45,7 @@ class StepDecisions:
     new_children: list[tuple[SequenceState, int, dict[int, float] | None]] = field(
         default_factory=list
     )
-    beam_forks: list[tuple[BeamSearchGroup, Request, list[int], float]] = field(
-        default_factory=list
-    )
-    beam_drops: list[Request] = field(default_factory=list)
-    beam_groups: list[BeamSearchGroup] = field(default_factory=list)
-    waiting_beams: list[Request] = field(default_factory=list)
+    beams: BeamDecisions = field(default_factory=BeamDecisions)
 
 
 class LLMEngine:
@@ -211,7 +206,7 @@ class LLMEngine:
         logits, seq_ids = self.runner.execute(scheduled)
         decisions = self._decide(logits, seq_ids)
         updated = self.scheduler.update(scheduled, decisions.sampled)
-        for beam in decisions.waiting_beams:
+        for beam in decisions.beams.waiting:
             beam.num_computed_tokens -= 1  # recompute its last token when its siblings catch up
         touched: dict[str, SequenceGroup] = {}
         num_tokens = 0
@@ -224,7 +219,10 @@ class LLMEngine:
         for state, token, logprobs in decisions.new_children:
             self._start_child(state, token, logprobs)
             num_tokens += 1
-        self._apply_beam_decisions(decisions, touched)
+        for group in decisions.beams.apply(self.scheduler, self.tokenizer, self.runner.device):
+            touched[group.request_id] = group
+            if group.done:
+                self._touch_metrics(group, time.monotonic())
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched.values()]
         self._record_step(num_tokens)
@@ -253,7 +251,7 @@ class LLMEngine:
         if rows:
             self._sample(logits[torch.tensor(rows, device=logits.device)], row_states, decisions)
         for group_id, beams in beam_rows.items():
-            self._beam_step(self.groups[group_id], beams, logits, decisions)
+            decisions.beams.step_group(self.groups[group_id], beams, logits, decisions.sampled)
         return decisions
 
     def _sample(self, logits, row_states, decisions: StepDecisions) -> None:
@@ -314,44 +312,6 @@ class LLMEngine:
             # afresh and finds the prompt's blocks in the prefix cache.
             self.scheduler.add_request(child)
         self._process_new_token(child, logprobs)
-
-    def _beam_step(self, group: BeamSearchGroup, beams, logits, decisions: StepDecisions) -> None:
-        live = [s for s in group.sequences if not s.is_finished]
-        if {r.request_id for r, _ in beams} != {s.request_id for s in live}:
-            decisions.waiting_beams.extend(r for r, _ in beams)
-            return
-        row_of = {r.request_id: row for r, row in beams}
-        rows = torch.tensor([row_of[s.request_id] for s in live], device=logits.device)
-        plan = group.step(live, logits[rows])
-        decisions.sampled.update(plan.sampled)
-        group.beam_scores.update(plan.scores)
-        decisions.beam_forks.extend((group, *fork) for fork in plan.forks)
-        decisions.beam_drops.extend(plan.dropped)
-        decisions.beam_groups.append(group)
-
-    def _apply_beam_decisions(self, decisions: StepDecisions, touched) -> None:
-        for group, parent, output_ids, score in decisions.beam_forks:
-            child = Request(
-                request_id=group.next_child_id(),
-                prompt_token_ids=list(group.prompt_token_ids),
-                max_tokens=parent.max_tokens,
-                priority=parent.priority,
-                arrival_time=parent.arrival_time,
-                payload=group.new_state(0, self.tokenizer, self.runner.device),
-            )
-            child.output_token_ids.extend(output_ids)
-            self.scheduler.add_forked_request(parent.request_id, child)
-            group.sequences.append(child)
-            group.beam_scores[child.request_id] = score
-        dropped = [r.request_id for r in decisions.beam_drops]
-        self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
-        for group in decisions.beam_groups:
-            live = [s for s in group.sequences if not s.is_finished]
-            live.sort(key=lambda s: group.beam_scores[s.request_id], reverse=True)
-            group.sequences = live
-            touched[group.request_id] = group
-            if group.done:
-                self._touch_metrics(group, time.monotonic())
 
     # ---- per token -----------------------------------------------------------------------
 
