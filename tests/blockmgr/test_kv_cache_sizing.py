@@ -71,3 +71,13 @@ def test_gpu_sizing_profiles_then_fills_the_utilised_memory(tiny_checkpoint):
     _, total = torch.cuda.mem_get_info()
     assert llm.engine.runner.num_blocks > 0
     assert torch.cuda.memory_allocated() <= 0.3 * total
+
+
+def test_the_gpu_profile_step_is_the_schedulers_token_budget(tiny_checkpoint):
+    from pagedserve.engine.config import EngineArgs
+
+    path = tiny_checkpoint("llama")
+    _, cache, scheduler = EngineArgs(model=path, max_num_batched_tokens=384).create_configs()
+    assert cache.profile_num_tokens == scheduler.max_num_batched_tokens == 384
+    _, cache, scheduler = EngineArgs(model=path).create_configs()
+    assert cache.profile_num_tokens == scheduler.max_num_batched_tokens

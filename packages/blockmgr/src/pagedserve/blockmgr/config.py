@@ -10,8 +10,10 @@ class CacheConfig:
     """How the KV cache is laid out and sized.
 
     The cache is ``num_blocks`` blocks of ``block_size`` token slots per layer. Its size comes
-    from ``num_gpu_blocks_override`` when given, else from ``kv_cache_memory`` bytes (CPU), else
-    on a GPU from free memory times ``gpu_memory_utilization``.
+    from ``num_blocks`` (``num_gpu_blocks_override``) when given, else from ``kv_cache_memory``
+    bytes, else on a GPU from ``total * gpu_memory_utilization`` less what a profiling forward of
+    the largest step (``profile_num_tokens``, the scheduler's token budget) needs, else (CPU)
+    1 GiB. ``watermark``: the fraction of blocks a newly admitted request must leave free.
     """
 
     block_size: int = 16
@@ -21,6 +23,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     cache_dtype: str = "auto"
+    profile_num_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -33,3 +36,5 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
+        if self.profile_num_tokens < 1:
+            raise ValueError(f"profile_num_tokens must be positive, got {self.profile_num_tokens}")

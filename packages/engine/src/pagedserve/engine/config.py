@@ -49,16 +49,17 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
         )
+        max_len = model_config.max_model_len
+        budget = self.max_num_batched_tokens or (
+            2048 if self.enable_chunked_prefill else max(2048, max_len)
+        )
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
-        )
-        max_len = model_config.max_model_len
-        budget = self.max_num_batched_tokens or (
-            2048 if self.enable_chunked_prefill else max(2048, max_len)
+            profile_num_tokens=budget,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

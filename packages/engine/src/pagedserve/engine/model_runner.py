@@ -28,10 +28,6 @@ from pagedserve.blockmgr.slot_mapping import build_paged_batch
 from pagedserve.models import AttentionMetadata, ModelConfig, load_model
 from pagedserve.scheduler import Request, SchedulerOutput
 
-# Tokens of the GPU profiling step: the engine's default token budget (max_num_batched_tokens),
-# or max_model_len when that is larger (the budget without chunked prefill).
-PROFILE_NUM_TOKENS = 2048
-
 
 @dataclass
 class ModelInput:
@@ -87,12 +83,12 @@ class ModelRunner:
     def _profile_gpu_kv_cache_budget(self, block_bytes: int) -> int:
         """Run the largest step once on dummy tokens; the KV cache gets what is left.
 
-        The step is ``PROFILE_NUM_TOKENS`` tokens (at least ``max_model_len``) as prefills of up
-        to ``max_model_len`` each, through the real attention path over a throwaway cache just
-        large enough to hold them; that cache's bytes are taken off the measured peak.
+        The step is ``profile_num_tokens`` tokens (the scheduler's token budget) as prefills of
+        up to ``max_model_len`` each, through the real attention path over a throwaway cache
+        just large enough to hold them; that cache's bytes are taken off the measured peak.
         """
         mc, cc, dev = self.model_config, self.cache_config, self.device
-        num_tokens = max(PROFILE_NUM_TOKENS, mc.max_model_len)
+        num_tokens = cc.profile_num_tokens
         lengths = [mc.max_model_len] * (num_tokens // mc.max_model_len)
         if num_tokens % mc.max_model_len:
             lengths.append(num_tokens % mc.max_model_len)
