@@ -150,3 +150,22 @@ def test_stop_token_ids_and_min_tokens(llm, hf_llama):
     )
     out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
     assert stop_at not in out.token_ids[:6]
+
+
+@pytest.mark.parametrize("budget", [None, 8], ids=["one-chunk", "chunked-prefill"])
+def test_prompt_logprobs_equal_transformers(llama, hf_llama, budget):
+    """Every prompt token's logprob (and the top 2) from transformers' forward over the prompt,
+    also when the prompt is read in chunks of 8 and when its blocks are in the prefix cache."""
+    llm = LLM(model=llama, block_size=8, num_gpu_blocks_override=64, max_num_batched_tokens=budget)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    with torch.inference_mode():
+        logits = hf_llama(torch.tensor([PROMPT])).logits[0, :-1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for _ in range(2):  # the second run would find the prompt's blocks in the prefix cache
+        out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            assert list(entry)[:2] == reference[i].topk(2).indices.tolist()
+            token = PROMPT[i + 1]
+            assert entry[token] == pytest.approx(float(reference[i, token]), abs=1e-4)
+    assert_no_block_held(llm)

@@ -13,6 +13,7 @@ its live beams as sequences that fork and drop each step (beam_search.py).
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from pagedserve.engine.detokenizer import find_stop_string
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler, SamplingMetadata
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
@@ -132,6 +134,9 @@ class LLMEngine:
             stop_token_ids=frozenset() if params.use_beam_search else frozenset(stop_ids),
             priority=priority,
             arrival_time=now,
+            # prompt logprobs need every prompt position computed: a salt of its own keeps the
+            # prefix cache from serving this prompt's blocks
+            cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
             payload=state,
         )
         self.scheduler.add_request(request)
@@ -204,6 +209,8 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         logits, seq_ids = self.runner.execute(scheduled)
+        if len(logits) > len(seq_ids):
+            record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
         decisions = self._decide(logits, seq_ids)
         updated = self.scheduler.update(scheduled, decisions.sampled)
         for beam in decisions.beams.waiting:
@@ -363,7 +370,7 @@ class LLMEngine:
             self.stats.record_finished(
                 finished_request_stats(
                     group.request_id,
-                    output.outputs[0].finish_reason if output.outputs else "abort",
+                    "abort" if group.aborted else output.outputs[0].finish_reason,
                     len(group.prompt_token_ids),
                     sum(len(o.token_ids) for o in output.outputs),
                     group.metrics,

@@ -26,7 +26,7 @@ from pagedserve.blockmgr.kv_cache import (
 )
 from pagedserve.blockmgr.slot_mapping import build_paged_batch
 from pagedserve.models import AttentionMetadata, ModelConfig, load_model
-from pagedserve.scheduler import Request, SchedulerOutput
+from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -134,9 +134,11 @@ class ModelRunner:
 
     def prepare_input(self, output: SchedulerOutput) -> ModelInput:
         token_chunks, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
+        prompt_rows: list[int] = []
         offset = 0
         for item in output.scheduled:
             start, count = item.num_computed_tokens, item.num_new_tokens
+            prompt_rows.extend(offset + p - start for p in prompt_logit_positions(item))
             token_chunks.append(_token_slice(item.request, start, count))
             starts.append(start)
             counts.append(count)
@@ -163,13 +165,17 @@ class ModelRunner:
             input_ids=input_ids.to(dev),
             positions=torch.from_numpy(batch.positions).to(dev),
             attn_metadata=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
         )
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        """Run one step; returns float32 logits ``[num_sampled, vocab]`` and their request ids."""
+        """Run one step; returns float32 logits and the request ids of their first rows.
+
+        Row i < len(ids) gives request ids[i]'s next token; the rows after them are the
+        prompt-logprobs rows (``prompt_logit_positions``, in scheduled order).
+        """
         if output.blocks_to_copy:
             from pagedserve.blockmgr.copy_blocks import copy_blocks
 
@@ -181,6 +187,15 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         return logits, model_input.sample_request_ids
+
+
+def prompt_logit_positions(item: ScheduledRequest) -> range:
+    """Positions of this chunk whose logits score the next prompt token, for a request that
+    asked for prompt logprobs (``payload.needs_prompt_logits``); empty for every other one."""
+    if not getattr(item.request.payload, "needs_prompt_logits", False):
+        return range(0)
+    start = item.num_computed_tokens
+    return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))
 
 
 def _token_slice(request: Request, start: int, count: int) -> list[int]:

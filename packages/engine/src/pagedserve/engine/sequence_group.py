@@ -39,6 +39,17 @@ class SequenceState:
     def params(self) -> SamplingParams:
         return self.group.params
 
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while this request's prompt logprobs are incomplete (the model runner reads it
+        to also compute the logits of prompt positions)."""
+        group = self.group
+        return (
+            self.index == 0
+            and group.prompt_logprobs is not None
+            and len(group.prompt_logprobs) < len(group.prompt_token_ids)
+        )
+
     def record_logprobs(self, token_logprobs: dict[int, float], token: int) -> None:
         if self.logprobs is not None:
             self.logprobs.append(token_logprobs)
@@ -58,6 +69,12 @@ class SequenceGroup:
     sequences: list[Request] = field(default_factory=list)
     forked: bool = False
     aborted: bool = False
+    # [None, {token 1: logprob, top-N...}, ...]: the first prompt token has no logprob
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def needs_fork(self) -> bool:
@@ -118,4 +135,5 @@ class SequenceGroup:
             finished=self.is_finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=self.metrics,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
