@@ -111,15 +111,70 @@ def test_chat_streamed_equals_non_streamed(client):
     assert all(e.get("usage") is None for e in events)  # no include_usage, no usage chunk
 
 
-def test_n_choices_are_seeded_children(client):
-    """Choice j of a seeded request is the single request with seed + j."""
-    body = {"prompt": "Once", "max_tokens": 8, "temperature": 1.5, "ignore_eos": True}
-    several = client.post(COMP, json={**body, "n": 3, "seed": 100}).json()["choices"]
-    assert [c["index"] for c in several] == [0, 1, 2]
-    for j, choice in enumerate(several):
-        single = client.post(COMP, json={**body, "seed": 100 + j}).json()["choices"][0]
-        assert choice["text"] == single["text"]
-    assert len({c["text"] for c in several}) > 1
+def test_n_choices(client):
+    """Greedy choices all equal the single greedy completion; seeded sampled choices repeat
+    from call to call, and differ from each other."""
+    body = {"prompt": "Once", "max_tokens": 8, "ignore_eos": True}
+    single = client.post(COMP, json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    greedy = client.post(COMP, json={**body, "temperature": 0, "n": 3}).json()
+    assert [c["index"] for c in greedy["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in greedy["choices"]] == [single] * 3
+    assert greedy["usage"]["completion_tokens"] == 3 * 8
+    sampled = {**body, "temperature": 1.5, "n": 3, "seed": 100}
+    first = client.post(COMP, json=sampled).json()["choices"]
+    again = client.post(COMP, json=sampled).json()["choices"]
+    assert first == again
+    assert len({c["text"] for c in first}) > 1
+
+
+def hf_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax over the vocabulary at each generated position."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    start = len(prompt_ids) - 1
+    return torch.log_softmax(logits[start : start + len(output_ids)], dim=-1)
+
+
+def test_completion_logprobs_equal_transformers(client, hf_model, tokenizer):
+    ids = tokenizer.encode("Continuous batching admits")
+    output = transformers_greedy(hf_model, ids, 6)
+    expected = hf_logprobs(hf_model, ids, output)
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    logprobs = client.post(COMP, json=body).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in output]
+    for step, token in enumerate(output):
+        assert logprobs["token_logprobs"][step] == pytest.approx(
+            float(expected[step, token]), abs=1e-4
+        )
+        top = expected[step].topk(3)
+        reference: dict[str, float] = {}  # keyed by text: the likelier of two alike ids wins
+        for token_id, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            reference.setdefault(tokenizer.decode([token_id]), value)
+        assert logprobs["top_logprobs"][step] == pytest.approx(reference, abs=1e-4)
+    offsets = [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(6)]
+    assert logprobs["text_offset"] == offsets
+    streamed = sse_events(client.post(COMP, json={**body, "stream": True}).text)
+    tokens = [
+        t for e in streamed for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]
+    ]
+    assert tokens == logprobs["tokens"]
+
+
+def test_chat_logprobs_equal_transformers(client, hf_model, tokenizer):
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    output = transformers_greedy(hf_model, ids, 5)
+    expected = hf_logprobs(hf_model, ids, output)
+    body = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body.update(logprobs=True, top_logprobs=2)
+    content = client.post(CHAT, json=body).json()["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [tokenizer.decode([t]) for t in output]
+    for step, (entry, token) in enumerate(zip(content, output, strict=True)):
+        assert entry["logprob"] == pytest.approx(float(expected[step, token]), abs=1e-4)
+        assert entry["bytes"] == list(entry["token"].encode())
+        top = [t["logprob"] for t in entry["top_logprobs"]]
+        assert top == pytest.approx(expected[step].topk(2).values.tolist(), abs=1e-4)
 
 
 def test_several_prompts_echo_and_index_order(client):

@@ -21,9 +21,18 @@ def _value(entry) -> float:
     return max(float(value), -9999.0)  # -inf is not JSON; OpenAI clamps the same way
 
 
-def _top(entries: dict, sampled: int, k: int) -> list[tuple[int, float]]:
+def _top(entries: dict, k: int) -> list[tuple[int, float]]:
     ranked = sorted(((t, _value(v)) for t, v in entries.items()), key=lambda tv: -tv[1])
     return ranked[:k]
+
+
+def _by_text(tokenizer, ranked: list[tuple[int, float]]) -> dict[str, float]:
+    """The legacy format keys top logprobs by text; two ids may decode alike (byte pieces of one
+    character both show as U+FFFD), and the more likely one keeps the key."""
+    out: dict[str, float] = {}
+    for token, value in ranked:
+        out.setdefault(tokenizer.decode([token]), value)
+    return out
 
 
 def completion_logprobs(
@@ -42,9 +51,7 @@ def completion_logprobs(
         text = tokenizer.decode([token])
         out.tokens.append(text)
         out.token_logprobs.append(_value(entries[token]) if token in entries else None)
-        out.top_logprobs.append(
-            {tokenizer.decode([t]): v for t, v in _top(entries, token, k)} if k else None
-        )
+        out.top_logprobs.append(_by_text(tokenizer, _top(entries, k)) if k else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out
@@ -60,7 +67,7 @@ def chat_logprobs(
         text = tokenizer.decode([token])
         top = [
             TopLogprob(token=(s := tokenizer.decode([t])), logprob=v, bytes=list(s.encode()))
-            for t, v in _top(entries, token, k)
+            for t, v in _top(entries, k)
         ]
         content.append(
             ChatTokenLogprob(

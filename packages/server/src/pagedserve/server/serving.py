@@ -1,10 +1,10 @@
 """What both generation endpoints share: validation against the model and the caps, building
-SamplingParams, one engine request per choice, concurrent consumption, and disconnect handling.
+SamplingParams, one engine request per prompt, concurrent consumption, and disconnect handling.
 
-A request with ``n`` choices over ``P`` prompts becomes ``n * P`` engine requests (ids
-``<id>-<choice index>``), as vLLM's front end fans out ``n``: each child shares its prompt's KV
-blocks through the prefix cache, and a seeded request gives child ``j`` the seed ``seed + j``,
-so seeded choices differ from each other yet repeat from call to call.
+A request over ``P`` prompts becomes ``P`` engine requests (ids ``<id>-<prompt index>``), each
+with the request's ``n``: the engine forks the ``n`` choices of a prompt after its prefill, over
+shared blocks. Choice ``j`` of prompt ``p`` is index ``p * n + j`` in the response, as OpenAI
+orders them.
 
 Each engine stream is consumed by its own asyncio task (a *pump*). Cancelling a pump closes its
 ``AsyncLLM.generate`` iterator, which aborts the request and frees its blocks; cancelling is
@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -168,14 +168,14 @@ def build_sampling_params(
     logprobs: int | None,
     aliases: dict[str, str],
 ) -> SamplingParams:
-    """The SamplingParams of one choice (n is fanned out by the caller, so n=1 here)."""
+    """The SamplingParams of each prompt's engine request (with the request's ``n``)."""
 
     def given(value, default):
         return default if value is None else value
 
     try:
         return SamplingParams(
-            n=1,
+            n=body.n,
             temperature=given(body.temperature, 1.0),
             top_p=given(body.top_p, 1.0),
             top_k=given(body.top_k, 0),
@@ -198,51 +198,45 @@ def build_sampling_params(
         raise from_value_error(e, aliases) from e
 
 
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of choice ``index`` of a prompt: the seed moves on by the index."""
-    if params.seed is None or index == 0:
-        return params
-    return replace(params, seed=params.seed + index)
-
-
-# ---- running choices -----------------------------------------------------------------------------
+# ---- running prompts -----------------------------------------------------------------------------
 
 
 @dataclass
-class Choice:
-    """One engine request: the ``index``-th choice of the response, from prompt ``prompt_index``."""
+class PromptRequest:
+    """One engine request: prompt ``index`` of the HTTP request, with all its ``n`` choices."""
 
     index: int
-    prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
 
 
-class ChoiceStreams:
-    """Runs one engine request per choice concurrently; iterate for ``(choice index, output)``.
+class EngineStreams:
+    """Runs one engine request per prompt concurrently; iterate for ``(prompt index, output)``.
 
     Outputs are cumulative, so a slow consumer skips intermediate ones harmlessly. ``admitted``
-    waits until every choice was accepted by the engine (its first output arrived) and raises the
+    waits until every prompt was accepted by the engine (its first output arrived) and raises the
     first refusal as an APIError, so a streaming response can still answer with a 4xx/503.
     """
 
-    def __init__(self, state: ServerState, request_id: str, choices: list[Choice], priority: int):
+    def __init__(
+        self, state: ServerState, request_id: str, prompts: list[PromptRequest], priority: int
+    ):
         self.state = state
-        self.choices = choices
+        self.prompts = prompts
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first: list[asyncio.Future] = []
         self._pumps: list[asyncio.Task] = []
-        self.engine_ids = [f"{request_id}-{choice.index}" for choice in choices]
         loop = asyncio.get_running_loop()
-        for choice, engine_id in zip(choices, self.engine_ids):
+        for prompt in prompts:
+            engine_id = f"{request_id}-{prompt.index}"
             state.in_flight[engine_id] = None  # at once, so a drain never misses a request
             first = loop.create_future()
             self._first.append(first)
             generator = state.engine.generate(
-                choice.prompt_token_ids, choice.params, engine_id, choice.prompt_text, priority
+                prompt.prompt_token_ids, prompt.params, engine_id, prompt.prompt_text, priority
             )
-            pump = asyncio.create_task(self._pump(choice.index, generator, first))
+            pump = asyncio.create_task(self._pump(prompt.index, generator, first))
             # Out of in_flight only once the pump is done (its abort, if any, is submitted).
             pump.add_done_callback(lambda _, key=engine_id: state.in_flight.pop(key, None))
             self._pumps.append(pump)
@@ -270,12 +264,14 @@ class ChoiceStreams:
                 raise from_engine_error(error, self.state.config.retry_after_s) from error
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        remaining = len(self.choices)
+        remaining = len(self.prompts)
         try:
             while remaining:
                 index, item = await self._queue.get()
                 if isinstance(item, BaseException):
                     raise from_engine_error(item, self.state.config.retry_after_s) from item
+                if any(c.finish_reason == "abort" for c in item.outputs):
+                    raise aborted_error(self.state)
                 if item.finished:
                     remaining -= 1
                 yield index, item
@@ -283,19 +279,61 @@ class ChoiceStreams:
             self.cancel()
 
     def cancel(self) -> None:
-        """Abort every choice still running (synchronous: safe in a cancelled scope)."""
+        """Abort every prompt still running (synchronous: safe in a cancelled scope)."""
         for pump in self._pumps:
             if not pump.done():
                 pump.cancel()
 
 
-async def final_outputs(streams: ChoiceStreams) -> dict[int, RequestOutput]:
-    """Each choice's finished output; an aborted choice (drain) becomes a 503."""
+@dataclass
+class Delta:
+    """What one choice added since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None
+    text_offset: int  # characters of this choice already streamed
+    finished: bool
+
+
+@dataclass
+class StreamProgress:
+    """What has been streamed of each choice: turns cumulative outputs into deltas.
+
+    The engine's cumulative text only grows (it holds back what a stop string may still cut), so
+    a delta is the text past what was sent.
+    """
+
+    chars: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def advance(self, index: int, completion) -> Delta | None:
+        """The delta of choice ``index`` (None when there is nothing new to send)."""
+        if index in self.finished:
+            return None
+        sent_chars, sent_tokens = self.chars.get(index, 0), self.tokens.get(index, 0)
+        finished = completion.finish_reason is not None
+        text = completion.text[sent_chars:]
+        if not text and not finished:
+            return None
+        self.chars[index] = len(completion.text)
+        self.tokens[index] = len(completion.token_ids)
+        if finished:
+            self.finished.add(index)
+        logprobs = completion.logprobs[sent_tokens:] if completion.logprobs is not None else None
+        return Delta(text, completion.token_ids[sent_tokens:], logprobs, sent_chars, finished)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
+async def final_outputs(streams: EngineStreams) -> dict[int, RequestOutput]:
+    """Each prompt's finished output (a request aborted by the drain raises a 503)."""
     finals: dict[int, RequestOutput] = {}
     async for index, output in streams:
         if output.finished:
-            if output.outputs[0].finish_reason == "abort":
-                raise aborted_error(streams.state)
             finals[index] = output
     return finals
 
@@ -330,19 +368,6 @@ async def unless_disconnected(request: Request, work):
     if task in done:
         return task.result()
     raise ClientDisconnected()
-
-
-def hold_back(text: str, params: SamplingParams, finished: bool) -> str:
-    """The part of a still-running choice's text that no later stop string can cut away.
-
-    The engine searches for stop strings each step, so a match found later must start within the
-    last ``len(stop) - 1`` characters; streaming holds those back until the request finishes, so
-    that streamed text always equals the final text.
-    """
-    if finished or not params.stop_strings:
-        return text
-    keep = len(text) - (max(len(s) for s in params.stop_strings) - 1)
-    return text[: max(keep, 0)]
 
 
 def sse(payload: str) -> str:

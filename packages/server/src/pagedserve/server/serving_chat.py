@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.engine import RequestOutput
 from pagedserve.models import apply_chat_template
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.logprobs import chat_logprobs
@@ -24,18 +25,16 @@ from pagedserve.server.protocol import (
 from pagedserve.server.serving import (
     SSE_DONE,
     SSE_HEADERS,
-    Choice,
-    ChoiceStreams,
     ClientDisconnected,
+    EngineStreams,
+    PromptRequest,
     ServerState,
-    aborted_error,
+    StreamProgress,
     build_sampling_params,
     check_common,
     check_prompt,
-    child_params,
     error_event,
     final_outputs,
-    hold_back,
     new_id,
     now_s,
     resolve_max_tokens,
@@ -81,7 +80,8 @@ def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
     return (new, "max_completion_tokens") if new is not None else (old, "max_tokens")
 
 
-def plan_choices(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], list[Choice]]:
+def plan_prompt(state: ServerState, body: ChatCompletionRequest) -> PromptRequest:
+    """Validate everything; the conversation becomes one engine request with the request's n."""
     check_common(state, body)
     if body.tools:
         raise bad_request("tools are not supported", "tools")
@@ -97,18 +97,17 @@ def plan_choices(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
     params = build_sampling_params(
         state, body, max_tokens=max_tokens, logprobs=logprobs, aliases=CHAT_ALIASES
     )
-    choices = [Choice(j, 0, prompt_ids, child_params(params, j)) for j in range(body.n)]
-    return prompt_ids, choices
+    return PromptRequest(0, prompt_ids, params)
 
 
 async def create_chat_completion(
     request: Request, state: ServerState, body: ChatCompletionRequest
 ) -> Response:
     state.check_admitting()
-    prompt_ids, choices = plan_choices(state, body)
+    prompt = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
-    streams = ChoiceStreams(state, request_id, choices, body.priority)
-    view = _ChatView(state, body, request_id, len(prompt_ids), choices)
+    streams = EngineStreams(state, request_id, [prompt], body.priority)
+    view = _ChatView(state, body, request_id, len(prompt.prompt_token_ids))
     try:
         await unless_disconnected(request, streams.admitted())
         if body.stream:
@@ -119,15 +118,15 @@ async def create_chat_completion(
     except ClientDisconnected:
         streams.cancel()
         return Response(status_code=499)
-    return JSONResponse(view.response(finals).model_dump())
+    return JSONResponse(view.response(finals[0]).model_dump())
 
 
 class _ChatView:
     """Turns engine outputs into OpenAI chat bodies and SSE chunks."""
 
-    def __init__(self, state, body, request_id, num_prompt_tokens, choices) -> None:
+    def __init__(self, state, body, request_id, num_prompt_tokens: int) -> None:
         self.state, self.body, self.id = state, body, request_id
-        self.num_prompt_tokens, self.choices = num_prompt_tokens, choices
+        self.num_prompt_tokens = num_prompt_tokens
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
         self.k = body.top_logprobs or 0
@@ -144,25 +143,23 @@ class _ChatView:
             return None
         return chat_logprobs(self.tokenizer, token_ids, logprobs, self.k)
 
-    def response(self, finals) -> ChatCompletionResponse:
-        out = []
-        for choice in self.choices:
-            completion = finals[choice.index].outputs[0]
-            out.append(
-                ChatCompletionChoice(
-                    index=choice.index,
-                    message=AssistantMessage(content=completion.text),
-                    logprobs=self._logprobs(completion.token_ids, completion.logprobs),
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
+    def response(self, final: RequestOutput) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionChoice(
+                index=completion.index,
+                message=AssistantMessage(content=completion.text),
+                logprobs=self._logprobs(completion.token_ids, completion.logprobs),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
             )
-        tokens = sum(len(finals[c.index].outputs[0].token_ids) for c in self.choices)
+            for completion in sorted(final.outputs, key=lambda c: c.index)
+        ]
+        tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.state.model_name,
-            choices=out,
+            choices=choices,
             usage=self.usage(tokens),
         )
 
@@ -176,35 +173,27 @@ class _ChatView:
         )
         return sse(chunk.model_dump_json())
 
-    async def stream(self, streams: ChoiceStreams) -> AsyncIterator[str]:
-        sent_chars = {c.index: 0 for c in self.choices}
-        sent_tokens = {c.index: 0 for c in self.choices}
+    async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
+        progress = StreamProgress()
         try:
-            for choice in self.choices:
+            for index in range(self.body.n):
                 role = DeltaMessage(role="assistant", content="")
-                yield self._chunk([ChatCompletionStreamChoice(index=choice.index, delta=role)])
-            async for index, output in streams:
-                completion = output.outputs[0]
-                if completion.finish_reason == "abort":
-                    raise aborted_error(self.state)
-                text = hold_back(completion.text, self.choices[index].params, output.finished)
-                delta = text[sent_chars[index] :]
-                if not delta and not output.finished:
-                    continue
-                new_ids = completion.token_ids[sent_tokens[index] :]
-                new_lps = completion.logprobs[sent_tokens[index] :] if completion.logprobs else None
-                chunk = ChatCompletionStreamChoice(
-                    index=index,
-                    delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                    logprobs=self._logprobs(new_ids, new_lps),
-                    finish_reason=completion.finish_reason if output.finished else None,
-                    stop_reason=completion.stop_reason if output.finished else None,
-                )
-                sent_chars[index] = len(text)
-                sent_tokens[index] = len(completion.token_ids)
-                yield self._chunk([chunk])
+                yield self._chunk([ChatCompletionStreamChoice(index=index, delta=role)])
+            async for _, output in streams:
+                for completion in output.outputs:
+                    delta = progress.advance(completion.index, completion)
+                    if delta is None:
+                        continue
+                    choice = ChatCompletionStreamChoice(
+                        index=completion.index,
+                        delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                        logprobs=self._logprobs(delta.token_ids, delta.logprobs),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                    yield self._chunk([choice])
             if self.body.include_usage_in_stream:
-                yield self._chunk([], self.usage(sum(sent_tokens.values())))
+                yield self._chunk([], self.usage(progress.completion_tokens))
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE

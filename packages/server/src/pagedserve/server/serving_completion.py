@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.engine import RequestOutput
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.logprobs import completion_logprobs
 from pagedserve.server.protocol import (
@@ -18,18 +19,16 @@ from pagedserve.server.protocol import (
 from pagedserve.server.serving import (
     SSE_DONE,
     SSE_HEADERS,
-    Choice,
-    ChoiceStreams,
     ClientDisconnected,
+    EngineStreams,
+    PromptRequest,
     ServerState,
-    aborted_error,
+    StreamProgress,
     build_sampling_params,
     check_common,
     check_prompt,
-    child_params,
     error_event,
     final_outputs,
-    hold_back,
     new_id,
     now_s,
     resolve_max_tokens,
@@ -60,8 +59,8 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
     return prompts
 
 
-def plan_choices(state: ServerState, body: CompletionRequest) -> tuple[list, list[Choice]]:
-    """Validate everything, then one Choice per (prompt, n) in OpenAI's index order."""
+def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequest]:
+    """Validate everything, then one engine request per prompt."""
     check_common(state, body)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
@@ -71,27 +70,25 @@ def plan_choices(state: ServerState, body: CompletionRequest) -> tuple[list, lis
         raise bad_request(
             "echo together with logprobs needs prompt logprobs, which are not supported", "echo"
         )
-    prompts = prompts_of(state, body)
-    choices = []
-    for p, (text, ids) in enumerate(prompts):
+    planned = []
+    for p, (text, ids) in enumerate(prompts_of(state, body)):
         check_prompt(state, ids, "prompt")
         max_tokens = resolve_max_tokens(state, body.max_tokens, len(ids), "max_tokens")
         params = build_sampling_params(
             state, body, max_tokens=max_tokens, logprobs=body.logprobs, aliases={}
         )
-        for j in range(body.n):
-            choices.append(Choice(p * body.n + j, p, ids, child_params(params, j), text))
-    return prompts, choices
+        planned.append(PromptRequest(p, ids, params, text))
+    return planned
 
 
 async def create_completion(
     request: Request, state: ServerState, body: CompletionRequest
 ) -> Response:
     state.check_admitting()
-    prompts, choices = plan_choices(state, body)
+    prompts = plan_prompts(state, body)
     request_id = new_id("cmpl")
-    streams = ChoiceStreams(state, request_id, choices, body.priority)
-    view = _CompletionView(state, body, request_id, prompts, choices)
+    streams = EngineStreams(state, request_id, prompts, body.priority)
+    view = _CompletionView(state, body, request_id, prompts)
     try:
         await unless_disconnected(request, streams.admitted())
         if body.stream:
@@ -106,25 +103,33 @@ async def create_completion(
 
 
 class _CompletionView:
-    """Turns engine outputs into OpenAI completion bodies and SSE chunks."""
+    """Turns engine outputs into OpenAI completion bodies and SSE chunks.
 
-    def __init__(self, state, body, request_id, prompts, choices) -> None:
-        self.state, self.body, self.id = state, body, request_id
-        self.prompts, self.choices = prompts, choices
+    Choice ``j`` of prompt ``p`` is index ``p * n + j``.
+    """
+
+    def __init__(self, state, body, request_id, prompts: list[PromptRequest]) -> None:
+        self.state, self.body, self.id, self.prompts = state, body, request_id, prompts
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
 
-    def echo_text(self, choice: Choice) -> str:
+    def index(self, prompt_index: int, completion) -> int:
+        return prompt_index * self.body.n + completion.index
+
+    def echo_text(self, prompt_index: int) -> str:
         if not self.body.echo:
             return ""
-        text, ids = self.prompts[choice.prompt_index]
-        return text if text is not None else self.tokenizer.decode(ids)
+        prompt = self.prompts[prompt_index]
+        if prompt.prompt_text is not None:
+            return prompt.prompt_text
+        return self.tokenizer.decode(prompt.prompt_token_ids)
 
-    def usage(self, token_counts: list[int]) -> UsageInfo:
-        prompt = sum(len(ids) for _, ids in self.prompts)
-        completion = sum(token_counts)
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        prompt = sum(len(p.prompt_token_ids) for p in self.prompts)
         return UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt + completion_tokens,
         )
 
     def _logprobs(self, token_ids, logprobs, offset):
@@ -141,58 +146,51 @@ class _CompletionView:
             usage=usage,
         )
 
-    def response(self, finals) -> CompletionResponse:
-        out = []
-        for choice in self.choices:
-            completion = finals[choice.index].outputs[0]
-            prefix = self.echo_text(choice)
-            out.append(
-                CompletionChoice(
-                    index=choice.index,
-                    text=prefix + completion.text,
-                    logprobs=self._logprobs(completion.token_ids, completion.logprobs, len(prefix)),
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-            )
-        counts = [len(finals[c.index].outputs[0].token_ids) for c in self.choices]
-        return self._body(out, self.usage(counts))
-
-    async def stream(self, streams: ChoiceStreams) -> AsyncIterator[str]:
-        sent_chars = {c.index: 0 for c in self.choices}
-        sent_tokens = {c.index: 0 for c in self.choices}
-        try:
-            for choice in self.choices:
-                prefix = self.echo_text(choice)
-                if prefix:
-                    yield sse(
-                        self._body(
-                            [CompletionChoice(index=choice.index, text=prefix)]
-                        ).model_dump_json()
+    def response(self, finals: dict[int, RequestOutput]) -> CompletionResponse:
+        choices, tokens = [], 0
+        for p, output in sorted(finals.items()):
+            prefix = self.echo_text(p)
+            for completion in output.outputs:
+                tokens += len(completion.token_ids)
+                choices.append(
+                    CompletionChoice(
+                        index=self.index(p, completion),
+                        text=prefix + completion.text,
+                        logprobs=self._logprobs(
+                            completion.token_ids, completion.logprobs, len(prefix)
+                        ),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
                     )
-            async for index, output in streams:
-                completion = output.outputs[0]
-                if completion.finish_reason == "abort":
-                    raise aborted_error(self.state)
-                choice = self.choices[index]
-                text = hold_back(completion.text, choice.params, output.finished)
-                delta = text[sent_chars[index] :]
-                if not delta and not output.finished:
-                    continue
-                new_ids = completion.token_ids[sent_tokens[index] :]
-                new_lps = completion.logprobs[sent_tokens[index] :] if completion.logprobs else None
-                chunk = CompletionChoice(
-                    index=index,
-                    text=delta,
-                    logprobs=self._logprobs(new_ids, new_lps, sent_chars[index]),
-                    finish_reason=completion.finish_reason if output.finished else None,
-                    stop_reason=completion.stop_reason if output.finished else None,
                 )
-                sent_chars[index] = len(text)
-                sent_tokens[index] = len(completion.token_ids)
-                yield sse(self._body([chunk]).model_dump_json())
+        choices.sort(key=lambda c: c.index)
+        return self._body(choices, self.usage(tokens))
+
+    async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
+        progress = StreamProgress()
+        try:
+            for p in range(len(self.prompts)):
+                prefix = self.echo_text(p)
+                for j in range(self.body.n if prefix else 0):
+                    echo = CompletionChoice(index=p * self.body.n + j, text=prefix)
+                    yield sse(self._body([echo]).model_dump_json())
+            async for p, output in streams:
+                for completion in output.outputs:
+                    index = self.index(p, completion)
+                    delta = progress.advance(index, completion)
+                    if delta is None:
+                        continue
+                    chunk = CompletionChoice(
+                        index=index,
+                        text=delta.text,
+                        logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.text_offset),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                    yield sse(self._body([chunk]).model_dump_json())
             if self.body.include_usage_in_stream:
-                yield sse(self._body([], self.usage(list(sent_tokens.values()))).model_dump_json())
+                usage = self.usage(progress.completion_tokens)
+                yield sse(self._body([], usage).model_dump_json())
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE
