@@ -169,3 +169,22 @@ def test_prompt_logprobs_equal_transformers(llama, hf_llama, budget):
             token = PROMPT[i + 1]
             assert entry[token] == pytest.approx(float(reference[i, token]), abs=1e-4)
     assert_no_block_held(llm)
+
+
+def test_n_3_when_the_first_sequence_stops_at_its_first_token(llm):
+    """Sequence 0 (the parent) stops at once and frees its blocks; the other sequences, forked
+    in that same step, must still run on (queued afresh over the prefix cache) unchanged."""
+    free_params = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=6, ignore_eos=True)
+    free = llm.generate([{"prompt_token_ids": PROMPT}], free_params, use_tqdm=False)[0].outputs
+    stop = free[0].token_ids[0]
+    assert any(o.token_ids[0] != stop for o in free[1:])
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=21, max_tokens=6, ignore_eos=True, stop_token_ids=[stop]
+    )
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs
+    for got, ref in zip(out, free, strict=True):
+        tokens = ref.token_ids
+        cut = tokens.index(stop) + 1 if stop in tokens else len(tokens)
+        assert got.token_ids == tokens[:cut]
+        assert got.finish_reason == ("stop" if stop in tokens else "length")
+    assert_no_block_held(llm)

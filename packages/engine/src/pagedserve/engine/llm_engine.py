@@ -31,7 +31,13 @@ from pagedserve.engine.sampler import Sampler, SamplingMetadata
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
 from pagedserve.models import load_tokenizer
-from pagedserve.scheduler import Request, RequestStatus, Scheduler
+from pagedserve.scheduler import (
+    Request,
+    RequestRejectedError,
+    RequestStatus,
+    Scheduler,
+    SchedulerOverloadedError,
+)
 
 
 class EngineError(RuntimeError):
@@ -317,7 +323,10 @@ class LLMEngine:
         else:
             # The parent ended at its first token and freed its blocks; the child is queued
             # afresh and finds the prompt's blocks in the prefix cache.
-            self.scheduler.add_request(child)
+            try:
+                self.scheduler.add_request(child)
+            except (RequestRejectedError, SchedulerOverloadedError):
+                child.status = RequestStatus.FINISHED_ABORTED  # the queue is full right now
         self._process_new_token(child, logprobs)
 
     # ---- per token -----------------------------------------------------------------------
