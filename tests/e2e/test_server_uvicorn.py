@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import socket
 import time
@@ -100,6 +101,35 @@ def raw_get(port: int, target: str, key: str | None = None) -> int:
 def test_key_holds_for_every_spelling(server, target):
     assert raw_get(server.port, target) == 401
     assert raw_get(server.port, target, KEY) == 200
+    assert raw_get(server.port, "/health") == 200
+
+
+def raw_exchange(port: int, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """Send a request head (and the start of a body); return the status and the JSON error."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        response = sock.makefile("rb")
+        status = int(response.readline().split()[1])
+        while response.readline().strip():
+            pass  # headers
+        return status, json.loads(response.read().decode())
+
+
+def test_http_limits_over_the_wire(server):
+    """Oversized headers and a declared 20 MB body are refused in OpenAI's shape, before the
+    body is read, and the server goes on serving."""
+    auth = f"Authorization: Bearer {KEY}\r\n"
+    junk = "X-Junk: " + "a" * 40_000 + "\r\n"
+    status, body = raw_exchange(
+        server.port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}{junk}Connection: close\r\n\r\n"
+    )
+    assert status == 431 and "headers" in body["error"]["message"]
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+        f"Content-Length: {20 * 2**20}\r\nConnection: close\r\n\r\n"
+    )
+    status, body = raw_exchange(server.port, head, b'{"prompt": "' + b"a" * 65536)
+    assert status == 413 and body["error"]["type"] == "invalid_request_error"
     assert raw_get(server.port, "/health") == 200
 
 

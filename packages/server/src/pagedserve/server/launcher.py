@@ -85,7 +85,9 @@ def run_server(engine, config: ServerConfig, model_name: str | None = None) -> i
         port=config.port,
         log_level=config.log_level,
         http="h11",
-        h11_max_incomplete_event_size=config.max_header_bytes,
+        # h11 refuses request heads past this with a bare 400; leave room above our own cap so
+        # that moderately large headers get the 431 in OpenAI's shape from the gate.
+        h11_max_incomplete_event_size=2 * config.max_header_bytes + 16384,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=int(ABORT_GRACE_S),
         lifespan="on",

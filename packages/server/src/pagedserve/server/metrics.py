@@ -20,7 +20,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -68,6 +74,7 @@ class EngineMetrics(Collector):
         self.engine = engine
         self.model_name = model_name
         self.in_flight = in_flight
+        disable_created_metrics()  # no *_created series: they double the output for nothing
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._stats = None
