@@ -44,8 +44,11 @@ def next_token(tokens: list[int]) -> int:
     return acc % VOCAB
 
 
-def reference_output(prompt: list[int], max_tokens: int, min_tokens: int, stop: bool) -> list[int]:
-    out: list[int] = []
+def reference_output(
+    prompt: list[int], max_tokens: int, min_tokens: int, stop: bool, first: list[int] = ()
+) -> list[int]:
+    """What the fake model generates for one request alone (a forked child: from ``first``)."""
+    out = list(first)
     while True:
         out.append(next_token(prompt + out))
         if stop and len(out) >= min_tokens and out[-1] == STOP_TOKEN:
@@ -121,6 +124,7 @@ class SimulatedEngine:
         self.slots: dict[int, tuple[int, int]] = {}
         self.first_admitted: list[Request] = []
         self.next_position: dict[str, int] = {}  # where a running request's next chunk starts
+        self.forked: dict[str, tuple[Request, Spec, list[int]]] = {}
 
     def fits(self, spec: Spec) -> bool:
         """Independent statement of the admission rule."""
@@ -161,11 +165,34 @@ class SimulatedEngine:
         }
         s.update(out, sampled)
 
+    def fork(self, rid: str, spec: Spec, token: int) -> None:
+        """Fork a request that has just sampled, as n > 1 does: the child's last token differs."""
+        parent = self.scheduler.requests.get(rid)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            return
+        if not parent.output_token_ids or parent.num_computed_tokens != parent.num_tokens - 1:
+            return
+        first = parent.output_token_ids[:-1] + [token]
+        child = Request(
+            f"{rid}.{len(self.forked)}",
+            list(parent.prompt_token_ids),
+            max_tokens=parent.max_tokens,
+            min_tokens=parent.min_tokens,
+            stop_token_ids=parent.stop_token_ids,
+            output_token_ids=list(first),
+        )
+        if child.check_stop() is not None:
+            return  # done at its first token: the engine never schedules it
+        self.scheduler.add_forked_request(rid, child)
+        self.forked[child.request_id] = (child, spec, first)
+        self.next_position[child.request_id] = parent.num_computed_tokens
+
     def check_limits(self, out) -> None:
         s, config = self.scheduler, self.config
         assert out.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(out.scheduled) <= config.max_num_seqs
-        assert len(s.running) <= config.max_num_seqs
+        if not self.forked:  # forks join running beside their parent, over the cap if need be
+            assert len(s.running) <= config.max_num_seqs
         ids = [x.request.request_id for x in out.scheduled]
         assert len(set(ids)) == len(ids)
         assert all(r.num_computed_tokens == 0 for r in s.waiting)
@@ -194,11 +221,12 @@ class SimulatedEngine:
         if self.config.policy == "fcfs":
             key = lambda r: r.arrival_order  # noqa: E731
             if s.running and s.waiting:  # no later arrival runs while an earlier one waits
-                assert max(key(r) for r in s.running) < min(key(r) for r in s.waiting)
+                # (a forked child shares its parent's arrival: the two may be on either side)
+                assert max(key(r) for r in s.running) <= min(key(r) for r in s.waiting)
         else:
             key = lambda r: (r.priority, r.arrival_time, r.arrival_order)  # noqa: E731
-        if admitted and still_waiting:
-            assert max(map(key, admitted)) < min(map(key, still_waiting))
+        if admitted and still_waiting:  # ties: only a parent and its forked children share a key
+            assert max(map(key, admitted)) <= min(map(key, still_waiting))
         for r in admitted:
             if r.num_preemptions == 0:
                 self.first_admitted.append(r)
@@ -228,8 +256,11 @@ class SimulatedEngine:
     setup=setup_strategy,
     specs=st.lists(spec_strategy, min_size=1, max_size=12),
     aborts=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 11)), max_size=4),
+    forks=st.lists(
+        st.tuples(st.integers(0, 12), st.integers(0, 11), st.integers(0, VOCAB - 1)), max_size=8
+    ),
 )
-def test_random_workloads_finish_correctly_within_limits(setup, specs, aborts):
+def test_random_workloads_finish_correctly_within_limits(setup, specs, aborts, forks):
     sim = SimulatedEngine(setup)
     admitted: dict[str, tuple[Request, Spec]] = {}
     aborted: set[str] = set()
@@ -249,6 +280,9 @@ def test_random_workloads_finish_correctly_within_limits(setup, specs, aborts):
         if step > 12 and not sim.scheduler.has_unfinished_requests():
             break
         sim.step()
+        for fork_step, index, token in forks:
+            if fork_step == step and f"r{index}" in admitted:
+                sim.fork(f"r{index}", specs[index], token)
         step += 1
     assert not sim.scheduler.has_unfinished_requests(), "a request never finished"
 
@@ -262,6 +296,9 @@ def test_random_workloads_finish_correctly_within_limits(setup, specs, aborts):
             stopped = spec.stop and expected[-1] == STOP_TOKEN and len(expected) >= spec.min_tokens
             want = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH
             assert request.status is want
+    for child, spec, first in sim.forked.values():  # children are never aborted here
+        expected = reference_output(spec.prompt, spec.max_tokens, spec.min_tokens, spec.stop, first)
+        assert child.output_token_ids == expected and child.is_finished
     if setup["policy"] == "fcfs":  # the head of the queue is never overtaken
         orders = [r.arrival_order for r in sim.first_admitted]
         assert orders == sorted(orders)
@@ -269,6 +306,7 @@ def test_random_workloads_finish_correctly_within_limits(setup, specs, aborts):
     event(f"aborted: {bool(aborted)}")
     event(f"rejected: {len(admitted) < len(specs)}")
     event(f"prefix hits: {sim.kv.prefix_cache_stats.hits > 0}")
+    event(f"forked: {bool(sim.forked)}")
     assert not sim.scheduler.requests and not sim.kv.block_tables
     assert sim.kv.num_free_blocks == setup["num_blocks"]
     assert all(b.ref_count == 0 for b in sim.kv.pool.blocks)
