@@ -17,6 +17,8 @@ import pytest
 
 from tests.server.live import live_server
 
+pytestmark = pytest.mark.slow  # one real server for the module: ~10 s to start
+
 NAME = "tiny"
 KEY = "sk-e2e-secret"
 MESSAGES = [{"role": "user", "content": "Explain paged attention."}]
@@ -193,7 +195,6 @@ def _engine_is_empty(server) -> bool:
     )
 
 
-@pytest.mark.slow
 def test_abort_storm_frees_every_block(server):
     asyncio.run(_abort_storm(server, count=200, concurrency=16, seed=1234))
     # A fresh request completes at once. The server may still be turning away the last cut

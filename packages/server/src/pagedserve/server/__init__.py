@@ -1,1 +1,1 @@
-"""pagedserve.server: the command line and (soon) the OpenAI-compatible HTTP server."""
+"""pagedserve.server: the OpenAI-compatible HTTP server (Starlette + uvicorn) and the CLI."""

@@ -44,7 +44,7 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedserve.server.serving import ServerState, now_s
+from pagedserve.server.serving import ServerState, check_model, now_s
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
 
@@ -74,13 +74,6 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from e
-
-
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(
-            f"the model {name!r} does not exist", 404, param="model", code="model_not_found"
-        )
 
 
 # ---- routes ------------------------------------------------------------------------------------

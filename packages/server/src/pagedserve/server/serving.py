@@ -108,16 +108,21 @@ def resolve_max_tokens(
     return requested
 
 
-def check_common(state: ServerState, body: SamplingRequest) -> None:
-    """The server's caps and the vocabulary checks that SamplingParams cannot do."""
-    cfg = state.config
-    if body.model is not None and body.model != state.model_name:
+def check_model(state: ServerState, name: str | None) -> None:
+    """A request may name the served model, or no model at all."""
+    if name is not None and name != state.model_name:
         raise APIError(
-            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
             404,
             param="model",
             code="model_not_found",
         )
+
+
+def check_common(state: ServerState, body: SamplingRequest) -> None:
+    """The server's caps and the vocabulary checks that SamplingParams cannot do."""
+    cfg = state.config
+    check_model(state, body.model)
     if not 1 <= body.n <= cfg.max_n:
         raise bad_request(f"n must be in [1, {cfg.max_n}], got {body.n}", "n")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
