@@ -141,3 +141,35 @@ def test_stats_count_steps_tokens_and_preemptions():
         step(s)
     st = s.stats
     assert st.total_scheduled_tokens == 12 + 2 * 2 and st.num_running == 0
+
+
+def test_abort_mid_prefill_and_between_schedule_and_update():
+    s = make_scheduler(max_num_batched_tokens=4, caching=False)
+    s.add_request(Request("long", list(range(1, 15)), max_tokens=3))
+    s.add_request(Request("short", [5, 6], max_tokens=3))
+    step(s)  # long: first chunk of 4
+    out = s.schedule()  # long: second chunk
+    assert dict(shares(out))["long"] == 4
+    s.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)  # before the step's update
+    updated = s.update(out, {x.request.request_id: 9 for x in out.scheduled if x.needs_sample})
+    long = out.scheduled[0].request
+    assert long.status is RequestStatus.FINISHED_ABORTED and long.output_token_ids == []
+    assert long.num_computed_tokens == 4 and "long" not in s.kv.block_tables
+    assert all(r.request_id != "long" for r in updated)
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["short"]
+
+
+def test_abort_of_a_preempted_request_waiting_to_return():
+    s = make_scheduler(num_blocks=6)
+    s.add_request(Request("a", list(range(1, 8)), max_tokens=12))
+    s.add_request(Request("b", list(range(11, 18)), max_tokens=12))
+    out = step(s)
+    while not out.preempted:
+        out = step(s)
+    assert s.requests["b"].status is RequestStatus.PREEMPTED
+    (b,) = s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert b.status is RequestStatus.FINISHED_ABORTED and not s.waiting
+    assert s.stats.num_waiting_tokens == 0
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.num_free_blocks == 6
