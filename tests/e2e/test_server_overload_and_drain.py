@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from tests.server.live import live_server
+from pagedserve.server.testing import live_server
 
 NAME = "tiny"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve.models.testing import transformers_greedy
-from tests.server.live import live_server
+from pagedserve.server.testing import live_server
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

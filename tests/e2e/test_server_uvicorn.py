@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.live import live_server
+from pagedserve.server.testing import live_server
 
 pytestmark = pytest.mark.slow  # one real server for the module: ~10 s to start
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.models.testing import transformers_greedy
-from tests.server.conftest import MODEL_NAME
+from pagedserve.server.testing import TINY_MODEL_NAME as MODEL_NAME
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -12,7 +12,7 @@ from pagedserve.server.app import build_app
 from pagedserve.server.cli import parse_size
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.middleware import bearer_token, normalize_path
-from tests.server.conftest import MODEL_NAME
+from pagedserve.server.testing import TINY_MODEL_NAME as MODEL_NAME
 
 KEY = "sk-test-0123456789"
 BASE = "http://testserver"  # full URLs: httpx would read "//v1/models" as a host "v1"

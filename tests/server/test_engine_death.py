@@ -8,7 +8,7 @@ import asyncio
 from starlette.testclient import TestClient
 
 from pagedserve.server.app import build_app
-from tests.server.conftest import make_engine
+from pagedserve.server.testing import make_engine
 
 
 def test_dead_engine_answers_503_and_health_says_so(tiny_path):

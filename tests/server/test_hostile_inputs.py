@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME, blocks_held, wait_engine_idle
+from pagedserve.server.testing import TINY_MODEL_NAME as MODEL_NAME
+from pagedserve.server.testing import blocks_held, wait_engine_idle
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

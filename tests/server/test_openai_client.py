@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from pagedserve.server.testing import TINY_MODEL_NAME as MODEL_NAME
 
 MESSAGES = [{"role": "user", "content": "What is a KV cache?"}]
 SAMPLING = dict(max_tokens=16, temperature=0.7, seed=11)

@@ -1,7 +1,9 @@
-"""A real ``pagedserve serve`` in a subprocess on a free 127.0.0.1 port, for end-to-end tests.
+"""Helpers for testing the server: a real ``pagedserve serve`` in a subprocess, and a small
+in-process engine with probes of its KV cache.
 
-The server runs with one torch thread, so that it and the test's client share two cores; it is
-always killed when the ``with`` block ends, however the test went.
+``live_server(model, *args)`` starts the server on a free 127.0.0.1 port with one torch thread
+(so that it and the test's client share two cores), waits for /health, and always kills it when
+the ``with`` block ends, however the test went.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from pagedserve.engine import AsyncLLM, EngineArgs
+
 STARTUP_TIMEOUT_S = 180.0
+TINY_MODEL_NAME = "tiny-llama"  # the name in-process test apps serve their tiny model under
 
 
 def free_port() -> int:
@@ -93,3 +98,26 @@ def _wait_healthy(server: LiveServer) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"the server did not become healthy:\n{server.log()}")
+
+
+# ---- in-process ------------------------------------------------------------------------------
+
+
+def make_engine(path: str, **overrides) -> AsyncLLM:
+    """A small AsyncLLM for tests: max_model_len 256, 128 KV blocks, 16 sequences."""
+    args = dict(model=path, max_model_len=256, num_gpu_blocks_override=128, max_num_seqs=16)
+    args.update(overrides)
+    return AsyncLLM(EngineArgs(**args))
+
+
+def wait_engine_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
+    """Wait until the engine thread has applied every abort (the cut requests are gone)."""
+    deadline = time.monotonic() + timeout
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def blocks_held(engine: AsyncLLM) -> int:
+    """KV blocks held by some sequence (cached-but-free prefix blocks count as free)."""
+    manager = engine.engine.kv_cache_manager
+    return manager.num_blocks - manager.num_free_blocks
