@@ -138,6 +138,10 @@ def test_bad_requests_raise_before_anything_is_yielded(llama):
                 await first(llm, [5, 100000], "bad-token")
             with pytest.raises(ValueError, match="empty"):
                 await first(llm, [], "empty")
+            with pytest.raises(ValueError, match="stop_token_ids"):
+                await first(llm, [5], "bad-stop", SamplingParams(stop_token_ids=[10**6]))
+            with pytest.raises(ValueError, match="logit_bias"):
+                await first(llm, [5], "bad-bias", SamplingParams(logit_bias={10**6: 1.0}))
             agen = llm.generate([5, 6, 7], SamplingParams(max_tokens=40), "dup")
             await agen.__anext__()
             with pytest.raises(ValueError, match="already in use"):

@@ -117,8 +117,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} token ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= max_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len}"
@@ -234,8 +238,7 @@ class LLMEngine:
             num_tokens += 1
         for group in decisions.beams.apply(self.scheduler, self.tokenizer, self.runner.device):
             touched[group.request_id] = group
-            if group.done:
-                self._touch_metrics(group, time.monotonic())
+            self._touch_metrics(group, time.monotonic())
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched.values()]
         self._record_step(num_tokens)
