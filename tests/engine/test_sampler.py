@@ -159,3 +159,14 @@ def test_logprobs_are_raw_log_softmax_with_the_sampled_token():
         assert token in got
         for t, value in got.items():
             assert value == pytest.approx(float(reference[row, t]), abs=1e-6)
+
+
+def test_any_integer_seed_gives_a_generator(tiny_checkpoint):
+    """Seeds outside torch's range (negative, or past 2**64 with the n > 1 offsets) still work."""
+    from pagedserve.engine import LLM
+
+    llm = LLM(model=tiny_checkpoint("llama"), block_size=8, num_gpu_blocks_override=32)
+    for seed in (-5, 2**64 - 1, 2**70):
+        params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=2)
+        out = llm.generate([{"prompt_token_ids": [4, 5, 6]}], params, use_tqdm=False)[0]
+        assert all(len(o.token_ids) >= 1 for o in out.outputs)

@@ -93,7 +93,7 @@ class SequenceGroup:
         return SequenceState(
             group=self,
             index=index,
-            generator=torch.Generator(device=device).manual_seed(self.seed + index),
+            generator=torch.Generator(device=device).manual_seed((self.seed + index) % 2**64),
             detokenizer=IncrementalDetokenizer(
                 tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
             ),
