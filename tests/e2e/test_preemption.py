@@ -74,12 +74,13 @@ def test_tiny_model_outputs_survive_preemption_and_chunked_prefill(tiny_checkpoi
 @pytest.mark.slow
 def test_smollm2_outputs_survive_preemption_and_chunked_prefill(default_model_path):
     """The real model, checked against transformers' greedy tokens (which the unconstrained
-    engine is proven equal to in test_smollm2_greedy.py): 3 blocks of 16 for three requests of
-    up to 3 blocks each, and a budget of 8 tokens, force preemptions and chunked prefill."""
+    engine is proven equal to in test_smollm2_greedy.py). Two blocks of 16 for three requests (the
+    19-token prompt and its 10 tokens fill both alone) and a budget of 8 tokens force preemption
+    and chunked prefill; the run is kept short, as this model is slow on a CPU."""
     llm = LLM(
         model=default_model_path,
         block_size=16,
-        num_gpu_blocks_override=3,
+        num_gpu_blocks_override=2,
         max_num_batched_tokens=8,
         max_model_len=64,
     )
@@ -90,9 +91,9 @@ def test_smollm2_outputs_survive_preemption_and_chunked_prefill(default_model_pa
         "def fibonacci(n):",
     ]
     prompts = [tokenizer.encode(t) for t in texts]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     tight = generate(llm, prompts, [params] * len(prompts))
     assert llm.engine.scheduler.stats.num_preemptions > 0
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, tight, strict=True):
-        assert tokens == transformers_greedy(hf, prompt, 16)
+        assert tokens == transformers_greedy(hf, prompt, 10)
