@@ -25,7 +25,8 @@ from pagedserve.blockmgr.kv_cache import (
     num_blocks_for_memory,
 )
 from pagedserve.blockmgr.slot_mapping import build_paged_batch
-from pagedserve.models import AttentionMetadata, ModelConfig, load_model
+from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
+from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
@@ -39,15 +40,26 @@ class ModelInput:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensors; runs one forward per step."""
+    """Owns the model and the KV cache tensors; runs one forward per step.
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    Under tensor parallelism there is one runner per rank, built with that rank's
+    ``ParallelContext``: it holds the rank's shard of the weights and of the KV heads, and every
+    rank agrees on the smallest block count any of them can hold.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        par: ParallelContext | None = None,
+    ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
+        self.par = par or ParallelContext()
         self.device = model_config.torch_device
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_config)
-        self.num_blocks = self._num_blocks()
+        self.model = load_model(model_config, self.par)
+        self.num_blocks = self.par.min_over_ranks(self._num_blocks())
         self.kv_caches = allocate_kv_caches(
             model_config.num_layers,
             self.num_blocks,
@@ -60,7 +72,7 @@ class ModelRunner:
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
 
     def _kv_heads_per_rank(self) -> int:
-        return self.model_config.num_kv_heads
+        return kv_heads_per_rank(self.model_config.num_kv_heads, self.par.tp_size)
 
     def _num_blocks(self) -> int:
         """KV cache blocks: ``num_blocks`` if given, else ``kv_cache_memory`` bytes, else on a GPU
@@ -176,17 +188,28 @@ class ModelRunner:
         Row i < len(ids) gives request ids[i]'s next token; the rows after them are the
         prompt-logprobs rows (``prompt_logit_positions``, in scheduled order).
         """
-        if output.blocks_to_copy:
+        model_input = self.prepare_input(output)
+        logits = self.execute_model(model_input, output.blocks_to_copy)
+        return logits, model_input.sample_request_ids
+
+    @torch.inference_mode()
+    def execute_model(
+        self, model_input: ModelInput, blocks_to_copy: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Copy-on-write copies, the forward and the logits for a prepared batch.
+
+        Split from ``execute`` so that tensor-parallel workers, which receive the prepared
+        batch from rank 0 instead of a scheduler output, run exactly the same code.
+        """
+        if blocks_to_copy:
             from pagedserve.blockmgr.copy_blocks import copy_blocks
 
-            pairs = torch.tensor(output.blocks_to_copy, dtype=torch.long, device=self.device)
+            pairs = torch.tensor(blocks_to_copy, dtype=torch.long, device=self.device)
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
-        model_input = self.prepare_input(output)
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        return logits, model_input.sample_request_ids
+        return self.model.compute_logits(hidden[model_input.logits_indices])
 
 
 def prompt_logit_positions(item: ScheduledRequest) -> range:
