@@ -44,6 +44,12 @@ demo: setup model
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+# Offline throughput against transformers (64 requests, SmolLM2 fp32) and the engine's per-step
+# overhead at 64 decodes; figures and commands go to docs/benchmarks.md. BENCH_ARGS passes options.
+bench: setup model
+	$(BIN)/python tools/bench_throughput.py $(BENCH_ARGS)
+	$(BIN)/python tools/bench_engine_overhead.py
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
