@@ -76,16 +76,23 @@ def test_split_tutorial_keeps_prose_and_code_apart_and_in_order():
     assert blocks[4].text == 'print(f"area = {area:.2f}")'
 
 
+def test_indented_comment_runs_after_a_blank_line_are_prose():
+    source = '"""T."""\n\nwith open(__file__) as f:\n    text = f.read()\n\n    # Explained here.\n    n = len(text)  # inline\n    # hugging comment\n    print(n)\n'
+    blocks = split_tutorial(source)
+    assert [b.kind for b in blocks] == ["prose", "code", "prose", "code"]
+    assert blocks[2].text == "Explained here."
+    assert blocks[3].text == "    n = len(text)  # inline\n    # hugging comment\n    print(n)"
+
+
+def _code_lines(text: str) -> list[str]:
+    """Lines that are neither blank nor comment-only."""
+    return [line for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
 @pytest.mark.parametrize("path", find_tutorials(ROOT), ids=lambda p: p.stem)
 def test_rendered_tutorial_holds_every_line_of_code(path):
-    """Every non-comment line of the script appears, in order, inside the page's code blocks."""
+    """Every code line of the script appears, in order, inside the page's code blocks."""
     page = render_tutorial(path, f"tutorials/{path.name}")
-    code_in_page = "\n".join(
-        chunk.split("```", 1)[0] for chunk in page.split("```python\n")[1:]
-    ).splitlines()
-    source = path.read_text().split('"""', 2)[2].splitlines()
-    expected = [
-        line for line in source if line.strip() and not line.startswith("# ") and line != "#"
-    ]
-    got = [line for line in code_in_page if line.strip()]
-    assert got == expected
+    code_in_page = "\n".join(chunk.split("```", 1)[0] for chunk in page.split("```python\n")[1:])
+    source = path.read_text().split('"""', 2)[2]
+    assert _code_lines(code_in_page) == _code_lines(source)

@@ -48,13 +48,23 @@ def _split_docstring(source: str) -> tuple[str, list[str]]:
     return ast.get_docstring(tree) or "", lines[first.end_lineno :]
 
 
-def _is_prose(line: str) -> bool:
-    """A full-line comment at the left margin (not a shebang, not a tool directive)."""
-    return (line.startswith("# ") or line == "#") and not re.match(r"#\s*(noqa|type:|fmt:)", line)
+def _comment_text(line: str) -> str | None:
+    """The text of a full-line comment (any indentation), or None for code, blanks, directives."""
+    stripped = line.strip()
+    if not (stripped.startswith("# ") or stripped == "#"):
+        return None
+    if re.match(r"#\s*(noqa|type:|fmt:)", stripped):
+        return None
+    return stripped[2:]
 
 
 def split_tutorial(source: str) -> list[Block]:
-    """The docstring, then alternating prose (comment runs) and code blocks, in file order."""
+    """The docstring, then alternating prose and code blocks, in file order.
+
+    A run of full-line comments is prose when it starts the file or follows a blank line, at any
+    indentation (a lesson may go on inside a ``with`` block); a comment that hugs the code above
+    it stays in the code, where it explains that line.
+    """
     doc, lines = _split_docstring(source)
     blocks: list[Block] = [Block("prose", doc)] if doc else []
     kind, current = None, []
@@ -65,15 +75,22 @@ def split_tutorial(source: str) -> list[Block]:
             blocks.append(Block(kind, text))
         current.clear()
 
+    previous_blank = True
     for line in lines:
-        line_kind = "prose" if _is_prose(line) else "code"
-        if line_kind != kind:
-            if line_kind == "code" and not line.strip() and kind == "prose":
-                current.append("")  # a blank line ends a paragraph but not the prose run
-                continue
-            flush()
-            kind = line_kind
-        current.append(line[2:] if line_kind == "prose" else line)
+        comment = _comment_text(line)
+        if comment is not None and (kind == "prose" or previous_blank):
+            if kind != "prose":
+                flush()
+                kind = "prose"
+            current.append(comment)
+        elif not line.strip() and kind == "prose":
+            current.append("")  # a blank line ends a paragraph but not the prose run
+        else:
+            if kind != "code":
+                flush()
+                kind = "code"
+            current.append(line)
+        previous_blank = not line.strip()
     flush()
     return blocks
 
