@@ -34,8 +34,9 @@ def test_mkdocs_build_strict(tmp_path):
     assert "pagedserve generate" in config_page and "--max-num-seqs" in config_page
 
 
-def test_every_engine_option_is_in_the_configuration_reference():
+def test_every_engine_and_server_option_is_in_the_configuration_reference():
     from pagedserve.engine import EngineArgs
+    from pagedserve.server.config import ServerConfig
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     rows = {
@@ -43,7 +44,8 @@ def test_every_engine_option_is_in_the_configuration_reference():
         for line in page.splitlines()
         if line.startswith("| `")
     }
-    missing = [f.name for f in fields(EngineArgs) if f.name not in rows]
+    names = [f.name for f in fields(EngineArgs)] + [f.name for f in fields(ServerConfig)]
+    missing = [name for name in names if name not in rows]
     assert not missing, f"docs/configuration.md lacks rows for {missing}"
 
 
