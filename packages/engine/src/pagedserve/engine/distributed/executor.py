@@ -108,7 +108,7 @@ class WorkerProcesses:
     @classmethod
     def launch(cls, tp_size: int, rv: Rendezvous) -> WorkerProcesses:
         procs = {}
-        threads = max(1, torch.get_num_threads())
+        threads = max(1, torch.get_num_threads() // tp_size)  # the cores, shared out
         for rank in range(1, tp_size):
             env = dict(os.environ)
             env.update(
