@@ -257,3 +257,21 @@ def test_idle_engine_outlives_the_timeout_and_a_stuck_worker_times_out(
             if worker.poll() is None:
                 worker.kill()
         assert worker.wait() == -signal.SIGKILL  # the failed engine killed it
+
+
+@pytest.mark.slow
+def test_worker_that_crashes_while_starting_is_reported_at_once(
+    tiny_checkpoint, one_thread, monkeypatch, tmp_path
+):
+    """The worker's interpreter exits with code 3 before it reaches the rendezvous (a
+    sitecustomize that only rank 1 runs); rank 0 must say so instead of waiting it out."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '1':\n    os._exit(3)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PAGEDSERVE_TP_STARTUP_TIMEOUT_S", "600")
+    path = tiny_checkpoint("llama")
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="while starting.*rank 1 exited with code 3"):
+        LLM(model=path, tensor_parallel_size=2)
+    assert time.monotonic() - start < 120  # far from the 600 s start-up timeout
