@@ -1,0 +1,83 @@
+"""The benchmark tools measure what they say: workloads, accounting, percentiles, phase timing."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_engine_overhead  # noqa: E402
+import bench_serving  # noqa: E402
+import bench_throughput  # noqa: E402
+
+
+def workload_args(**overrides) -> argparse.Namespace:
+    base = dict(seed=0, num_requests=20, min_prompt=3, max_prompt=9, min_output=2, max_output=7)
+    return argparse.Namespace(**{**base, **overrides})
+
+
+def test_throughput_workload_is_seeded_and_within_its_ranges():
+    first = bench_throughput.make_workload(workload_args(), vocab_size=50)
+    again = bench_throughput.make_workload(workload_args(), vocab_size=50)
+    assert first == again
+    assert all(3 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in first.prompts)
+    assert all(2 <= n <= 7 for n in first.output_lens)
+    assert first != bench_throughput.make_workload(workload_args(seed=1), vocab_size=50)
+
+
+def test_token_passes_count_padding_and_idle_slots_of_static_batches():
+    workload = bench_throughput.Workload(prompts=[[1] * 3, [1] * 5, [1] * 2], output_lens=[4, 1, 2])
+    # pagedserve: every prompt token once, every output token but the last once.
+    assert bench_throughput.model_token_passes(workload, None) == (3 + 5 + 2) + (4 + 1 + 2) - 3
+    # static batches of 2: [3, 5] prompts with [4, 1] outputs, then [2] with [2].
+    assert bench_throughput.model_token_passes(workload, 2) == 2 * (5 + 4 - 1) + 1 * (2 + 2 - 1)
+
+
+@pytest.mark.parametrize("values", [[5.0], [3.0, 1.0], list(np.random.default_rng(0).random(37))])
+def test_percentile_matches_numpy(values):
+    for q in (0, 50, 90, 99, 100):
+        assert bench_serving.percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_summary_derives_tpot_and_throughput_from_the_requests():
+    results = [
+        bench_serving.RequestResult(ok=True, ttft=0.1, e2e=0.5, itl=[0.2, 0.2], output_tokens=5),
+        bench_serving.RequestResult(ok=False, error="HTTP 503"),
+    ]
+    summary = bench_serving.summarize("c=1", results, duration=2.0)
+    assert (summary.completed, summary.failed) == (1, 1)
+    assert summary.output_throughput == pytest.approx(2.5)
+    assert summary.percentiles["tpot"]["p50"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4 s
+    assert summary.percentiles["itl"]["p99"] == pytest.approx(200.0)
+
+
+def test_phase_timer_accounts_wrapped_calls_only_while_enabled():
+    class Thing:
+        def work(self, x):
+            return x + 1
+
+    thing, timer = Thing(), bench_engine_overhead.PhaseTimer()
+    timer.wrap(thing, "work", "work")
+    assert thing.work(1) == 2 and timer.seconds["work"] == 0.0
+    timer.enabled = True
+    assert thing.work(2) == 3
+    assert timer.seconds["work"] > 0.0
+
+
+@pytest.mark.slow
+def test_engine_overhead_tool_runs_on_a_tiny_model(tiny_checkpoint):
+    model = tiny_checkpoint("llama")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_engine_overhead.py"), "--model", model,
+         "--num-seqs", "4", "--steps", "3", "--prompt-len", "8", "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "engine overhead" in result.stdout and "model forward" in result.stdout
