@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,7 +253,7 @@ def test_idle_engine_outlives_the_timeout_and_a_stuck_worker_times_out(
         worker = llm.engine.runner.workers.procs[1]
         os.kill(worker.pid, signal.SIGSTOP)  # alive but silent
         try:
-            with pytest.raises(TensorParallelError, match="a collective failed"):
+            with pytest.raises(TensorParallelError, match="no worker has exited.*= 2 s"):
                 _greedy(llm, PROMPTS[:1])
         finally:
             if worker.poll() is None:
@@ -275,3 +277,42 @@ def test_worker_that_crashes_while_starting_is_reported_at_once(
     with pytest.raises(TensorParallelError, match="while starting.*rank 1 exited with code 3"):
         LLM(model=path, tensor_parallel_size=2)
     assert time.monotonic() - start < 120  # far from the 600 s start-up timeout
+
+
+@pytest.mark.slow
+def test_bad_checkpoint_is_a_model_load_error_and_leaves_no_worker(
+    tiny_checkpoint, one_thread, tmp_path
+):
+    from safetensors.torch import load_file
+
+    from pagedserve.models import ModelLoadError
+
+    src = tiny_checkpoint("llama")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    before = set(_worker_pids())
+    with pytest.raises(ModelLoadError, match="up_proj"):
+        LLM(model=str(broken), tensor_parallel_size=2)
+    assert set(_worker_pids()) <= before
+
+
+def _worker_pids() -> list[int]:
+    """Live pagedserve worker processes started by this process."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if (
+            int(fields[1]) == os.getpid()
+            and fields[0] != "Z"
+            and b"pagedserve.engine.distributed.worker" in cmdline
+        ):
+            pids.append(int(proc.name))
+    return pids

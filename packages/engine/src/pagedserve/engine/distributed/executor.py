@@ -173,7 +173,9 @@ class TensorParallelExecutor:
         except Exception as e:
             error = self._failure("starting the tensor-parallel group", e)
             self._abort()
-            raise error from e
+            if isinstance(e, RuntimeError):  # a worker died, a collective failed
+                raise error from e
+            raise  # a bad model folder, a timeout at the rendezvous: the error as it is
         self.sender = StepSender(self.group)
         self._lock = threading.Lock()  # one message sequence at a time: a step or a keep-alive
         self._last_sent = time.monotonic()
@@ -262,9 +264,11 @@ class TensorParallelExecutor:
         if exited:
             reason = _describe_exits(exited)
         else:
+            timeout = collective_timeout().total_seconds()
             reason = (
-                f"a collective failed: {error} (a rank is stuck or unreachable; collectives give "
-                "up after PAGEDSERVE_TP_TIMEOUT_S)"
+                f"{type(error).__name__}: {error} (no worker has exited: a collective timed out "
+                f"or failed, or this rank's step raised; in-step collectives give up after "
+                f"PAGEDSERVE_TP_TIMEOUT_S = {timeout:g} s)"
             )
         return TensorParallelError(f"tensor parallelism failed while {during}: {reason}")
 
