@@ -177,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--profile", default=None, help="write a cProfile of pagedserve's run here")
+    parser.add_argument("--plot", default=None, help="write a PNG bar chart of tokens/s here")
     args = parser.parse_args(argv)
     if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
         parser.error("need 1 <= min <= max for prompt and output lengths")
@@ -218,7 +219,27 @@ def main(argv: list[str] | None = None) -> int:
         rate = workload.num_output_tokens / seconds
         passes = model_token_passes(workload, batch_size)
         print(f"{name:<34}{seconds:>10.1f}{rate:>12.1f}{ours / rate:>14.2f}{passes:>14d}")
+    if args.plot:
+        rows = [(name, workload.num_output_tokens / seconds) for name, _, seconds in results]
+        plot_results(rows, args.plot, f"{args.num_requests} requests, {args.dtype}, CPU")
     return 0
+
+
+def plot_results(rows: list[tuple[str, float]], path: str, title: str) -> None:
+    """A bar chart of generated tokens/s per engine (rows: (name, tokens/s))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    names, rates = [n for n, _ in rows], [r for _, r in rows]
+    bars = ax.barh(names[::-1], rates[::-1], color=["#888"] * (len(rows) - 1) + ["#3f51b5"])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set(xlabel="generated tokens/s (useful tokens only)", title=title)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _load() -> str:
