@@ -179,6 +179,7 @@ class AsyncLLM:
             self._commands.put(_SHUTDOWN)
         if thread is not None:
             await asyncio.to_thread(thread.join)
+        await asyncio.to_thread(self.engine.shutdown)
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     # ---- caller side ---------------------------------------------------------------------

@@ -178,6 +178,12 @@ class LLMEngine:
             tokenizer=self.tokenizer,
         )
 
+    def shutdown(self) -> None:
+        """Release what outlives the engine object: tensor-parallel worker processes."""
+        stop_workers = getattr(self.runner, "shutdown", None)
+        if stop_workers is not None:
+            stop_workers()
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests wherever they are (blocks freed at once); unknown ids are ignored.
 
