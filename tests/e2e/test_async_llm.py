@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -183,6 +184,45 @@ def test_cancelled_consumer_frees_its_blocks(llama):
             await llm.shutdown()
 
     llm = asyncio.run(main())
+    assert_all_blocks_free(llm)
+
+
+def test_consumer_cancelled_just_as_its_request_is_added_still_aborts_it(llama):
+    """The engine thread may accept the request while the caller is being cancelled, before
+    the caller's loop has seen the acceptance: the request must still be aborted, not left to
+    run to ``max_tokens`` with nobody listening."""
+
+    async def main():
+        llm = make_engine(llama)
+
+        async def consume():
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            async for _ in llm.generate([9, 8, 7, 6], params, "c"):
+                pass
+
+        try:
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0)  # the add command is queued; the caller awaits its answer
+            # Block the loop (no await) until the engine thread has accepted the request, so
+            # its acceptance is still queued on the loop when the cancellation lands.
+            for _ in range(5000):
+                if llm.engine.groups:
+                    break
+                time.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(500):
+                if not llm.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            return llm, llm.get_stats().finished_requests
+        finally:
+            await llm.shutdown()
+
+    llm, finished = asyncio.run(main())
+    assert [(f.request_id, f.finish_reason) for f in finished] == [("c", "abort")]
+    assert finished[0].num_generation_tokens < 400
     assert_all_blocks_free(llm)
 
 

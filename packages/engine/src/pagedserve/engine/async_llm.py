@@ -146,12 +146,11 @@ class AsyncLLM:
             done,
         )
         self._register_and_submit(request_id, stream, command)
-        added = finished = False
+        finished = False
         try:
             # shield: a cancelled caller must not cancel ``done`` itself, or the engine thread's
             # set_result raises InvalidStateError and kills the loop (the finally aborts instead).
             await asyncio.shield(asyncio.wrap_future(done))
-            added = True
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -162,7 +161,11 @@ class AsyncLLM:
             with self._lock:
                 if self._streams.get(request_id) is stream:
                     del self._streams[request_id]
-            if not finished and (added or not done.done()):
+            # Abort unless the engine refused the request (its id may belong to another one).
+            # Read ``done`` itself, not whether this loop has seen it yet: the engine thread can
+            # accept the request just as the caller is cancelled.
+            rejected = done.done() and done.exception() is not None
+            if not finished and not rejected:
                 self._submit(_AbortCommand([request_id]))
 
     async def abort(self, request_id: str) -> None:
