@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from pagedserve.engine import RequestOutput, SamplingParams
 from pagedserve.server.config import ServerConfig
@@ -385,3 +386,24 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def error_event(error: APIError) -> str:
     return sse(json.dumps(error.body()))
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however the response ends.
+
+    When the client goes away while a chunk is being *sent* (not while the body iterator waits
+    for the engine), Starlette stops without closing the body iterator, so the ``finally`` in
+    ``EngineStreams.__aiter__`` would only run when the garbage collector gets to it; until then
+    the requests would go on computing for nobody. Cancelling here, after the response, in every
+    case (done, disconnected, failed), frees their blocks at once.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: EngineStreams) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.streams.cancel()

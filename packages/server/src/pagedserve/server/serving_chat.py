@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput
 from pagedserve.models import apply_chat_template
@@ -24,8 +24,8 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.serving import (
     SSE_DONE,
-    SSE_HEADERS,
     ClientDisconnected,
+    EngineStreamingResponse,
     EngineStreams,
     PromptRequest,
     ServerState,
@@ -111,9 +111,7 @@ async def create_chat_completion(
     try:
         await unless_disconnected(request, streams.admitted())
         if body.stream:
-            return StreamingResponse(
-                view.stream(streams), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return EngineStreamingResponse(view.stream(streams), streams)
         finals = await unless_disconnected(request, final_outputs(streams))
     except ClientDisconnected:
         streams.cancel()
