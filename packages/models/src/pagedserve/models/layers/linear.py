@@ -25,7 +25,9 @@ from pagedserve.models.weights import CheckpointTensor, copy_shard, default_weig
 Loaded = torch.Tensor | CheckpointTensor
 
 
-def _attach_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
+def _loadable_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Callable) -> nn.Parameter:
+    """An inference-only parameter that knows how to copy its shard from a checkpoint tensor."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
 
@@ -48,20 +50,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.output_size = output_size
         self.output_size_per_rank = output_size // tp_size
-        self.weight = _attach_loader(
-            nn.Parameter(
-                torch.empty(self.output_size_per_rank, input_size, dtype=dtype), requires_grad=False
-            ),
-            self.weight_loader,
-        )
-        self.bias = None
-        if bias:
-            self.bias = _attach_loader(
-                nn.Parameter(
-                    torch.empty(self.output_size_per_rank, dtype=dtype), requires_grad=False
-                ),
-                self.weight_loader,
-            )
+        size = self.output_size_per_rank
+        self.weight = _loadable_param((size, input_size), dtype, self.weight_loader)
+        self.bias = _loadable_param((size,), dtype, self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
         _check_full(loaded, 0, self.output_size, "column-parallel output features")
@@ -189,18 +180,10 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.input_size_per_rank = input_size // tp_size
         self.all_reduce = all_reduce
-        self.weight = _attach_loader(
-            nn.Parameter(
-                torch.empty(output_size, self.input_size_per_rank, dtype=dtype), requires_grad=False
-            ),
-            self.weight_loader,
-        )
-        self.bias = None
-        if bias:
-            self.bias = _attach_loader(
-                nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False),
-                default_weight_loader,  # the bias is whole on every rank, added after the sum
-            )
+        shape = (output_size, self.input_size_per_rank)
+        self.weight = _loadable_param(shape, dtype, self.weight_loader)
+        # The bias is whole on every rank and added once, after the sum.
+        self.bias = _loadable_param((output_size,), dtype, default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
         _check_full(loaded, 1, self.input_size, "row-parallel input features")
