@@ -22,7 +22,6 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     watermark: float = 0.01
-    cache_dtype: str = "auto"
     profile_num_tokens: int = 2048
 
     def __post_init__(self) -> None:

@@ -112,11 +112,6 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        """Blocks a sequence must still get to hold ``num_tokens`` tokens (copies not counted)."""
-        held = len(self.block_tables.get(seq_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - held)
-
     # ---- mutations -----------------------------------------------------------------------
 
     def allocate_slots(

@@ -35,7 +35,6 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_num_waiting: int = 1024
     tensor_parallel_size: int = 1
-    disable_log_stats: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:

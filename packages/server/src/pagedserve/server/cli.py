@@ -39,7 +39,6 @@ ENGINE_HELP = {
     "scheduling_policy": "fcfs, or priority (a request's 'priority' field, lower first)",
     "max_num_waiting": "most requests waiting in the queue; beyond it the server answers 503",
     "tensor_parallel_size": "number of devices to shard the model over",
-    "disable_log_stats": "do not log engine statistics",
 }
 
 _SIZE_UNITS = {
