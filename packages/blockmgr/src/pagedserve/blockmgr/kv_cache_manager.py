@@ -166,7 +166,7 @@ class KVCacheManager:
             self._block_hashes[seq_id] = hit_hashes  # hit blocks are registered already
         if is_new and self.enable_prefix_caching:
             self.prefix_cache_stats.record(len(token_ids), len(computed_blocks) * self.block_size)
-        self._cache_full_blocks(seq_id, table, token_ids[: min(total, len(token_ids))], cache_salt)
+        self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt)
         return True
 
     def free(self, seq_id: str) -> None:
@@ -251,9 +251,14 @@ class KVCacheManager:
         table[index] = private
 
     def _cache_full_blocks(
-        self, seq_id: str, table: list[KVBlock], known_tokens: Sequence[int], cache_salt: str | None
+        self,
+        seq_id: str,
+        table: list[KVBlock],
+        token_ids: Sequence[int],
+        num_tokens: int,
+        cache_salt: str | None,
     ) -> None:
-        """Hash the sequence's newly full blocks and register them in the prefix cache.
+        """Hash the newly full blocks among the first ``num_tokens`` tokens and register them.
 
         Blocks are registered when allocated for the step that computes them: a request
         admitted later in the same step may share them, and reads them only after this step's
@@ -262,7 +267,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(seq_id, [])
-        extend_block_hashes(hashes, known_tokens, self.block_size, cache_salt)
+        extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, num_tokens)
         first = self._num_registered.get(seq_id, 0)
         for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])

@@ -31,10 +31,19 @@ def hash_block(
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra_key: str | None = None
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_key: str | None = None,
+    num_tokens: int | None = None,
 ) -> list[bytes]:
-    """Append the hashes of any full blocks of ``token_ids`` not yet in ``hashes`` (in place)."""
-    num_full = len(token_ids) // block_size
+    """Append the hashes of any full blocks of ``token_ids`` not yet in ``hashes`` (in place).
+
+    ``num_tokens`` limits the blocks to the first ``num_tokens`` tokens without the caller
+    slicing (copying) the whole sequence at every step.
+    """
+    known = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+    num_full = known // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[-1] if hashes else None
         hashes.append(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +30,55 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+class TokenIds(Sequence[int]):
+    """A request's prompt then output tokens as one read-only sequence, without copying them.
+
+    The scheduler and the block manager read every running request's tokens at every step;
+    concatenating the two lists each time would copy whole sequences per step.
+    """
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index):
+        n = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            if stop <= n:
+                return self._prompt[start:stop]
+            if start >= n:
+                return self._output[start - n : stop - n]
+            return self._prompt[start:] + self._output[: stop - n]
+        if index < 0:
+            index += len(self)
+        return self._prompt[index] if index < n else self._output[index - n]
+
+    def __iter__(self):
+        yield from self._prompt
+        yield from self._output
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Sequence)
+            and len(self) == len(other)
+            and all(a == b for a, b in zip(self, other))
+        )
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
 
 
 _FINISHED = frozenset(
@@ -67,8 +117,9 @@ class Request:
     stop_reason: int | str | None = None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> TokenIds:
+        """Prompt then output tokens, as a view (slice it for a list)."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
