@@ -24,9 +24,11 @@ def policy_key(request: Request) -> tuple[int, float, int]:
 
 
 class WaitingQueue:
-    """Base: the token count and the shared interface of both policies."""
+    """Base: the token count and what both policies share; subclasses decide where a request
+    goes in (``add``, ``add_preempted``) and how the head comes out (``_pop_head``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, queue: deque[Request] | list[Request]) -> None:
+        self._queue = queue
         self.num_tokens = 0
 
     def add(self, request: Request) -> None:
@@ -37,29 +39,34 @@ class WaitingQueue:
         """A preempted request returns to the queue, ahead of later arrivals."""
         raise NotImplementedError
 
-    def peek(self) -> Request:
+    def _pop_head(self) -> Request:
         raise NotImplementedError
+
+    def peek(self) -> Request:
+        return self._queue[0]
 
     def pop(self) -> Request:
-        raise NotImplementedError
+        request = self._pop_head()
+        self.num_tokens -= request.num_tokens
+        return request
 
     def remove(self, request: Request) -> None:
-        raise NotImplementedError
+        self._queue.remove(request)
+        self.num_tokens -= request.num_tokens
 
     def __len__(self) -> int:
-        raise NotImplementedError
+        return len(self._queue)
 
     def __iter__(self) -> Iterator[Request]:
-        raise NotImplementedError
+        return iter(self._queue)
 
     def __bool__(self) -> bool:
-        return len(self) > 0
+        return len(self._queue) > 0
 
 
 class FCFSQueue(WaitingQueue):
     def __init__(self) -> None:
-        super().__init__()
-        self._queue: deque[Request] = deque()
+        super().__init__(deque())
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
@@ -69,31 +76,15 @@ class FCFSQueue(WaitingQueue):
         self._queue.appendleft(request)
         self.num_tokens += request.num_tokens
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        request = self._queue.popleft()
-        self.num_tokens -= request.num_tokens
-        return request
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-        self.num_tokens -= request.num_tokens
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
+    def _pop_head(self) -> Request:
+        return self._queue.popleft()
 
 
 class PriorityQueue(WaitingQueue):
     """A list kept sorted by ``policy_key``; the head is at index 0."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._queue: list[Request] = []
+        super().__init__([])
 
     def add(self, request: Request) -> None:
         bisect.insort(self._queue, request, key=policy_key)
@@ -101,23 +92,8 @@ class PriorityQueue(WaitingQueue):
 
     add_preempted = add
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        request = self._queue.pop(0)
-        self.num_tokens -= request.num_tokens
-        return request
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-        self.num_tokens -= request.num_tokens
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
+    def _pop_head(self) -> Request:
+        return self._queue.pop(0)
 
 
 def make_waiting_queue(policy: str) -> WaitingQueue:
