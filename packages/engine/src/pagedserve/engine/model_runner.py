@@ -24,7 +24,7 @@ from pagedserve.blockmgr.kv_cache import (
     log_cache_size,
     num_blocks_for_memory,
 )
-from pagedserve.blockmgr.slot_mapping import build_paged_batch
+from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
@@ -121,14 +121,7 @@ class ModelRunner:
             mc.torch_dtype,
             dev,
         )
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev),
-            block_tables=torch.from_numpy(batch.block_tables).to(dev),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(batch.query_start_loc).to(dev),
-            max_query_len=max(lengths),
-            max_seq_len=max(lengths),
-        )
+        meta = _attention_metadata(batch, max(lengths), dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.from_numpy(batch.positions).to(dev)
         hidden = self.model(input_ids, positions, caches, meta)
@@ -162,14 +155,7 @@ class ModelRunner:
         batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
 
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev),
-            block_tables=torch.from_numpy(batch.block_tables).to(dev),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(batch.query_start_loc).to(dev),
-            max_query_len=max(counts),
-            max_seq_len=int(batch.seq_lens.max()),
-        )
+        meta = _attention_metadata(batch, max(counts), dev)
         input_ids = torch.from_numpy(
             np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=offset)
         )
@@ -231,3 +217,17 @@ def _token_slice(request: Request, start: int, count: int) -> list[int]:
     if start >= len(prompt):
         return output[start - len(prompt) : end - len(prompt)]
     return prompt[start:] + output[: end - len(prompt)]
+
+
+def _attention_metadata(
+    batch: PagedBatch, max_query_len: int, device: torch.device
+) -> AttentionMetadata:
+    """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
+        block_tables=torch.from_numpy(batch.block_tables).to(device),
+        seq_lens=torch.from_numpy(batch.seq_lens).to(device),
+        query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
+        max_query_len=max_query_len,
+        max_seq_len=int(batch.seq_lens.max()),
+    )
