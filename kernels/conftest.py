@@ -23,7 +23,7 @@ _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-_KERNEL_MODULES = ("pagedserve.kernels.", "pagedserve.blockmgr.copy_blocks")
+_KERNEL_MODULES = ("pagedserve.kernels.",)
 
 
 def _reload_kernel_modules_imported_too_early() -> None:

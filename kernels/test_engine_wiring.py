@@ -28,7 +28,7 @@ WRAPPERS = [
     ("pagedserve.kernels.gelu_tanh", "gelu_tanh_triton"),
     ("pagedserve.kernels.sampling", "sample_tokens_triton"),
     ("pagedserve.kernels.penalties", "apply_penalties_triton"),
-    ("pagedserve.blockmgr.copy_blocks", "copy_blocks_triton"),
+    ("pagedserve.kernels.copy_blocks", "copy_blocks_triton"),
 ]
 EXPECTED = {
     "llama": {

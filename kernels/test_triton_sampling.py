@@ -10,7 +10,7 @@ from tolerances import assert_close
 from pagedserve.kernels.penalties import apply_penalties_ref, apply_penalties_triton
 from pagedserve.kernels.sampling import sample_tokens_ref, sample_tokens_triton
 
-copy_blocks = importlib.import_module("pagedserve.blockmgr.copy_blocks")
+copy_blocks = importlib.import_module("pagedserve.kernels.copy_blocks")
 
 VOCABS = pick([100, 300], [32000, 128256, 151936])
 ROWS = [  # temperature, top_k, top_p, min_p: greedy, each filter alone, combinations, "off" edges

@@ -12,7 +12,7 @@ import random
 import tempfile
 
 from pagedserve.blockmgr import KVCacheManager
-from pagedserve.blockmgr.kv_cache import bytes_per_block
+from pagedserve.engine.kv_cache import bytes_per_block
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineArgs
 from pagedserve.models import ModelConfig

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedserve.blockmgr import CacheConfig
-from pagedserve.blockmgr.kv_cache import (
+from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
     bytes_per_block,
@@ -25,6 +25,7 @@ from pagedserve.blockmgr.kv_cache import (
     num_blocks_for_memory,
 )
 from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
+from pagedserve.kernels import copy_blocks
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
@@ -188,8 +189,6 @@ class ModelRunner:
         batch from rank 0 instead of a scheduler output, run exactly the same code.
         """
         if blocks_to_copy:
-            from pagedserve.blockmgr.copy_blocks import copy_blocks
-
             pairs = torch.tensor(blocks_to_copy, dtype=torch.long, device=self.device)
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
         hidden = self.model(

@@ -4,6 +4,7 @@ Every public function dispatches per call (see :mod:`pagedserve.kernels.dispatch
 CUDA tensors or under ``TRITON_INTERPRET=1``, the ``*_ref`` reference otherwise.
 """
 
+from pagedserve.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
@@ -18,6 +19,8 @@ from pagedserve.kernels.store_kv import store_kv, store_kv_ref
 __all__ = [
     "apply_penalties",
     "apply_penalties_ref",
+    "copy_blocks",
+    "copy_blocks_ref",
     "gelu_tanh",
     "gelu_tanh_ref",
     "layer_norm",

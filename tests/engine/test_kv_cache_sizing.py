@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from pagedserve.blockmgr.kv_cache import (
+from pagedserve.engine.kv_cache import (
     bytes_per_block,
     gpu_kv_cache_budget,
     log_cache_size,
@@ -36,7 +36,7 @@ def test_gpu_budget_is_utilised_memory_minus_peak_and_non_torch():
 
 
 def test_start_up_line_gives_blocks_tokens_and_concurrency(caplog):
-    with caplog.at_level(logging.INFO, logger="pagedserve.blockmgr"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         log_cache_size(1456, 16, 2048)
     (record,) = caplog.records
     assert "1456 blocks of 16 tokens (23296 tokens)" in record.getMessage()
@@ -44,7 +44,7 @@ def test_start_up_line_gives_blocks_tokens_and_concurrency(caplog):
 
 
 def test_a_cache_smaller_than_max_model_len_is_warned_about(caplog):
-    with caplog.at_level(logging.INFO, logger="pagedserve.blockmgr"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         log_cache_size(10, 8, 512)
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
     assert "fewer than max_model_len (512)" in caplog.records[0].getMessage()

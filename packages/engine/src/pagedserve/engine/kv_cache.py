@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-logger = logging.getLogger("pagedserve.blockmgr")
+logger = logging.getLogger("pagedserve.engine")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
 

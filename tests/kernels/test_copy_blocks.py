@@ -7,7 +7,7 @@ import pytest
 import torch
 
 # By module path: the package's __init__ may re-export the function under the same name.
-copy_blocks_module = importlib.import_module("pagedserve.blockmgr.copy_blocks")
+copy_blocks_module = importlib.import_module("pagedserve.kernels.copy_blocks")
 
 
 def _caches(n_layers=2, num_blocks=6, shape=(4, 2, 8), dtype=torch.float32, seed=0):
