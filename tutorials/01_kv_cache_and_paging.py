@@ -12,9 +12,9 @@ import random
 import tempfile
 
 from pagedserve.blockmgr import KVCacheManager
-from pagedserve.engine.kv_cache import bytes_per_block
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.kv_cache import bytes_per_block
 from pagedserve.models import ModelConfig
 from pagedserve.models.default_model import ensure_default_model
 from pagedserve.models.testing import make_tiny_checkpoint

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagedserve.blockmgr import CacheConfig
+from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
 from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
@@ -24,7 +25,6 @@ from pagedserve.engine.kv_cache import (
     log_cache_size,
     num_blocks_for_memory,
 )
-from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
 from pagedserve.kernels import copy_blocks
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
