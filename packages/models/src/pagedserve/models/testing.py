@@ -10,7 +10,6 @@ next-token distribution is peaked and greedy decoding does not sit on near-ties.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +119,6 @@ def make_tiny_checkpoint(
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tiny_tokenizer(out_dir, config.vocab_size)
     return out_dir
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
