@@ -122,7 +122,7 @@ class ModelRunner:
             mc.torch_dtype,
             dev,
         )
-        meta = _attention_metadata(batch, max(lengths), dev)
+        meta = _attention_metadata(batch, dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.from_numpy(batch.positions).to(dev)
         hidden = self.model(input_ids, positions, caches, meta)
@@ -156,7 +156,7 @@ class ModelRunner:
         batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
 
         dev = self.device
-        meta = _attention_metadata(batch, max(counts), dev)
+        meta = _attention_metadata(batch, dev)
         input_ids = torch.from_numpy(
             np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=offset)
         )
@@ -218,15 +218,11 @@ def _token_slice(request: Request, start: int, count: int) -> list[int]:
     return prompt[start:] + output[: end - len(prompt)]
 
 
-def _attention_metadata(
-    batch: PagedBatch, max_query_len: int, device: torch.device
-) -> AttentionMetadata:
+def _attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
     """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
         block_tables=torch.from_numpy(batch.block_tables).to(device),
         seq_lens=torch.from_numpy(batch.seq_lens).to(device),
         query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
-        max_query_len=max_query_len,
-        max_seq_len=int(batch.seq_lens.max()),
     )
