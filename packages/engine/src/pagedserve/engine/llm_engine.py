@@ -23,6 +23,8 @@ from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamDecisions, BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.detokenizer import find_stop_string
+from pagedserve.engine.distributed import TensorParallelExecutor
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -38,10 +40,6 @@ from pagedserve.scheduler import (
     Scheduler,
     SchedulerOverloadedError,
 )
-
-
-class EngineError(RuntimeError):
-    """The engine cannot go on (the step loop died); every pending request fails with it."""
 
 
 @dataclass
@@ -63,9 +61,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.model_config, self.cache_config)
-        else:  # rank 0 of a tensor-parallel group; same interface (lazy: it imports EngineError)
-            from pagedserve.engine.distributed import TensorParallelExecutor
-
+        else:  # rank 0 of a tensor-parallel group; same interface
             self.runner = TensorParallelExecutor(
                 self.model_config, self.cache_config, args.tensor_parallel_size
             )
@@ -108,37 +104,26 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate a request against the model and queue it (its first sequence)."""
+        """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``.
+
+        Each check lives with its owner: SamplingParams has checked its own fields, the engine
+        checks what needs the model (every token id inside the vocabulary), and the scheduler
+        what needs its limits (an empty prompt, ``max_model_len``, the KV cache's capacity); its
+        refusal comes out as the same error, naming the field at fault. A refused request
+        leaves no trace (no group, no seed drawn).
+        """
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        max_len = self.scheduler_config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        for name, ids in (
-            ("logit_bias", params.logit_bias or {}),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len}"
-            )
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else max_len - len(prompt_token_ids)
-        )
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_token_ids(prompt_token_ids, params)
+        prompt_ids = list(prompt_token_ids)
+        max_tokens = self._max_tokens(len(prompt_ids), params)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        group = self._new_group(request_id, list(prompt_token_ids), params, prompt, now, max_tokens)
-        state = group.new_state(0, self.tokenizer, self.runner.device)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             stop_token_ids=frozenset() if params.use_beam_search else frozenset(stop_ids),
@@ -147,11 +132,45 @@ class LLMEngine:
             # prompt logprobs need every prompt position computed: a salt of its own keeps the
             # prefix cache from serving this prompt's blocks
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
-            payload=state,
         )
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as e:
+            raise InvalidRequestError(str(e), e.param) from e
+        group = self._new_group(request_id, list(prompt_ids), params, prompt, now, max_tokens)
+        request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
+
+    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """``params.max_tokens``, or all the room ``max_model_len`` leaves after the prompt."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        room = self.scheduler_config.max_model_len - num_prompt_tokens
+        if 0 < room < params.min_tokens:  # no room at all is the scheduler's refusal
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_tokens, got {params.min_tokens} > {room} (the room "
+                "max_model_len leaves after the prompt)",
+                "min_tokens",
+            )
+        return room
+
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every token id the request names must be a token of this model."""
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", "prompt"
+            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"{name} token ids must be in [0, {vocab}), got {bad}", name
+                )
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
         seed = (

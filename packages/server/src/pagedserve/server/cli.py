@@ -18,7 +18,13 @@ import sys
 import time
 from dataclasses import fields
 
-from pagedserve.engine import LLM, EngineArgs, SamplingParams
+from pagedserve.engine import (
+    DEFAULT_MODEL_NAME,
+    LLM,
+    EngineArgs,
+    SamplingParams,
+    ensure_default_model,
+)
 from pagedserve.server.config import ServerConfig
 
 ENGINE_HELP = {
@@ -100,8 +106,6 @@ def resolve_model(path: str | None) -> tuple[str, str | None]:
     """(model folder, its default served name): the default model when no path is given."""
     if path:
         return path, None
-    from pagedserve.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
     return str(ensure_default_model()), DEFAULT_MODEL_NAME
 
 
