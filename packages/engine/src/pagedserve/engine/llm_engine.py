@@ -32,6 +32,7 @@ from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler, SamplingMetadata
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
+from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import (
     Request,
@@ -104,19 +105,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``.
-
-        Each check lives with its owner: SamplingParams has checked its own fields, the engine
-        checks what needs the model (every token id inside the vocabulary), and the scheduler
-        what needs its limits (an empty prompt, ``max_model_len``, the KV cache's capacity); its
-        refusal comes out as the same error, naming the field at fault. A refused request
-        leaves no trace (no group, no seed drawn).
-        """
+        """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
+        naming the field at fault (validation.py; the scheduler's refusals too). A refused
+        request leaves no trace: no group, no seed drawn."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self._check_token_ids(prompt_token_ids, params)
+        check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
         prompt_ids = list(prompt_token_ids)
-        max_tokens = self._max_tokens(len(prompt_ids), params)
+        max_len = self.scheduler_config.max_model_len
+        max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
         now = arrival_time if arrival_time is not None else time.monotonic()
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -141,36 +138,6 @@ class LLMEngine:
         request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
-
-    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """``params.max_tokens``, or all the room ``max_model_len`` leaves after the prompt."""
-        if params.max_tokens is not None:
-            return params.max_tokens
-        room = self.scheduler_config.max_model_len - num_prompt_tokens
-        if 0 < room < params.min_tokens:  # no room at all is the scheduler's refusal
-            raise InvalidRequestError(
-                f"min_tokens must be <= max_tokens, got {params.min_tokens} > {room} (the room "
-                "max_model_len leaves after the prompt)",
-                "min_tokens",
-            )
-        return room
-
-    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Every token id the request names must be a token of this model."""
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab})", "prompt"
-            )
-        for name, ids in (
-            ("logit_bias", params.logit_bias or {}),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"{name} token ids must be in [0, {vocab}), got {bad}", name
-                )
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
         seed = (
