@@ -53,11 +53,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def _validate(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}", name)
+    def _require(self, ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}", name)
 
+    def _validate(self) -> None:
+        check = self._require
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         if self.best_of is not None:
             check(
@@ -74,13 +75,25 @@ class SamplingParams:
         check(self.repetition_penalty > 0.0, "repetition_penalty", "must be positive")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        self._validate_lengths()
+        self._validate_outputs_and_stops()
+        if self.use_beam_search:
+            self._validate_beam_search()
+        elif self.best_of not in (None, self.n):
+            raise InvalidRequestError(
+                f"best_of is only used by beam search (its beam width); got best_of={self.best_of} "
+                f"with n={self.n}: use n to ask for several samples",
+                "best_of",
+            )
+
+    def _validate_lengths(self) -> None:
         if self.max_tokens is not None:
-            check(
+            self._require(
                 isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                 "max_tokens",
                 "must be at least 1",
             )
-        check(
+        self._require(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0"
         )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -88,6 +101,9 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}",
                 "min_tokens",
             )
+
+    def _validate_outputs_and_stops(self) -> None:
+        check = self._require
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -108,22 +124,13 @@ class SamplingParams:
             "stop_token_ids",
             "must be token ids",
         )
-        if self.logit_bias:
-            for token, bias in self.logit_bias.items():
-                if not isinstance(token, int) or token < 0 or not -100.0 <= float(bias) <= 100.0:
-                    raise InvalidRequestError(
-                        "logit_bias must map token ids to values in [-100, 100], "
-                        f"got {token!r}: {bias!r}",
-                        "logit_bias",
-                    )
-        if self.use_beam_search:
-            self._validate_beam_search()
-        elif self.best_of not in (None, self.n):
-            raise InvalidRequestError(
-                f"best_of is only used by beam search (its beam width); got best_of={self.best_of} "
-                f"with n={self.n}: use n to ask for several samples",
-                "best_of",
-            )
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0 or not -100.0 <= float(bias) <= 100.0:
+                raise InvalidRequestError(
+                    "logit_bias must map token ids to values in [-100, 100], "
+                    f"got {token!r}: {bias!r}",
+                    "logit_bias",
+                )
 
     def _validate_beam_search(self) -> None:
         """Beam search is deterministic: it takes no sampling knobs, stop strings or logprobs.

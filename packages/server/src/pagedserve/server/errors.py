@@ -5,9 +5,10 @@ clients raise their typed exceptions (BadRequestError, AuthenticationError, NotF
 RateLimitError...). ``param`` names the request field at fault when there is one.
 
 Mapping: invalid parameters (pydantic, and the engine's ``InvalidRequestError``, raised by
-SamplingParams and by the engine's checks against the model) -> 400; bad key -> 401; unknown model or route -> 404; body too
-large -> 413; headers too large -> 431; queue full (``SchedulerOverloadedError``) or draining ->
-503 with Retry-After; engine dead -> 503; anything else -> 500 (its details go to the log only).
+SamplingParams and by the engine's checks against the model) -> 400; bad key -> 401; unknown
+model or route -> 404; body too large -> 413; headers too large -> 431; queue full
+(``SchedulerOverloadedError``) or draining -> 503 with Retry-After; engine dead -> 503; anything
+else -> 500 (its details go to the log only).
 """
 
 from __future__ import annotations
