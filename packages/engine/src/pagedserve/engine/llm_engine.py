@@ -23,6 +23,8 @@ from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamDecisions, BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.detokenizer import find_stop_string
+from pagedserve.engine.distributed import TensorParallelExecutor
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -30,6 +32,7 @@ from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler, SamplingMetadata
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
+from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import (
     Request,
@@ -38,10 +41,6 @@ from pagedserve.scheduler import (
     Scheduler,
     SchedulerOverloadedError,
 )
-
-
-class EngineError(RuntimeError):
-    """The engine cannot go on (the step loop died); every pending request fails with it."""
 
 
 @dataclass
@@ -63,9 +62,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.model_config, self.cache_config)
-        else:  # rank 0 of a tensor-parallel group; same interface (lazy: it imports EngineError)
-            from pagedserve.engine.distributed import TensorParallelExecutor
-
+        else:  # rank 0 of a tensor-parallel group; same interface
             self.runner = TensorParallelExecutor(
                 self.model_config, self.cache_config, args.tensor_parallel_size
             )
@@ -108,37 +105,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate a request against the model and queue it (its first sequence)."""
+        """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
+        naming the field at fault (validation.py; the scheduler's refusals too). A refused
+        request leaves no trace: no group, no seed drawn."""
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        for name, ids in (
-            ("logit_bias", params.logit_bias or {}),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len}"
-            )
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else max_len - len(prompt_token_ids)
-        )
+        max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        group = self._new_group(request_id, list(prompt_token_ids), params, prompt, now, max_tokens)
-        state = group.new_state(0, self.tokenizer, self.runner.device)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             stop_token_ids=frozenset() if params.use_beam_search else frozenset(stop_ids),
@@ -147,9 +129,13 @@ class LLMEngine:
             # prompt logprobs need every prompt position computed: a salt of its own keeps the
             # prefix cache from serving this prompt's blocks
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
-            payload=state,
         )
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as e:
+            raise InvalidRequestError(str(e), e.param) from e
+        group = self._new_group(request_id, list(prompt_ids), params, prompt, now, max_tokens)
+        request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
 

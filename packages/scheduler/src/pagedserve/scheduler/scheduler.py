@@ -108,7 +108,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request, or refuse it at once.
 
-        Raises ``RequestRejectedError`` (a ValueError) when it can never run: an empty prompt,
+        Raises ``RequestRejectedError`` (a ValueError naming the field at fault) when it can
+        never run: an empty prompt, a prompt that leaves no room under ``max_model_len``,
         ``max_tokens`` < 1, prompt + max_tokens over ``max_model_len``, or more blocks than the
         KV cache can give one request. Raises ``SchedulerOverloadedError`` when the waiting
         queue is full. Raises ValueError when the request id is already in use.
@@ -127,13 +128,22 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         max_len = self.config.max_model_len
         if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty: give at least one token")
+            raise RequestRejectedError("the prompt is empty: give at least one token", "prompt")
+        if num_prompt >= max_len:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {max_len}, which leaves "
+                "no room for a new token: shorten the prompt",
+                "prompt",
+            )
         if request.max_tokens < 1:
-            raise RequestRejectedError(f"max_tokens must be >= 1, got {request.max_tokens}")
+            raise RequestRejectedError(
+                f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens"
+            )
         if num_prompt + request.max_tokens > max_len:
             raise RequestRejectedError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens"
+                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens",
+                "max_tokens",
             )
         # The last sampled token is never fed back, so it needs no slot. The watermark is kept
         # free on admission, so one request may hold at most num_blocks - watermark blocks (a
@@ -145,7 +155,8 @@ class Scheduler:
             raise RequestRejectedError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) needs "
                 f"{blocks_needed} KV blocks of {self.kv.block_size} tokens, but the KV cache can "
-                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache"
+                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache",
+                "max_tokens",
             )
 
     def _check_not_overloaded(self, request: Request) -> None:

@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pagedserve.engine import EngineDeadError
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import (
     EXCEPTION_HANDLERS,
     APIError,
-    EngineDeadError,
     from_validation_error,
     parse_json_body,
 )
@@ -44,9 +44,10 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedserve.server.serving import ServerState, check_model, now_s
+from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
+from pagedserve.server.state import ServerState, now_s
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
