@@ -1,6 +1,7 @@
 """pagedserve.engine: sampling parameters, the model runner, the sampler, LLMEngine, LLM, AsyncLLM."""
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.client import EngineClient
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import EngineError, LLMEngine
@@ -12,6 +13,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EngineClient",
     "EngineArgs",
     "EngineDeadError",
     "EngineError",
