@@ -55,9 +55,9 @@ PHASES = [  # (path from the engine, attribute, phase)
     ("runner", "prepare_input", "prepare input"),
     ("runner.model", "forward", "model forward"),
     ("runner.model", "compute_logits", "model forward"),
-    ("", "_sample", "sample"),
+    ("", "_decide", "sample"),  # every group's decision: one sampler call, beam steps
     ("scheduler", "update", "scheduler update"),
-    ("", "_process_new_token", "outputs + detokenize"),
+    ("", "_apply", "outputs + detokenize"),  # decisions applied, outputs built
     ("", "step", "step"),
 ]
 

@@ -6,6 +6,7 @@ chat template, and the default model.
 """
 
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.client import EngineClient
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.errors import (
     EngineDeadError,
@@ -28,6 +29,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EngineClient",
     "EngineArgs",
     "EngineDeadError",
     "EngineError",

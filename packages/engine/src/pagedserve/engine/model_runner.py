@@ -199,8 +199,8 @@ class ModelRunner:
 
 def prompt_logit_positions(item: ScheduledRequest) -> range:
     """Positions of this chunk whose logits score the next prompt token, for a request that
-    asked for prompt logprobs (``payload.needs_prompt_logits``); empty for every other one."""
-    if not getattr(item.request.payload, "needs_prompt_logits", False):
+    asked for prompt logprobs (``Request.needs_prompt_logits``); empty for every other one."""
+    if not item.request.needs_prompt_logits:
         return range(0)
     start = item.num_computed_tokens
     return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))

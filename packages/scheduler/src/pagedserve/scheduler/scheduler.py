@@ -26,65 +26,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_table: list[int]
-
-    @property
-    def needs_sample(self) -> bool:
-        """True when this chunk reaches the last known token, whose logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: what each scheduled request computes, the block copies to run first, and the
-    requests preempted while making room."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the counters the engine exports as metrics.
-
-    ``num_running``, ``num_waiting`` and ``num_waiting_tokens`` are current; ``num_preemptions``,
-    ``num_steps`` and ``total_scheduled_tokens`` are cumulative; ``num_scheduled_tokens`` and
-    ``num_scheduled_seqs`` describe the last step.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    total_scheduled_tokens: int = 0
-    num_scheduled_tokens: int = 0
-    num_scheduled_seqs: int = 0
 
 
 class Scheduler:
@@ -247,6 +195,43 @@ class Scheduler:
             self._finish(request, status)
             finished.append(request)
         return finished
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """End ``request`` with ``status`` (and ``stop_reason``, when given).
+
+        A live request leaves its queue and frees its blocks at once. One that holds no blocks
+        only takes the status: a fork that was never added (it ended at its first token, or
+        found the queue full), or a request that finished at this very token and whose reason
+        the engine overrules (a stop string in the text outranks the length limit).
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        if self.requests.get(request.request_id) is request and not request.is_finished:
+            self.finish_requests([request.request_id], status)
+        else:
+            request.status = status
+
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Un-compute the last ``num_tokens`` computed tokens of a running request: the next
+        step computes them again (a beam waiting for its siblings; rejected speculative tokens).
+
+        The tokens themselves stay, so every block the request holds is still needed (it is
+        recomputed into); none is given back. Blocks already registered in the prefix cache
+        stay valid: recomputing the same tokens writes the same keys and values.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running: it cannot be rewound")
+        if not 0 <= num_tokens <= request.num_computed_tokens:
+            raise ValueError(
+                f"cannot rewind {request_id!r} by {num_tokens} tokens: it has computed "
+                f"{request.num_computed_tokens}"
+            )
+        request.num_computed_tokens -= num_tokens
 
     # ---- one step ------------------------------------------------------------------------
 
