@@ -17,14 +17,6 @@ PACKAGES = ROOT / "packages"
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 400
 
-# Offenders in files that other changes of issue 12 are refactoring right now.
-# Lead: prune this list at merge (an entry that passes shows as XPASS).
-KNOWN_OFFENDERS = {
-    ("file", "pagedserve/engine/llm_engine.py"),  # 412 lines
-    ("file", "pagedserve/server/serving.py"),  # 409 lines
-    ("function", "pagedserve/engine/sampling_params.py"),  # SamplingParams._validate: 67 lines
-}
-
 
 def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int, int]]:
     """``(qualified name, def line, length)`` of each function over ``limit`` lines."""
@@ -61,34 +53,19 @@ def _name(path: Path) -> str:
     return Path(*path.relative_to(PACKAGES).parts[2:]).as_posix()
 
 
-def _param(rule: str, path: Path):
-    name = _name(path)
-    if (rule, name) in KNOWN_OFFENDERS:
-        return pytest.param(
-            path,
-            id=name,
-            marks=pytest.mark.xfail(strict=False, reason="being refactored by another change"),
-        )
-    return pytest.param(path, id=name)
-
-
 SOURCES = sorted(PACKAGES.glob("*/src/**/*.py"))
 
 
-@pytest.mark.parametrize("path", [_param("file", p) for p in SOURCES])
+@pytest.mark.parametrize("path", SOURCES, ids=_name)
 def test_file_is_at_most_400_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_FILE_LINES, f"{path}: {lines} lines; past {MAX_FILE_LINES} it is two ideas"
 
 
-@pytest.mark.parametrize("path", [_param("function", p) for p in SOURCES])
+@pytest.mark.parametrize("path", SOURCES, ids=_name)
 def test_functions_are_at_most_60_lines(path):
     offenders = long_functions(path.read_text())
     assert not offenders, "\n".join(f"{path}:{line}: {n} is {k} lines" for n, line, k in offenders)
-
-
-def test_known_offenders_name_real_files():
-    assert {name for _, name in KNOWN_OFFENDERS} <= {_name(p) for p in SOURCES}
 
 
 def test_the_rules_cover_every_member():

@@ -106,32 +106,11 @@ def import_violations(packages_dir: Path) -> list[Violation]:
 
 # ---- the real tree ----------------------------------------------------------------------
 
-# The server still imports pagedserve.models and pagedserve.scheduler while another change of
-# issue 12 removes those two edges. Lead: when it merges, this test XPASSes and fails (strict);
-# then delete PENDING_SERVER_EDGES, PendingServerEdges and the xfail mark below.
-PENDING_SERVER_EDGES = {("server", "pagedserve.models"), ("server", "pagedserve.scheduler")}
 
-
-class PendingServerEdges(AssertionError):
-    """Only the known pending server edges are broken (any other violation fails as usual)."""
-
-
-def _member_param(member: str):
-    if member != "server":
-        return member
-    mark = pytest.mark.xfail(
-        raises=PendingServerEdges, strict=True, reason="server -> models/scheduler are going"
-    )
-    return pytest.param(member, marks=mark)
-
-
-@pytest.mark.parametrize("member", [_member_param(m) for m in ALLOWED_MEMBERS])
+@pytest.mark.parametrize("member", ALLOWED_MEMBERS)
 def test_member_imports_follow_the_map(member):
     broken = [v for v in import_violations(PACKAGES) if v.member == member]
-    message = "imports against the package map:\n" + "\n".join(map(str, broken))
-    if broken and {(v.member, v.imported) for v in broken} <= PENDING_SERVER_EDGES:
-        raise PendingServerEdges(message)
-    assert not broken, message
+    assert not broken, "imports against the package map:\n" + "\n".join(map(str, broken))
 
 
 def test_every_member_is_on_the_map():

@@ -1,6 +1,6 @@
 """The Starlette application: routes, body parsing, the gate middleware, metrics, lifespan.
 
-``build_app(engine, config)`` takes an ``AsyncLLM`` (anything with its interface) and returns an
+``build_app(engine, config)`` takes an ``AsyncLLM`` (any ``EngineClient``) and returns an
 ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
 Starlette's TestClient). Routes:
 
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.engine import EngineDeadError
+from pagedserve.engine import EngineClient, EngineDeadError
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -188,9 +188,10 @@ ROUTES = [
 
 
 def build_app(
-    engine, config: ServerConfig | None = None, model_name: str | None = None
+    engine: EngineClient, config: ServerConfig | None = None, model_name: str | None = None
 ) -> Starlette:
-    """The ASGI app serving ``engine`` (an AsyncLLM) under ``model_name``.
+    """The ASGI app serving ``engine`` (an AsyncLLM, or anything that is an EngineClient)
+    under ``model_name``.
 
     The engine is shut down with the app's lifespan (uvicorn); in-process users that skip the
     lifespan shut it down themselves.

@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pagedserve.engine import EngineClient
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 
@@ -14,7 +15,7 @@ from pagedserve.server.errors import APIError
 class ServerState:
     """Shared by the routes and the launcher: in-flight engine requests, and the drain flag."""
 
-    engine: object
+    engine: EngineClient
     config: ServerConfig
     model_name: str
     created: int = 0
