@@ -81,3 +81,21 @@ def test_engine_overhead_tool_runs_on_a_tiny_model(tiny_checkpoint):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "engine overhead" in result.stdout and "model forward" in result.stdout
+
+
+def test_host_overhead_tool_times_every_phase_with_a_stand_in_forward(tiny_checkpoint, capsys):
+    import bench_host_overhead
+
+    model = tiny_checkpoint("llama")
+    results = {n: bench_host_overhead.measure(model, n, steps=3, prompt_len=8) for n in (2, 4)}
+    for ms in results.values():
+        for phase in ("schedule", "build inputs", "sampling + decisions", "scheduler update",
+                      "detokenize + stops", "make outputs", "  of which sampler"):  # fmt: skip
+            assert ms[phase] > 0.0, phase
+        # the top-level phases are disjoint parts of the step: what is left over is not negative
+        assert ms["other (step glue)"] >= 0.0
+        assert ms["forward (stand-in)"] < ms["step"] / 4
+        assert ms["  of which sampler"] <= ms["sampling + decisions"]
+    bench_host_overhead.print_table(results)
+    table = capsys.readouterr().out
+    assert "step / floor" in table and "4 seqs" in table

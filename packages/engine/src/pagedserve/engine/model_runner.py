@@ -59,18 +59,25 @@ class ModelRunner:
         self.par = par or ParallelContext()
         self.device = model_config.torch_device
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_config, self.par)
+        self.model = self._load_model()
         self.num_blocks = self.par.min_over_ranks(self._num_blocks())
-        self.kv_caches = allocate_kv_caches(
-            model_config.num_layers,
-            self.num_blocks,
-            cache_config.block_size,
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
+
+    def _load_model(self):
+        return load_model(self.model_config, self.par)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.model_config
+        return allocate_kv_caches(
+            mc.num_layers,
+            num_blocks,
+            self.cache_config.block_size,
             self._kv_heads_per_rank(),
-            model_config.head_dim,
-            model_config.torch_dtype,
+            mc.head_dim,
+            mc.torch_dtype,
             self.device,
         )
-        log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
 
     def _kv_heads_per_rank(self) -> int:
         return kv_heads_per_rank(self.model_config.num_kv_heads, self.par.tp_size)
