@@ -27,7 +27,7 @@ from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_requ
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
-from pagedserve.engine.sampler import Sampler, SamplingMetadata
+from pagedserve.engine.sampler import Sampler, SamplingMetadata, select_rows
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
 from pagedserve.models import load_tokenizer
@@ -271,7 +271,7 @@ class LLMEngine:
                     rows.append(row)
                     row_states.append((None, group.new_state(index, self.tokenizer, logits.device)))
         if rows:
-            self._sample(logits[torch.tensor(rows, device=logits.device)], row_states, decisions)
+            self._sample(select_rows(logits, rows), row_states, decisions)
         for group_id, beams in beam_rows.items():
             decisions.beams.step_group(self.groups[group_id], beams, logits, decisions.sampled)
         return decisions
