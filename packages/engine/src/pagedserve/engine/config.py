@@ -2,7 +2,8 @@
 
 ``EngineArgs(...).create_configs()`` splits them into one dataclass per concern: the model
 (pagedserve.models.ModelConfig), the KV cache (pagedserve.blockmgr.CacheConfig) and the scheduler
-(pagedserve.scheduler.SchedulerConfig).
+(pagedserve.scheduler.SchedulerConfig); ``cuda_graph_config()`` gives the model runner's
+decode-graph settings.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pagedserve.blockmgr import CacheConfig
+from pagedserve.engine.cuda_graph import CUDAGraphConfig
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
 
@@ -35,10 +37,14 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_num_waiting: int = 1024
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def cuda_graph_config(self) -> CUDAGraphConfig:
+        return CUDAGraphConfig(max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager)
 
     def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         model_config = ModelConfig(

@@ -39,6 +39,7 @@ ENGINE_HELP = {
     "scheduling_policy": "fcfs, or priority (a request's 'priority' field, lower first)",
     "max_num_waiting": "most requests waiting in the queue; beyond it the server answers 503",
     "tensor_parallel_size": "number of devices to shard the model over",
+    "enforce_eager": "run every step eagerly: no CUDA graphs for decode steps",
 }
 
 _SIZE_UNITS = {
