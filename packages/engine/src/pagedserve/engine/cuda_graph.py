@@ -166,9 +166,11 @@ class DecodeCUDAGraphs:
     """One captured decode forward per bucket, all reading ``buffers`` and sharing one pool.
 
     Captured largest first (vLLM's order) so the smaller graphs reuse the largest one's memory.
-    Each bucket runs once eagerly before its capture: Triton compiles its kernels then, never
-    inside a capture. Capture runs on the padding rows the buffers start with, so it writes
-    only the reserved block.
+    Each bucket runs once eagerly before its capture, on a side stream as torch's CUDA-graph
+    notes advise: Triton compiles its kernels then, never inside a capture. Capture runs on the
+    padding rows the buffers start with, so it writes only the reserved block. The forward must
+    not synchronise with the host (the Triton kernels do not; the torch references do, which is
+    why the runner captures only when the kernels dispatch to Triton).
     """
 
     def __init__(self, model, kv_caches, buffers: DecodeInputBuffers, max_model_len: int) -> None:
@@ -178,7 +180,11 @@ class DecodeCUDAGraphs:
         pool = None
         for size in reversed(buffers.sizes):
             input_ids, positions, meta = buffers.views(size, max_seq_len=max_model_len)
-            model(input_ids, positions, kv_caches, meta)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(input_ids, positions, kv_caches, meta)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

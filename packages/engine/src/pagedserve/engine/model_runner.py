@@ -30,6 +30,7 @@ from pagedserve.engine.kv_cache import (
     num_blocks_for_memory,
 )
 from pagedserve.kernels import copy_blocks
+from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
@@ -92,7 +93,7 @@ class ModelRunner:
             padding_block=self.num_blocks,
             device=self.device,
         )
-        if graph_config.captures(self.device):
+        if graph_config.captures(self.device) and use_triton(self.kv_caches[0][0]):
             with torch.inference_mode():
                 self.cuda_graphs = DecodeCUDAGraphs(
                     self.model, self.kv_caches, self.decode_buffers, mc.max_model_len
