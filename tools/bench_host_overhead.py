@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import platform
 import random
@@ -71,11 +72,23 @@ class StandInModel:
         return torch.zeros(rows, self.logits.shape[1])
 
 
-def stand_in_runner_class(max_rows: int, seed: int):
-    """A ModelRunner that loads no weights and allocates no KV cache; everything else is real."""
+def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
+    """A ModelRunner that loads no weights and allocates no KV cache; everything else is real.
+
+    ``pad_decode``: decode steps go through the CUDA-graph path's padded buffers (run eagerly
+    here), to measure what building a step's inputs costs there.
+    """
+    from pagedserve.engine.cuda_graph import CUDAGraphConfig
     from pagedserve.engine.model_runner import ModelRunner
 
     class StandInRunner(ModelRunner):
+        def __init__(self, model_config, cache_config, par=None, graph_config=None) -> None:
+            if pad_decode:
+                graph_config = dataclasses.replace(
+                    graph_config or CUDAGraphConfig(), pad_decode_on_cpu=True
+                )
+            super().__init__(model_config, cache_config, par, graph_config)
+
         def _load_model(self) -> StandInModel:
             mc = self.model_config
             return StandInModel(mc.hidden_size, mc.vocab_size, max_rows, seed)
@@ -88,19 +101,21 @@ def stand_in_runner_class(max_rows: int, seed: int):
 
 
 @contextlib.contextmanager
-def stand_in_forward(max_rows: int, seed: int) -> Iterator[None]:
+def stand_in_forward(max_rows: int, seed: int, pad_decode: bool = False) -> Iterator[None]:
     """While open, every LLMEngine built gets the stand-in runner."""
     import pagedserve.engine.llm_engine as llm_engine
 
     real = llm_engine.ModelRunner
-    llm_engine.ModelRunner = stand_in_runner_class(max_rows, seed)
+    llm_engine.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode)
     try:
         yield
     finally:
         llm_engine.ModelRunner = real
 
 
-def measure(model: str, num_seqs: int, steps: int, prompt_len: int, seed: int = 0) -> dict:
+def measure(
+    model: str, num_seqs: int, steps: int, prompt_len: int, seed: int = 0, pad_decode: bool = False
+) -> dict:
     """ms per decode step in each phase at ``num_seqs`` running greedy decodes."""
     from pagedserve.engine import LLMEngine, SamplingParams
     from pagedserve.engine.config import EngineArgs
@@ -121,7 +136,7 @@ def measure(model: str, num_seqs: int, steps: int, prompt_len: int, seed: int = 
         max_num_batched_tokens=2048,
         seed=seed,
     )
-    with stand_in_forward(num_seqs, seed):
+    with stand_in_forward(num_seqs, seed, pad_decode):
         engine = LLMEngine(args)
     timer = PhaseTimer()
     phases = instrument(engine, timer, PHASES)
@@ -181,6 +196,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="decode steps measured")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--pad-decode",
+        action="store_true",
+        help="build decode inputs in the CUDA-graph path's padded buffers (eager here)",
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         from pagedserve.models.default_model import ensure_default_model
@@ -193,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = {
-        n: measure(args.model, n, args.steps, args.prompt_len, args.seed) for n in args.num_seqs
+        n: measure(args.model, n, args.steps, args.prompt_len, args.seed, args.pad_decode)
+        for n in args.num_seqs
     }
     print(
         f"model config + tokenizer: {args.model} (forward: a stand-in that returns logits of the "
         f"real shape at no cost); greedy decodes, prompts of {args.prompt_len} random tokens, "
-        f"{args.steps} decode steps measured, seed {args.seed}; {os.cpu_count()} CPUs "
+        f"{args.steps} decode steps measured, seed {args.seed}, padded decode inputs "
+        f"{'on' if args.pad_decode else 'off'}; {os.cpu_count()} CPUs "
         f"({platform.machine()}), {args.threads} torch thread(s)"
     )
     print_table(results)

@@ -88,6 +88,7 @@ def test_host_overhead_tool_times_every_phase_with_a_stand_in_forward(tiny_check
 
     model = tiny_checkpoint("llama")
     results = {n: bench_host_overhead.measure(model, n, steps=3, prompt_len=8) for n in (2, 4)}
+    results[3] = bench_host_overhead.measure(model, 3, steps=3, prompt_len=8, pad_decode=True)
     for ms in results.values():
         for phase in ("schedule", "build inputs", "sampling + decisions", "scheduler update",
                       "detokenize + stops", "make outputs", "  of which sampler"):  # fmt: skip
@@ -98,4 +99,4 @@ def test_host_overhead_tool_times_every_phase_with_a_stand_in_forward(tiny_check
         assert ms["  of which sampler"] <= ms["sampling + decisions"]
     bench_host_overhead.print_table(results)
     table = capsys.readouterr().out
-    assert "step / floor" in table and "4 seqs" in table
+    assert "step / floor" in table and "4 seqs" in table and "3 seqs" in table

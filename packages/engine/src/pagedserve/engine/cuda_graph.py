@@ -73,8 +73,9 @@ class DecodeInputBuffers:
     """The persistent inputs of padded decode steps, ``sizes[-1]`` rows each.
 
     ``load`` writes a step into the host side (pinned on CUDA) and copies the first ``bucket``
-    rows to the device without blocking. The host side is rewritten only at the next step's
-    ``load``, after the engine has read this step's sampled tokens back, so the copy is done.
+    rows to the device without blocking. Before the next ``load`` rewrites the host side it
+    waits for that copy (an event; in practice long done, since the engine has read the step's
+    sampled tokens back by then).
     Block-table columns past a sequence's own blocks keep stale ids from earlier steps: every
     kernel stops at ``seq_len``, so they are never read.
     """
@@ -111,9 +112,11 @@ class DecodeInputBuffers:
         )
         # query_start_loc of a decode batch is 0, 1, ..., n whatever the tokens: written once
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self._pad_rows(0, rows)
-        for name, t in self.device_buffers.items():
-            t.copy_(self.host[name])
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._pad_rows(0, rows)  # capture runs on these: padding rows only
+        if self.device_buffers is not self.host:
+            for name, t in self.device_buffers.items():
+                t.copy_(self.host[name])
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds ``num_seqs`` rows; None past the largest."""
@@ -134,6 +137,8 @@ class DecodeInputBuffers:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Write a pure-decode step padded to ``bucket`` rows; returns views of the buffers."""
         num_seqs, width = batch.block_tables.shape
+        if self._copied is not None:
+            self._copied.synchronize()
         a = self._np
         a["input_ids"][:num_seqs] = input_ids
         a["positions"][:num_seqs] = batch.positions
@@ -144,6 +149,7 @@ class DecodeInputBuffers:
         if self.device_buffers is not self.host:
             for name, t in self.device_buffers.items():
                 t[:bucket].copy_(self.host[name][:bucket], non_blocking=True)
+            self._copied.record()
         return self.views(bucket, max_seq_len=int(batch.seq_lens.max()))
 
     def views(
