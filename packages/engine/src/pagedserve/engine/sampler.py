@@ -28,7 +28,7 @@ processing; vLLM's default ``raw_logprobs``): the sampled token's, and the top-N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -65,15 +65,20 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
+    _host: tuple[list, list, list, list] | None = field(default=None, init=False, repr=False)
 
     def row_logprobs(self, row: int, num: int) -> dict[int, float]:
-        """Row ``row``'s logprobs as {token id: logprob}: its top ``num``, then the sampled token."""
+        """Row ``row``'s logprobs as {token id: logprob}: its top ``num``, then the sampled token.
+
+        The tensors come to the host once per step, on the first call (one transfer each, not
+        one per element read)."""
         assert self.logprobs is not None and self.top_logprobs is not None
-        result = {
-            int(t): float(v)
-            for t, v in zip(self.top_token_ids[row, :num], self.top_logprobs[row, :num])
-        }
-        result.setdefault(int(self.token_ids[row]), float(self.logprobs[row]))
+        if self._host is None:
+            tensors = (self.token_ids, self.logprobs, self.top_token_ids, self.top_logprobs)
+            self._host = tuple(t.tolist() for t in tensors)
+        tokens, logprobs, top_ids, top_values = self._host
+        result = dict(zip(top_ids[row][:num], top_values[row][:num]))
+        result.setdefault(tokens[row], logprobs[row])
         return result
 
 
