@@ -150,11 +150,9 @@ class DecodeInputBuffers:
             for name, t in self.device_buffers.items():
                 t[:bucket].copy_(self.host[name][:bucket], non_blocking=True)
             self._copied.record()
-        return self.views(bucket, max_seq_len=int(batch.seq_lens.max()))
+        return self.views(bucket)
 
-    def views(
-        self, bucket: int, max_seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The first ``bucket`` rows of every buffer: what one padded step reads."""
         d = self.device_buffers
         meta = AttentionMetadata(
@@ -162,8 +160,6 @@ class DecodeInputBuffers:
             block_tables=d["block_tables"][:bucket],
             seq_lens=d["seq_lens"][:bucket],
             query_start_loc=self.query_start_loc[: bucket + 1],
-            max_query_len=1,
-            max_seq_len=max_seq_len,
         )
         return d["input_ids"][:bucket], d["positions"][:bucket], meta
 
@@ -179,13 +175,13 @@ class DecodeCUDAGraphs:
     why the runner captures only when the kernels dispatch to Triton).
     """
 
-    def __init__(self, model, kv_caches, buffers: DecodeInputBuffers, max_model_len: int) -> None:
+    def __init__(self, model, kv_caches, buffers: DecodeInputBuffers) -> None:
         self.buffers = buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
         pool = None
         for size in reversed(buffers.sizes):
-            input_ids, positions, meta = buffers.views(size, max_seq_len=max_model_len)
+            input_ids, positions, meta = buffers.views(size)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

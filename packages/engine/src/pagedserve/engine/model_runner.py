@@ -95,9 +95,7 @@ class ModelRunner:
         )
         if graph_config.captures(self.device) and use_triton(self.kv_caches[0][0]):
             with torch.inference_mode():
-                self.cuda_graphs = DecodeCUDAGraphs(
-                    self.model, self.kv_caches, self.decode_buffers, mc.max_model_len
-                )
+                self.cuda_graphs = DecodeCUDAGraphs(self.model, self.kv_caches, self.decode_buffers)
 
     def _load_model(self):
         return load_model(self.model_config, self.par)
@@ -164,7 +162,7 @@ class ModelRunner:
             mc.torch_dtype,
             dev,
         )
-        meta = _attention_metadata(batch, max(lengths), dev)
+        meta = _attention_metadata(batch, dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.from_numpy(batch.positions).to(dev)
         hidden = self.model(input_ids, positions, caches, meta)
@@ -206,7 +204,7 @@ class ModelRunner:
         return ModelInput(
             input_ids=torch.from_numpy(token_ids).to(dev),
             positions=torch.from_numpy(batch.positions).to(dev),
-            attn_metadata=_attention_metadata(batch, max(counts), dev),
+            attn_metadata=_attention_metadata(batch, dev),
             logits_indices=logits_indices,
             sample_request_ids=sample_ids,
         )
@@ -275,15 +273,11 @@ def _token_slice(request: Request, start: int, count: int) -> list[int]:
     return prompt[start:] + output[: end - len(prompt)]
 
 
-def _attention_metadata(
-    batch: PagedBatch, max_query_len: int, device: torch.device
-) -> AttentionMetadata:
+def _attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
     """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
         block_tables=torch.from_numpy(batch.block_tables).to(device),
         seq_lens=torch.from_numpy(batch.seq_lens).to(device),
         query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
-        max_query_len=max_query_len,
-        max_seq_len=int(batch.seq_lens.max()),
     )

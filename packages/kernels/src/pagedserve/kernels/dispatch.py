@@ -27,8 +27,3 @@ def use_triton(t: torch.Tensor) -> bool:
     if forced not in ("", "auto"):
         raise ValueError(f"{_FORCE_ENV}={forced!r}: expected 'ref', 'triton' or unset")
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= n (Triton tiles must be powers of two)."""
-    return 1 << max(0, (n - 1).bit_length())

@@ -203,9 +203,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     @property
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
