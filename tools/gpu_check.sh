@@ -46,6 +46,11 @@ else
     ROWS+=("$(printf '%-18s %-18s %6s   %s' e2e-generation skipped - 'tools/bench_e2e_gpu.py does not exist yet')")
 fi
 
+# --- CUDA graphs for decode (engine/cuda_graph.py): capture every bucket of a tiny model, replay
+# decode steps, and match the eager (--enforce-eager) tokens; plus the padded path's CPU tests.
+step cuda-graphs 150 "$PYTHON" -m pytest tests/engine/test_cuda_graph.py -q -p no:cacheprovider -rs
+# --- end of the CUDA-graph block
+
 echo
 echo "=== gpu_check summary (logs in $LOGS)"
 printf '%-18s %-18s %7s  %s\n' step status time "last line"

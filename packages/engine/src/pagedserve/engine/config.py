@@ -5,7 +5,8 @@ fields' type hints, defaults and help, so a new knob needs no CLI code.
 
 ``EngineArgs(...).create_configs()`` splits them into one dataclass per concern: the model
 (pagedserve.models.ModelConfig), the KV cache (pagedserve.blockmgr.CacheConfig) and the scheduler
-(pagedserve.scheduler.SchedulerConfig).
+(pagedserve.scheduler.SchedulerConfig); ``cuda_graph_config()`` gives the model runner's
+decode-graph settings.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from pagedserve.blockmgr import CacheConfig
+from pagedserve.engine.cuda_graph import CUDAGraphConfig
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
 
@@ -60,10 +62,14 @@ class EngineArgs:
         0, "most tokens waiting in the queue (0: no cap, else >= max_model_len); beyond it, 503"
     )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def cuda_graph_config(self) -> CUDAGraphConfig:
+        return CUDAGraphConfig(max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager)
 
     def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         model_config = ModelConfig(

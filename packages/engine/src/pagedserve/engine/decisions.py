@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, select_rows
 from pagedserve.scheduler import Request, Scheduler
 
 if TYPE_CHECKING:
@@ -94,8 +94,7 @@ class SamplingBatch:
                 masked_tokens(r or s.group.sequences[0]) for r, s in zip(requests, states)
             ],
         )
-        rows = torch.tensor(self._rows, device=self.logits.device)
-        self._output = sampler(self.logits[rows], meta)
+        self._output = sampler(select_rows(self.logits, self._rows), meta)
         self._token_ids = self._output.token_ids.tolist()
 
     def token(self, slot: int) -> int:

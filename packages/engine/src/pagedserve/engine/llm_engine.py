@@ -42,7 +42,9 @@ class LLMEngine:
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         if args.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.model_config, self.cache_config)
+            self.runner = ModelRunner(
+                self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
+            )
         else:  # rank 0 of a tensor-parallel group; same interface
             self.runner = TensorParallelExecutor(
                 self.model_config, self.cache_config, args.tensor_parallel_size
