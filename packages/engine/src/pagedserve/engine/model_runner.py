@@ -71,6 +71,10 @@ class ModelRunner:
             self.device,
         )
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
+        if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
+            from pagedserve.kernels.paged_attention_numba import warm_up
+
+            warm_up((model_config.torch_dtype,))
 
     def _kv_heads_per_rank(self) -> int:
         return kv_heads_per_rank(self.model_config.num_kv_heads, self.par.tp_size)
