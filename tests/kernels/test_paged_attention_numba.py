@@ -81,10 +81,39 @@ def test_block_table_padding_and_stale_slots_are_never_read(pad_value):
 
 def test_long_prefill_is_split_into_parallel_tiles():
     q_lens, seq_lens = np.array([1, 20, 0]), np.array([50, 30, 7])
-    work = pan._work_items(q_lens, seq_lens, None)
-    # 1 decode tile + ceil(20 / 8) = 3 chunk tiles; most KV positions first
-    assert work.tolist() == [[0, 0, 1], [1, 16, 20], [1, 8, 16], [1, 0, 8]]
+    tiles = pan._work_items(q_lens, seq_lens, None)
+    # 1 decode tile + ceil(20 / 8) = 3 chunk tiles; none for the sequence without new tokens
+    assert tiles.tolist() == [[0, 0, 1], [1, 0, 8], [1, 8, 16], [1, 16, 20]]
     assert pan._work_items(q_lens, seq_lens, 15).tolist() == [[0, 0, 1]]
+    work, merges = pan._plan(tiles, np.array([0, 1, 21, 21]), seq_lens, splits=1)
+    # (seq, q0, q1, kv_lo, kv_hi, partial slot): most KV positions first, none split
+    assert work.tolist() == [
+        [0, 0, 1, 0, 50, -1], [1, 16, 20, 0, 30, -1], [1, 8, 16, 0, 26, -1],
+        [1, 0, 8, 0, 18, -1],
+    ]  # fmt: skip
+    assert len(merges) == 0
+
+
+def test_a_single_long_decode_is_split_over_the_kv_axis():
+    assert pan._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=2) == 3
+    assert pan._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=1) == 1
+    assert pan._num_kv_splits(n_tiles=4, max_kv_end=1000, threads=2) == 1
+    tiles = np.array([[0, 0, 1], [1, 0, 1]])
+    work, merges = pan._plan(tiles, np.array([0, 1, 2]), np.array([600, 100]), splits=3)
+    # 600 positions in 3 ranges of whole 32-position tiles; the 100-token decode is not split
+    assert sorted(work.tolist()) == [
+        [0, 0, 1, 0, 224, 0], [0, 0, 1, 224, 448, 1], [0, 0, 1, 448, 600, 2],
+        [1, 0, 1, 0, 100, -1],
+    ]  # fmt: skip
+    assert merges.tolist() == [[0, 0, 3]]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("heads", ["smollm2", "mqa"])
+def test_kv_splits_match_reference(splits, heads):
+    seqs = [(600, 1), (517, 1), (30, 1), (700, 5), (1000, 1)]
+    batch = make_paged_batch(seqs, *HEADS[heads], 64, 16, seed=5)
+    assert_matches_reference(batch, paged_attention_numba(*batch.args(), num_kv_splits=splits))
 
 
 def test_max_q_len_leaves_longer_sequences_to_the_caller():

@@ -45,6 +45,7 @@ TILE_N = 32  # KV positions scored per online-softmax step
 # instead: the crossover measured on a 2-core AVX-512 CPU with SmolLM2's heads over 200- and
 # 1000-token contexts (tools/bench_cpu_attention.py); flash is ~4x faster on long chunks.
 NUMBA_MAX_Q_LEN = 15
+MIN_SPLIT_POSITIONS = 256  # a KV split of a single decode is worth its merge from here on
 PREFILL_TILE_Q = 8  # new tokens per work item in a prefill chunk (x the query heads = rows)
 # Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
 # NaN/inf are left out: -inf is the running max before a row has seen anything.
@@ -166,23 +167,20 @@ def _online_softmax(s, n_visible, m, row_sum, acc, r):
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def _attend_tile(query, k_cache, v_cache, block_table, seq_len, q_start, q_len, q0, q1,
-                 scale, out):  # fmt: skip
-    """New tokens ``q0 .. q1`` of one sequence, all query heads."""
+def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1, kv_lo,
+                 kv_hi, scale, acc, m, row_sum):  # fmt: skip
+    """Fold KV positions ``kv_lo .. kv_hi`` (clipped to what the tile sees) into the online
+    softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads."""
     n_q_heads, head_dim = query.shape[1], query.shape[2]
     group = n_q_heads // k_cache.shape[2]
-    n_cached = seq_len - q_len
     n_rows = (q1 - q0) * n_q_heads
     q = np.empty((n_rows, head_dim), np.float32)
     for r in range(n_rows):
         for d in range(head_dim):
             q[r, d] = query[q_start + q0 + r // n_q_heads, r % n_q_heads, d] * scale
-    acc = np.zeros((n_rows, head_dim), np.float32)
-    m = np.full(n_rows, np.float32(-np.inf), np.float32)
-    row_sum = np.zeros(n_rows, np.float32)
     s = np.empty((n_rows, TILE_N), np.float32)
-    kv_end = n_cached + q1  # the tile's last token sees positions < kv_end
-    for start in range(0, kv_end, TILE_N):
+    kv_end = min(kv_hi, n_cached + q1)  # the tile's last token sees positions < n_cached + q1
+    for start in range(kv_lo, kv_end, TILE_N):
         n = min(TILE_N, kv_end - start)
         _score_tile(q, k_cache, block_table, start, n, group, s)
         for t in range(q1 - q0):
@@ -190,27 +188,64 @@ def _attend_tile(query, k_cache, v_cache, block_table, seq_len, q_start, q_len, 
             for r in range(t * n_q_heads, (t + 1) * n_q_heads):
                 _online_softmax(s, n_visible, m, row_sum, acc, r)
         _accumulate_tile(s, v_cache, block_table, start, n, group, acc)
-    for r in range(n_rows):
-        inv = np.float32(1.0) / row_sum[r]  # > 0: every row sees at least its own position
-        for d in range(head_dim):
-            out[q_start + q0 + r // n_q_heads, r % n_q_heads, d] = acc[r, d] * inv
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            work, scale, out):  # fmt: skip
-    """``work [W, 3]``: (sequence, first new token, last + 1) per tile."""
+                            work, scale, out, part_acc, part_max, part_sum):  # fmt: skip
+    """``work [W, 6]``: (sequence, first new token, last + 1, first KV position, last + 1,
+    partial slot). Slot -1: the item covers all positions, its rows go to ``out``; else it
+    is one KV split of a one-token tile and leaves its unnormalised state in the partials."""
+    n_q_heads, head_dim = query.shape[1], query.shape[2]
     for item in prange(work.shape[0]):
-        b = work[item, 0]
+        b, q0, q1, slot = work[item, 0], work[item, 1], work[item, 2], work[item, 5]
         q_start = query_start_loc[b]
+        n_cached = seq_lens[b] - (query_start_loc[b + 1] - q_start)
+        n_rows = (q1 - q0) * n_q_heads
+        acc = np.zeros((n_rows, head_dim), np.float32)
+        m = np.full(n_rows, np.float32(-np.inf), np.float32)
+        row_sum = np.zeros(n_rows, np.float32)
         _attend_tile(
-            query, k_cache, v_cache, block_tables[b], seq_lens[b], q_start,
-            query_start_loc[b + 1] - q_start, work[item, 1], work[item, 2], scale, out,
+            query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
+            work[item, 3], work[item, 4], scale, acc, m, row_sum,
         )  # fmt: skip
+        if slot >= 0:
+            part_acc[slot] = acc
+            part_max[slot] = m
+            part_sum[slot] = row_sum
+        else:
+            for r in range(n_rows):
+                inv = np.float32(1.0) / row_sum[r]  # > 0: a row sees its own position
+                for d in range(head_dim):
+                    out[q_start + q0 + r // n_q_heads, r % n_q_heads, d] = acc[r, d] * inv
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _merge_kv_splits(part_acc, part_max, part_sum, merges, out):
+    """Flash-decoding's reduce. ``merges [G, 3]``: (token, first partial slot, slots); each
+    split's state is weighted by exp(its max - the overall max); a split that saw nothing
+    (max -inf) gets weight 0 and its accumulator (zeros) adds nothing."""
+    n_q_heads, head_dim = out.shape[1], out.shape[2]
+    for g in prange(merges.shape[0]):
+        token, first, count = merges[g, 0], merges[g, 1], merges[g, 2]
+        for h in range(n_q_heads):
+            top = np.float32(-np.inf)
+            for p in range(first, first + count):
+                top = max(top, part_max[p, h])
+            total = np.float32(0.0)
+            for d in range(head_dim):
+                out[token, h, d] = 0
+            for p in range(first, first + count):
+                weight = np.exp(part_max[p, h] - top) if part_max[p, h] > -np.inf else np.float32(0)
+                total += weight * part_sum[p, h]
+                for d in range(head_dim):
+                    out[token, h, d] += weight * part_acc[p, h, d]
+            for d in range(head_dim):
+                out[token, h, d] /= total
 
 
 def _work_items(q_lens: np.ndarray, seq_lens: np.ndarray, max_q_len: int | None) -> np.ndarray:
-    """Tiles of ``PREFILL_TILE_Q`` new tokens per sequence, most KV positions first."""
+    """Tiles of ``PREFILL_TILE_Q`` new tokens per sequence: (sequence, q0, q1)."""
     if max_q_len is not None:
         q_lens = np.where(q_lens <= max_q_len, q_lens, 0)
     n_tiles = -(-q_lens // PREFILL_TILE_Q)
@@ -218,9 +253,40 @@ def _work_items(q_lens: np.ndarray, seq_lens: np.ndarray, max_q_len: int | None)
     first_tile = np.cumsum(n_tiles) - n_tiles
     q0 = (np.arange(len(seq)) - first_tile[seq]) * PREFILL_TILE_Q
     q1 = np.minimum(q0 + PREFILL_TILE_Q, q_lens[seq])
-    cost = seq_lens[seq] - q_lens[seq] + q1
-    order = np.argsort(-cost, kind="stable")
-    return np.stack([seq, q0, q1], axis=1)[order].astype(np.int64)
+    return np.stack([seq, q0, q1], axis=1).astype(np.int64)
+
+
+def _num_kv_splits(n_tiles: int, max_kv_end: int, threads: int) -> int:
+    """Split the KV axis of one-token tiles only when there are too few tiles to keep every
+    thread busy (a single long decode), each split keeping >= MIN_SPLIT_POSITIONS."""
+    if threads < 2 or n_tiles >= 2 * threads:
+        return 1
+    return max(1, min(-(-2 * threads // max(n_tiles, 1)), max_kv_end // MIN_SPLIT_POSITIONS))
+
+
+def _plan(tiles, starts, seq_lens, splits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Work items, most KV positions first: the tiles, with each one-token tile of >=
+    2 * MIN_SPLIT_POSITIONS positions cut into ``splits`` KV ranges; and the merges of the
+    split ones. ``(work [W, 6], merges [G, 3])`` as the two kernels read them."""
+    seq, q0, q1 = tiles[:, 0], tiles[:, 1], tiles[:, 2]
+    kv_end = seq_lens[seq] - (starts[seq + 1] - starts[seq]) + q1
+    split = (q1 - q0 == 1) & (kv_end >= 2 * MIN_SPLIT_POSITIONS) & (splits > 1)
+    zeros = np.zeros_like(seq)
+    parts = [np.stack([seq, q0, q1, zeros, kv_end, zeros - 1], axis=1)[~split]]
+    merges = np.zeros((0, 3), np.int64)
+    if split.any():
+        s_seq, s_q0, s_end = seq[split], q0[split], kv_end[split]
+        per_split = -(-s_end // (splits * TILE_N)) * TILE_N  # whole TILE_N steps
+        lo = np.minimum(np.arange(splits)[None, :] * per_split[:, None], s_end[:, None])
+        hi = np.minimum(lo + per_split[:, None], s_end[:, None])
+        slots = np.arange(lo.size).reshape(lo.shape)
+        cols = [np.repeat(c, splits) for c in (s_seq, s_q0, s_q0 + 1)]
+        parts.append(np.stack(cols + [lo.ravel(), hi.ravel(), slots.ravel()], axis=1))
+        token = starts[s_seq] + s_q0
+        merges = np.stack([token, slots[:, 0], np.full_like(token, splits)], axis=1)
+    work = np.concatenate(parts).astype(np.int64)
+    order = np.argsort(-(work[:, 4] - work[:, 3]), kind="stable")
+    return work[order], merges.astype(np.int64)
 
 
 def _cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
@@ -234,10 +300,11 @@ def _cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
     raise ValueError(f"paged_attention_numba: unsupported KV cache dtype {cache.dtype}")
 
 
-def _set_threads() -> None:
+def _set_threads() -> int:
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+    return threads
 
 
 def paged_attention_numba(
@@ -249,10 +316,14 @@ def paged_attention_numba(
     query_start_loc: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
 
-    With ``max_q_len``, sequences with more new tokens are left out (their rows stay 0)."""
+    With ``max_q_len``, sequences with more new tokens are left out (their rows stay 0).
+    ``num_kv_splits`` > 1 cuts each decode row's KV positions into that many ranges, run in
+    parallel and merged (flash-decoding); by default that happens only when there are too
+    few decode rows to keep every thread busy."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if query.is_cuda or k_cache.is_cuda:
         raise ValueError("paged_attention_numba: runs on CPU tensors only")
@@ -261,22 +332,27 @@ def paged_attention_numba(
     out = torch.zeros(query.shape, dtype=torch.float32)
     starts = query_start_loc.to(torch.int64).numpy()
     lens = seq_lens.to(torch.int64).numpy()
-    work = _work_items(starts[1:] - starts[:-1], lens, max_q_len)
-    if len(work):
-        _set_threads()
-        previous_chunksize = numba.set_parallel_chunksize(1)  # items handed out one by one
-        _paged_attention_kernel(
-            query.detach().to(torch.float32).contiguous().numpy(),
-            _cache_as_numpy(k_cache.detach()),
-            _cache_as_numpy(v_cache.detach()),
-            block_tables.to(torch.int32).numpy(),
-            lens,
-            starts,
-            work,
-            np.float32(scale),
-            out.numpy(),
-        )
-        numba.set_parallel_chunksize(previous_chunksize)
+    q_lens = starts[1:] - starts[:-1]
+    tiles = _work_items(q_lens, lens, max_q_len)
+    if not len(tiles):
+        return out.to(query.dtype)
+    threads = _set_threads()
+    splits = num_kv_splits or _num_kv_splits(len(tiles), int(lens.max()), threads)
+    work, merges = _plan(tiles, starts, lens, splits)
+    n_parts, n_q_heads, head_dim = int((work[:, 5] >= 0).sum()), query.shape[1], query.shape[2]
+    part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
+    part_max = np.empty((n_parts, n_q_heads), np.float32)
+    part_sum = np.empty((n_parts, n_q_heads), np.float32)
+    previous_chunksize = numba.set_parallel_chunksize(1)  # items handed out one by one
+    _paged_attention_kernel(
+        query.detach().to(torch.float32).contiguous().numpy(),
+        _cache_as_numpy(k_cache.detach()), _cache_as_numpy(v_cache.detach()),
+        block_tables.to(torch.int32).numpy(), lens, starts, work, np.float32(scale),
+        out.numpy(), part_acc, part_max, part_sum,
+    )  # fmt: skip
+    if len(merges):
+        _merge_kv_splits(part_acc, part_max, part_sum, merges, out.numpy())
+    numba.set_parallel_chunksize(previous_chunksize)
     return out.to(query.dtype)
 
 
