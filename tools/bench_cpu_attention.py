@@ -3,7 +3,7 @@
 Workload (SmolLM2-135M's attention layout: 9 query heads, 3 KV heads, head dim 64, fp32 cache,
 block size 16, shuffled block tables, seed 0):
 
-- decode: 16 and 64 sequences, one new token each, contexts uniform in [300, 1000];
+- decode: 1, 16 and 64 sequences, one new token each, contexts uniform in [300, 1000];
 - prefill: one 2,000-token prompt (no cached prefix), and a 512-token chunk over a
   1,488-token cached prefix; SDPA as the reference ran it before (3-D inputs, enable_gqa:
   torch's "math" path) against the reference now (4-D, KV heads repeated: the flash kernel)
@@ -69,7 +69,7 @@ def sdpa_3d_enable_gqa(query, k_cache, v_cache, block_tables, seq_lens, query_st
 def decode_rows(repeats: int) -> list[str]:
     rng = np.random.default_rng(0)
     lines = []
-    for n_seqs in (16, 64):
+    for n_seqs in (1, 16, 64):
         lens = rng.integers(300, 1001, n_seqs).tolist()
         args = make_paged_batch([(n, 1) for n in lens], *HEADS, BLOCK_SIZE).args()
         ref, numba = (
