@@ -78,6 +78,10 @@ class ModelRunner:
         pads = graph_config is not None and graph_config.pads_decode(self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
+        if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
+            from pagedserve.kernels.paged_attention_numba import warm_up
+
+            warm_up((model_config.torch_dtype,))
         self.decode_buffers: DecodeInputBuffers | None = None
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if pads:

@@ -1,7 +1,8 @@
 """pagedserve.kernels: the engine's device kernels, each a Triton kernel with a PyTorch reference.
 
 Every public function dispatches per call (see :mod:`pagedserve.kernels.dispatch`): Triton on
-CUDA tensors or under ``TRITON_INTERPRET=1``, the ``*_ref`` reference otherwise.
+CUDA tensors or under ``TRITON_INTERPRET=1``; on CPU the numba path where one exists (paged
+attention), the ``*_ref`` reference otherwise.
 """
 
 from pagedserve.kernels.copy_blocks import copy_blocks, copy_blocks_ref

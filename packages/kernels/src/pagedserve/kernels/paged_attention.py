@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 
 @triton.jit
@@ -296,22 +296,28 @@ def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch
 
 
 def _prefill_ref(query, k_cache, v_cache, block_table, seq_len, scale) -> torch.Tensor:
-    """One sequence with q_len > 1: SDPA over exactly its seq_len cached tokens."""
+    """One sequence with q_len > 1: SDPA over exactly its seq_len cached tokens.
+
+    The inputs are 4-D ([1, H, L, D]) with the KV heads repeated to the query heads: that is
+    what sends CPU SDPA to its flash kernel. 3-D inputs, or ``enable_gqa`` on older torch,
+    fall back to the "math" path, which materialises the scores (several times slower)."""
     q_len, n_q_heads, _ = query.shape
-    k = _gather_kv(k_cache, block_table[None], seq_len[None])[:, 0]  # [Hkv, S, D]
-    v = _gather_kv(v_cache, block_table[None], seq_len[None])[:, 0]
-    q = query.float().transpose(0, 1)  # [Hq, q_len, D]
-    n_kv = k.shape[1]
+    group = n_q_heads // k_cache.shape[2]
+    k = _gather_kv(k_cache, block_table[None], seq_len[None]).transpose(0, 1)  # [1, Hkv, S, D]
+    v = _gather_kv(v_cache, block_table[None], seq_len[None]).transpose(0, 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q = query.float().transpose(0, 1)[None]  # [1, Hq, q_len, D]
+    n_kv = k.shape[2]
     n_cached = n_kv - q_len
     mask = None
     if n_cached:
         q_pos = torch.arange(n_cached, n_kv, device=query.device)
         mask = torch.arange(n_kv, device=query.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=not n_cached, scale=scale,
-        enable_gqa=n_q_heads != k.shape[0],
-    )  # fmt: skip
-    return out.transpose(0, 1).to(query.dtype)
+        q, k, v, attn_mask=mask, is_causal=not n_cached, scale=scale
+    )
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 def paged_attention_ref(
@@ -353,8 +359,16 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``."""
+    """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
+
+    Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
+    and short chunks with SDPA for long prefill chunks; the reference when asked for."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    if use_triton(query):
+    path = kernel_path(query, has_numba=True)
+    if path == "triton":
         return paged_attention_triton(*args)
+    if path == "numba":
+        from pagedserve.kernels.paged_attention_numba import paged_attention_cpu
+
+        return paged_attention_cpu(*args)
     return paged_attention_ref(*args)

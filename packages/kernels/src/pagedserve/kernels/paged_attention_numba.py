@@ -1,0 +1,396 @@
+"""Paged attention on CPU, compiled with numba: K and V read through the block table in place.
+
+Same contract as :func:`pagedserve.kernels.paged_attention.paged_attention` (see that module's
+docstring). The PyTorch reference gathers every sequence's whole context out of the paged
+cache into contiguous tensors before its matmuls; on CPU that copy costs as much as the
+attention itself. This kernel is the CPU analogue of the Triton one instead:
+
+- one work item is a tile of one sequence's new tokens (all its query heads): decode rows are
+  one-token tiles; a long prefill chunk is cut into ``PREFILL_TILE_Q``-token tiles so that
+  every core works on a single long prompt. A work item walks the sequence's blocks and reads
+  each position's K and V rows in place (all KV heads of a slot are contiguous, so the walk
+  streams whole blocks), each KV head's row once for its whole group of query heads (GQA);
+- the KV positions a tile can see (causal with an offset: new token j of a sequence sits at
+  ``seq_len - q_len + j``) are scored ``TILE_N`` at a time and folded in with an online
+  softmax in fp32. Only positions below ``seq_len`` are ever read, so stale cache slots (NaN
+  included) cannot reach an output; within a tile, a row's probabilities past its own
+  position are exact zeros and the V rows they would weight are skipped;
+- work items run under ``prange`` longest first, handed out one at a time (dynamic
+  scheduling), since causal tiles late in a prompt cost more than early ones.
+
+fp32 caches are read as they are; fp16 and bf16 caches are read as their 16-bit patterns
+(numba has no half types) and widened to fp32 bit-exactly in registers. The query is cast
+to fp32 on the way in (it is small) and the output back to the query's dtype.
+
+Numba compiles on first use (``cache=True`` keeps the machine code on disk, next to this
+file or in numba's user cache dir); :func:`warm_up` triggers that at engine start-up so that
+no request pays for it. The kernel uses ``min(torch.get_num_threads(), NUMBA_NUM_THREADS)``
+threads, set on every call: the engine sizes one thread count (torch's) for everything.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic, overload
+
+from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.kernels.paged_attention import _check, _prefill_ref
+
+TILE_N = 32  # KV positions scored per online-softmax step
+# paged_attention_cpu sends a sequence with more new tokens than this to SDPA's flash kernel
+# instead: the crossover measured on a 2-core AVX-512 CPU with SmolLM2's heads over 200- and
+# 1000-token contexts (tools/bench_cpu_attention.py); flash is ~4x faster on long chunks.
+NUMBA_MAX_Q_LEN = 15
+MIN_SPLIT_POSITIONS = 256  # a KV split of a single decode is worth its merge from here on
+PREFILL_TILE_Q = 8  # new tokens per work item in a prefill chunk (x the query heads = rows)
+# Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
+# NaN/inf are left out: -inf is the running max before a row has seen anything.
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
+
+
+@intrinsic
+def _bits_as_float32(typingctx, bits):
+    """Reinterpret a uint32 bit pattern as a float32 (numba cannot view a scalar)."""
+    if bits != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def _to_float32(x):
+    """A cache element as fp32: fp32 as is, int16 as bf16 bits, uint16 as fp16 bits."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_to_float32, inline="always")
+def _to_float32_impl(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.int16:  # bf16: the high half of an fp32
+
+        def bf16(x):
+            return _bits_as_float32(np.uint32(np.uint32(np.uint16(x)) << np.uint32(16)))
+
+        return bf16
+    if x == types.uint16:  # fp16: move exponent/mantissa into place, rescale by 2**112
+
+        def fp16(x):
+            h = np.uint32(x)
+            magnitude = np.uint32(h & np.uint32(0x7FFF))
+            shifted = np.uint32(magnitude << np.uint32(13))
+            # One multiply rebiases the exponent and renormalises subnormals exactly.
+            f = _bits_as_float32(shifted) * np.float32(2.0**112)
+            if magnitude >= np.uint32(0x7C00):  # inf / NaN keep an all-ones exponent
+                f = _bits_as_float32(np.uint32(shifted | np.uint32(0x7F800000)))
+            return -f if h & np.uint32(0x8000) else f
+
+        return fp16
+    return None
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _score_tile(q, k_cache, block_table, start, n, group, s):
+    """``s[r, j] = q[r] . K[start + j]`` for every row. Rows are (token, KV head, head in
+    group), the last fastest, so row ``r`` is query head ``r % Hq`` of the tile's token
+    ``r // Hq``. Each position's K rows (all KV heads, contiguous in the block) are read in
+    place, each once for its group of query heads. Loops, not ``%``/``//`` per row: an
+    integer division costs more than the 64-wide dot product it would index."""
+    block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n_tokens = q.shape[0] // (n_kv_heads * group)
+    for j in range(n):
+        pos = start + j
+        keys = k_cache[block_table[pos // block_size], pos % block_size]
+        r = 0
+        for _ in range(n_tokens):
+            for h in range(n_kv_heads):
+                key = keys[h]
+                for _ in range(group):
+                    dot = np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += q[r, d] * _to_float32(key[d])
+                    s[r, j] = dot
+                    r += 1
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
+    """``acc[r] += sum_j p[r, j] V[start + j]`` (rows as in ``_score_tile``); a row whose
+    probability is exactly 0 there (past its own position) skips that V row."""
+    block_size, n_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    n_tokens = p.shape[0] // (n_kv_heads * group)
+    for j in range(n):
+        pos = start + j
+        values = v_cache[block_table[pos // block_size], pos % block_size]
+        r = 0
+        for _ in range(n_tokens):
+            for h in range(n_kv_heads):
+                value = values[h]
+                for _ in range(group):
+                    weight = p[r, j]
+                    if weight != 0:
+                        for d in range(head_dim):
+                            acc[r, d] += weight * _to_float32(value[d])
+                    r += 1
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _online_softmax(s, n_visible, m, row_sum, acc, r):
+    """Row r's scores over its first n_visible positions become probabilities (0 past them),
+    rescaled to the row's running max; the row's sum and accumulator follow the new max.
+    A row that sees none of the tile (n_visible 0) has seen position 0 already, so its max
+    is finite and it keeps its state."""
+    if n_visible == 0:
+        s[r, :] = 0
+        return
+    m_new = m[r]
+    for j in range(n_visible):
+        m_new = max(m_new, s[r, j])
+    alpha = np.exp(m[r] - m_new)  # 0 on the row's first tile (m = -inf)
+    total = np.float32(0.0)
+    for j in range(n_visible):
+        p = np.exp(s[r, j] - m_new)
+        s[r, j] = p
+        total += p
+    for j in range(n_visible, s.shape[1]):
+        s[r, j] = 0
+    row_sum[r] = row_sum[r] * alpha + total
+    for d in range(acc.shape[1]):
+        acc[r, d] *= alpha
+    m[r] = m_new
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1, kv_lo,
+                 kv_hi, scale, acc, m, row_sum):  # fmt: skip
+    """Fold KV positions ``kv_lo .. kv_hi`` (clipped to what the tile sees) into the online
+    softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads."""
+    n_q_heads, head_dim = query.shape[1], query.shape[2]
+    group = n_q_heads // k_cache.shape[2]
+    n_rows = (q1 - q0) * n_q_heads
+    q = np.empty((n_rows, head_dim), np.float32)
+    for r in range(n_rows):
+        for d in range(head_dim):
+            q[r, d] = query[q_start + q0 + r // n_q_heads, r % n_q_heads, d] * scale
+    s = np.empty((n_rows, TILE_N), np.float32)
+    kv_end = min(kv_hi, n_cached + q1)  # the tile's last token sees positions < n_cached + q1
+    for start in range(kv_lo, kv_end, TILE_N):
+        n = min(TILE_N, kv_end - start)
+        _score_tile(q, k_cache, block_table, start, n, group, s)
+        for t in range(q1 - q0):
+            n_visible = max(0, min(n, n_cached + q0 + t + 1 - start))
+            for r in range(t * n_q_heads, (t + 1) * n_q_heads):
+                _online_softmax(s, n_visible, m, row_sum, acc, r)
+        _accumulate_tile(s, v_cache, block_table, start, n, group, acc)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            work, scale, out, part_acc, part_max, part_sum):  # fmt: skip
+    """``work [W, 6]``: (sequence, first new token, last + 1, first KV position, last + 1,
+    partial slot). Slot -1: the item covers all positions, its rows go to ``out``; else it
+    is one KV split of a one-token tile and leaves its unnormalised state in the partials."""
+    n_q_heads, head_dim = query.shape[1], query.shape[2]
+    for item in prange(work.shape[0]):
+        b, q0, q1, slot = work[item, 0], work[item, 1], work[item, 2], work[item, 5]
+        q_start = query_start_loc[b]
+        n_cached = seq_lens[b] - (query_start_loc[b + 1] - q_start)
+        n_rows = (q1 - q0) * n_q_heads
+        acc = np.zeros((n_rows, head_dim), np.float32)
+        m = np.full(n_rows, np.float32(-np.inf), np.float32)
+        row_sum = np.zeros(n_rows, np.float32)
+        _attend_tile(
+            query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
+            work[item, 3], work[item, 4], scale, acc, m, row_sum,
+        )  # fmt: skip
+        if slot >= 0:
+            part_acc[slot] = acc
+            part_max[slot] = m
+            part_sum[slot] = row_sum
+        else:
+            for r in range(n_rows):
+                inv = np.float32(1.0) / row_sum[r]  # > 0: a row sees its own position
+                for d in range(head_dim):
+                    out[q_start + q0 + r // n_q_heads, r % n_q_heads, d] = acc[r, d] * inv
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _merge_kv_splits(part_acc, part_max, part_sum, merges, out):
+    """Flash-decoding's reduce. ``merges [G, 3]``: (token, first partial slot, slots); each
+    split's state is weighted by exp(its max - the overall max); a split that saw nothing
+    (max -inf) gets weight 0 and its accumulator (zeros) adds nothing."""
+    n_q_heads, head_dim = out.shape[1], out.shape[2]
+    for g in prange(merges.shape[0]):
+        token, first, count = merges[g, 0], merges[g, 1], merges[g, 2]
+        for h in range(n_q_heads):
+            top = np.float32(-np.inf)
+            for p in range(first, first + count):
+                top = max(top, part_max[p, h])
+            total = np.float32(0.0)
+            for d in range(head_dim):
+                out[token, h, d] = 0
+            for p in range(first, first + count):
+                weight = np.exp(part_max[p, h] - top) if part_max[p, h] > -np.inf else np.float32(0)
+                total += weight * part_sum[p, h]
+                for d in range(head_dim):
+                    out[token, h, d] += weight * part_acc[p, h, d]
+            for d in range(head_dim):
+                out[token, h, d] /= total
+
+
+def _work_items(q_lens: np.ndarray, seq_lens: np.ndarray, max_q_len: int | None) -> np.ndarray:
+    """Tiles of ``PREFILL_TILE_Q`` new tokens per sequence: (sequence, q0, q1)."""
+    if max_q_len is not None:
+        q_lens = np.where(q_lens <= max_q_len, q_lens, 0)
+    n_tiles = -(-q_lens // PREFILL_TILE_Q)
+    seq = np.repeat(np.arange(len(q_lens)), n_tiles)
+    first_tile = np.cumsum(n_tiles) - n_tiles
+    q0 = (np.arange(len(seq)) - first_tile[seq]) * PREFILL_TILE_Q
+    q1 = np.minimum(q0 + PREFILL_TILE_Q, q_lens[seq])
+    return np.stack([seq, q0, q1], axis=1).astype(np.int64)
+
+
+def _num_kv_splits(n_tiles: int, max_kv_end: int, threads: int) -> int:
+    """Split the KV axis of one-token tiles only when there are too few tiles to keep every
+    thread busy (a single long decode), each split keeping >= MIN_SPLIT_POSITIONS."""
+    if threads < 2 or n_tiles >= 2 * threads:
+        return 1
+    return max(1, min(-(-2 * threads // max(n_tiles, 1)), max_kv_end // MIN_SPLIT_POSITIONS))
+
+
+def _plan(tiles, starts, seq_lens, splits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Work items, most KV positions first: the tiles, with each one-token tile of >=
+    2 * MIN_SPLIT_POSITIONS positions cut into ``splits`` KV ranges; and the merges of the
+    split ones. ``(work [W, 6], merges [G, 3])`` as the two kernels read them."""
+    seq, q0, q1 = tiles[:, 0], tiles[:, 1], tiles[:, 2]
+    kv_end = seq_lens[seq] - (starts[seq + 1] - starts[seq]) + q1
+    split = (q1 - q0 == 1) & (kv_end >= 2 * MIN_SPLIT_POSITIONS) & (splits > 1)
+    zeros = np.zeros_like(seq)
+    parts = [np.stack([seq, q0, q1, zeros, kv_end, zeros - 1], axis=1)[~split]]
+    merges = np.zeros((0, 3), np.int64)
+    if split.any():
+        s_seq, s_q0, s_end = seq[split], q0[split], kv_end[split]
+        per_split = -(-s_end // (splits * TILE_N)) * TILE_N  # whole TILE_N steps
+        lo = np.minimum(np.arange(splits)[None, :] * per_split[:, None], s_end[:, None])
+        hi = np.minimum(lo + per_split[:, None], s_end[:, None])
+        slots = np.arange(lo.size).reshape(lo.shape)
+        cols = [np.repeat(c, splits) for c in (s_seq, s_q0, s_q0 + 1)]
+        parts.append(np.stack(cols + [lo.ravel(), hi.ravel(), slots.ravel()], axis=1))
+        token = starts[s_seq] + s_q0
+        merges = np.stack([token, slots[:, 0], np.full_like(token, splits)], axis=1)
+    work = np.concatenate(parts).astype(np.int64)
+    order = np.argsort(-(work[:, 4] - work[:, 3]), kind="stable")
+    return work[order], merges.astype(np.int64)
+
+
+def _cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
+    """The cache's memory as numpy, without a copy: 16-bit floats as their bit patterns."""
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy()
+    if cache.dtype == torch.float16:
+        return cache.view(torch.uint16).numpy()
+    if cache.dtype == torch.float32:
+        return cache.numpy()
+    raise ValueError(f"paged_attention_numba: unsupported KV cache dtype {cache.dtype}")
+
+
+def _set_threads() -> int:
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+def paged_attention_numba(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_q_len: int | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
+
+    With ``max_q_len``, sequences with more new tokens are left out (their rows stay 0).
+    ``num_kv_splits`` > 1 cuts each decode row's KV positions into that many ranges, run in
+    parallel and merged (flash-decoding); by default that happens only when there are too
+    few decode rows to keep every thread busy."""
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if query.is_cuda or k_cache.is_cuda:
+        raise ValueError("paged_attention_numba: runs on CPU tensors only")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention_numba: KV caches must be contiguous")
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    starts = query_start_loc.to(torch.int64).numpy()
+    lens = seq_lens.to(torch.int64).numpy()
+    q_lens = starts[1:] - starts[:-1]
+    tiles = _work_items(q_lens, lens, max_q_len)
+    if not len(tiles):
+        return out.to(query.dtype)
+    threads = _set_threads()
+    splits = num_kv_splits or _num_kv_splits(len(tiles), int(lens.max()), threads)
+    work, merges = _plan(tiles, starts, lens, splits)
+    n_parts, n_q_heads, head_dim = int((work[:, 5] >= 0).sum()), query.shape[1], query.shape[2]
+    part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
+    part_max = np.empty((n_parts, n_q_heads), np.float32)
+    part_sum = np.empty((n_parts, n_q_heads), np.float32)
+    previous_chunksize = numba.set_parallel_chunksize(1)  # items handed out one by one
+    _paged_attention_kernel(
+        query.detach().to(torch.float32).contiguous().numpy(),
+        _cache_as_numpy(k_cache.detach()), _cache_as_numpy(v_cache.detach()),
+        block_tables.to(torch.int32).numpy(), lens, starts, work, np.float32(scale),
+        out.numpy(), part_acc, part_max, part_sum,
+    )  # fmt: skip
+    if len(merges):
+        _merge_kv_splits(part_acc, part_max, part_sum, merges, out.numpy())
+    numba.set_parallel_chunksize(previous_chunksize)
+    return out.to(query.dtype)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
+    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens."""
+    out = paged_attention_numba(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        max_q_len=NUMBA_MAX_Q_LEN,
+    )  # fmt: skip
+    bounds = query_start_loc.tolist()
+    for b in range(len(bounds) - 1):
+        start, end = bounds[b], bounds[b + 1]
+        if end - start > NUMBA_MAX_Q_LEN:
+            out[start:end] = _prefill_ref(
+                query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale
+            )
+    return out
+
+
+def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    """Compile (or load from numba's disk cache) the kernel for caches of these dtypes, on a
+    one-block batch holding a prefill chunk and a decode, before any request needs it; a
+    no-op where dispatch would not pick numba (on CPU) anyway."""
+    if kernel_path(torch.empty(0), has_numba=True) != "numba":
+        return
+    for dtype in dtypes:
+        cache = torch.zeros(2, 8, 1, 8, dtype=dtype)
+        paged_attention_numba(
+            torch.zeros(3, 2, 8, dtype=dtype), cache, cache.clone(),
+            torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
+            torch.tensor([0, 2, 3], dtype=torch.int32), 1.0,
+        )  # fmt: skip
