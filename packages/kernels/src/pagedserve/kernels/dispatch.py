@@ -6,15 +6,26 @@ the plain-PyTorch reference runs: it is the CPU engine's real path, not a fallba
 
 ``PAGEDSERVE_KERNELS=ref`` or ``=triton`` forces a path. The environment is read on every
 call (a dictionary lookup) so that tests can flip it without re-importing anything.
+
+It is also the one place where a launch wrapper asks whether it launches for a GPU
+(:func:`is_cuda`) and how many SMs that GPU has (:func:`multi_processor_count`). The
+ahead-of-time compile check runs the real wrappers on CPU tensors inside
+:func:`taken_as_cuda`, so every choice a wrapper makes for CUDA (the tensor-core attention
+branch, the split-KV count) is the one it compiles.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 _FORCE_ENV = "PAGEDSERVE_KERNELS"
+# The SM count of the GPU that CPU tensors stand for, inside taken_as_cuda(); None outside.
+_STAND_IN_SMS: ContextVar[int | None] = ContextVar("pagedserve_stand_in_sms", default=None)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -27,6 +38,31 @@ def use_triton(t: torch.Tensor) -> bool:
     if forced not in ("", "auto"):
         raise ValueError(f"{_FORCE_ENV}={forced!r}: expected 'ref', 'triton' or unset")
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def is_cuda(t: torch.Tensor) -> bool:
+    """Whether a wrapper launching on ``t`` takes its CUDA choices (see :func:`taken_as_cuda`)."""
+    return t.is_cuda or _STAND_IN_SMS.get() is not None
+
+
+def multi_processor_count(t: torch.Tensor) -> int:
+    """SMs of the GPU that ``t`` lives on (or that it stands for)."""
+    stand_in = _STAND_IN_SMS.get()
+    if stand_in is not None:
+        return stand_in
+    return torch.cuda.get_device_properties(t.device).multi_processor_count
+
+
+@contextmanager
+def taken_as_cuda(multi_processor_count: int) -> Iterator[None]:
+    """Within this block, launch wrappers decide for CPU tensors as they would for tensors on a
+    GPU with ``multi_processor_count`` SMs. For the compile check and the kernel warm-up test:
+    the launches they make must be those a real GPU would get."""
+    token = _STAND_IN_SMS.set(multi_processor_count)
+    try:
+        yield
+    finally:
+        _STAND_IN_SMS.reset(token)
 
 
 def next_power_of_2(n: int) -> int:
