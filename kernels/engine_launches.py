@@ -69,29 +69,34 @@ def attention_steps(block_size: int) -> dict[str, list[tuple[int, int]]]:
 def attention_launches(
     m: ModelShape, dtype: torch.dtype, block_size: int, record: Callable, label: str
 ) -> None:
-    """Every attention step shape through paged_attention_triton, then store_kv with key and
-    value as the models hand them over (llama's key is a strided view of the qkv output)."""
+    """Every attention step shape through paged_attention_triton, then store_kv."""
     mods = _wrappers()
     for step, seqs in attention_steps(block_size).items():
         batch = make_paged_batch(seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype)
         mods["paged_attention"].paged_attention_triton(*batch.args())
         record(f"{label} {step}")
-    n_tokens = 3
+    store_launches(m, dtype, block_size, n_tokens=3)
+    record(f"{label} store")
+
+
+def store_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens: int) -> None:
+    """store_kv with key and value as the models hand them over: llama's key is a strided
+    view of the fused qkv output, the value (and qwen3's / gpt2's key) contiguous."""
     width = m.n_q_heads * m.head_dim + 2 * m.n_kv_heads * m.head_dim
     qkv = torch.randn(n_tokens, width).to(dtype)
     key = qkv[:, m.n_q_heads * m.head_dim :][:, : m.n_kv_heads * m.head_dim]
     key = key.reshape(n_tokens, m.n_kv_heads, m.head_dim)
     value = torch.randn(n_tokens, m.n_kv_heads, m.head_dim).to(dtype)
     cache = torch.empty(4, block_size, m.n_kv_heads, m.head_dim, dtype=dtype)
-    slots = torch.tensor([0, -1, 2 * block_size + 1])
+    slots = torch.randint(-1, 4 * block_size, (n_tokens,))
+    mods = _wrappers()
     mods["store_kv"].store_kv_triton(key, value, cache, cache.clone(), slots)
     mods["store_kv"].store_kv_triton(value, value, cache, cache.clone(), slots)
-    record(f"{label} store")
 
 
-def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int) -> None:
+def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens: int = 3) -> None:
     """Norms, rotary and activations of one decoder layer, and copy-on-write's block copy."""
-    mods, n_tokens = _wrappers(), 3
+    mods = _wrappers()
     x = torch.randn(n_tokens, m.hidden).to(dtype)
     weight = torch.randn(m.hidden).to(dtype)
     if m.gpt2:
@@ -109,21 +114,22 @@ def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int) -> None:
         gate_up = torch.randn(n_tokens, 2 * m.intermediate).to(dtype)
         mods["silu_and_mul"].silu_and_mul_triton(gate_up)
     caches = [torch.empty(6, block_size, m.n_kv_heads, m.head_dim, dtype=dtype) for _ in range(2)]
-    mods["copy_blocks"].copy_blocks_triton(caches[:1], caches[1:], torch.tensor([[1, 4], [2, 5]]))
+    pairs = torch.tensor([[1, 4], [2, 5], [3, 0]])[: 1 + n_tokens % 3]
+    mods["copy_blocks"].copy_blocks_triton(caches[:1], caches[1:], pairs)
 
 
-def sampler_launches(m: ModelShape) -> None:
+def sampler_launches(m: ModelShape, rows: int = 2) -> None:
     """Penalties and token sampling over fp32 logits of the model's vocabulary."""
-    mods, rows = _wrappers(), 2
+    mods = _wrappers()
     logits = torch.randn(rows, m.vocab)
     counts = torch.zeros(rows, m.vocab, dtype=torch.int32)
     per_row = [torch.ones(rows) for _ in range(3)]
     mods["penalties"].apply_penalties_triton(logits, counts > 0, counts, *per_row)
     noise = torch.ones(rows, m.vocab)
-    mods["sampling"].sample_tokens_triton(
-        logits, torch.tensor([0.0, 0.8]), torch.tensor([0, 20], dtype=torch.int32),
-        torch.tensor([1.0, 0.9]), torch.tensor([0.0, 0.05]), noise,
-    )  # fmt: skip
+    temperature = torch.tensor([0.0, 0.8]).repeat(rows)[:rows]
+    top_k = torch.tensor([0, 20], dtype=torch.int32).repeat(rows)[:rows]
+    top_p, min_p = torch.full((rows,), 0.9), torch.full((rows,), 0.05)
+    mods["sampling"].sample_tokens_triton(logits, temperature, top_k, top_p, min_p, noise)
 
 
 def engine_launches(

@@ -25,7 +25,7 @@ from pagedserve.engine.kv_cache import (
     log_cache_size,
     num_blocks_for_memory,
 )
-from pagedserve.kernels import copy_blocks
+from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
@@ -71,6 +71,17 @@ class ModelRunner:
             self.device,
         )
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
+        if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
+            mc, heads = model_config, model_config.num_attention_heads // self.par.tp_size
+            paged_attention_warmup(
+                heads,
+                self._kv_heads_per_rank(),
+                mc.head_dim,
+                mc.torch_dtype,
+                cache_config.block_size,
+                mc.max_model_len,
+                self.device,
+            )
 
     def _kv_heads_per_rank(self) -> int:
         return kv_heads_per_rank(self.model_config.num_kv_heads, self.par.tp_size)

@@ -37,7 +37,7 @@ def use_triton(t: torch.Tensor) -> bool:
         return True
     if forced not in ("", "auto"):
         raise ValueError(f"{_FORCE_ENV}={forced!r}: expected 'ref', 'triton' or unset")
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return is_cuda(t) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def is_cuda(t: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from pagedserve.kernels.dispatch import is_cuda, multi_processor_count
+from pagedserve.kernels.dispatch import is_cuda, multi_processor_count, use_triton
 from pagedserve.kernels.paged_attention import kv_split_count, paged_attention_triton
 
 
@@ -46,10 +46,10 @@ def paged_attention_warmup(
     device: torch.device | str,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
-    returns the number of launches. Does nothing where the Triton kernel is not used off a
-    GPU (CPU tensors outside ``taken_as_cuda``)."""
+    returns the number of launches. Does nothing off a GPU (CPU tensors outside
+    ``taken_as_cuda``) or where dispatch would not pick Triton (``PAGEDSERVE_KERNELS=ref``)."""
     probe = torch.empty(0, device=device)
-    if not is_cuda(probe):
+    if not (is_cuda(probe) and use_triton(probe)):
         return 0
     max_blocks = triton.cdiv(max_model_len, block_size)
     splits = reachable_kv_splits(n_kv_heads, max_blocks * block_size, multi_processor_count(probe))
