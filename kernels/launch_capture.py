@@ -19,13 +19,13 @@ Needs kernels compiled, not interpreted: run it in a process without ``TRITON_IN
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -34,6 +34,10 @@ from triton.runtime.jit import JITFunction
 
 import pagedserve.kernels
 from pagedserve.kernels.dispatch import taken_as_cuda
+
+# Triton 3.9 warns on every compile that its FP-fusion default will change; compile with the
+# default a serving process gets today (fused), and say so once, here.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,3 @@ def compile_launch(launch: Launch, target: Target):
     """Compile ``launch`` for ``target``; returns Triton's compiled kernel (no device used)."""
     with compiling_for(target):
         return launch.kernel.run(*launch.args, grid=launch.grid, warmup=True, **launch.kwargs)
-
-
-def triton_version() -> str:
-    return triton.__version__
