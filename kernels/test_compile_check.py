@@ -8,6 +8,7 @@ printed in the run's final summary.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,12 +20,20 @@ from compile_check import Row, violations
 SUITE = Path(__file__).parent
 
 
-def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_script(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    """Run a suite script compiled (no TRITON_INTERPRET) in its own process group, so a
+    timeout also ends the compile check's worker processes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=SUITE, env=env, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, *args], cwd=SUITE, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def run_suite(tmp_path: Path, impl: str) -> subprocess.CompletedProcess:
             "-p", "no:cacheprovider", "-k", "varlen and gqa2 or split_kv_decode",
             "--impl", f"paged_attention=other_attention:{impl}",
         ],
-        cwd=SUITE, env=env, capture_output=True, text=True, timeout=600,
+        cwd=SUITE, env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
 
 
