@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The one script to run on a GPU machine (made for a lent H200 with torch, triton and
 # transformers preinstalled: torch 2.11, triton 3.6). It installs nothing and finishes in under
-# 8 minutes (the step limits add up to 7.5):
+# 8 minutes (the step limits add up to 7 3/4):
 #   1. the kernel-correctness suite, compiled, at full size (PAGEDSERVE_KERNEL_GRID=full),
 #      including "no attention kernel compiles after the warm-up" (kernels/test_warmup_gpu.py);
 #      the CPU-side checks (ahead-of-time compile check, --impl) are left to CI;
 #   2. kernels/bench.py: Triton vs the torch reference vs the device's copy bandwidth;
-#   3. the CUDA-graph capture check, once the engine has one (see the TODO below);
-#   4. tools/bench_e2e_gpu.py: Qwen3-0.6B-shaped random model, Triton with CUDA graphs on and
-#      off (when the engine has --enforce-eager), the reference path and transformers.
+#   3. tools/bench_e2e_gpu.py: Qwen3-0.6B-shaped random model, Triton with CUDA graphs on and
+#      off (--enforce-eager), the reference path and transformers;
+#   4. the CUDA-graph capture check (tests/engine/test_cuda_graph.py).
 # Then it prints one table of the steps. Run from the repository root:
 #   bash tools/gpu_check.sh            (PYTHON=... to pick an interpreter; E2E_ARGS=... for
 #                                       bench_e2e_gpu.py, e.g. "--layers 8 --num-prompts 64")
@@ -45,18 +45,15 @@ PARALLEL=()
 "$PYTHON" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)  # compile kernels in parallel
 # PYTEST_ARGS (e.g. "-k store_kv") narrows the suite for a quick smoke run.
 CPU_ONLY=(--ignore=kernels/test_compile_check.py --ignore=kernels/test_impl_option.py)
-step kernel-suite 240 "$PYTHON" -m pytest kernels -q -p no:cacheprovider "${PARALLEL[@]}" "${CPU_ONLY[@]}" ${PYTEST_ARGS:-}
-step kernel-bench 60 "$PYTHON" kernels/bench.py
-# TODO(issue 13, part 3, the CUDA-graph runner): the helper adding CUDA graphs provides
-# tools/check_cuda_graphs.py (capture the decode buckets, replay, compare with eager); it runs
-# here as soon as it exists, and bench_e2e_gpu.py adds its graphs-on/off rows by itself.
-if [ -f tools/check_cuda_graphs.py ]; then
-    step cuda-graphs 60 "$PYTHON" tools/check_cuda_graphs.py
-else
-    ROWS+=("$(printf '%-18s %-18s %6s   %s' cuda-graphs skipped - 'tools/check_cuda_graphs.py does not exist yet')")
-fi
+step kernel-suite 180 "$PYTHON" -m pytest kernels -q -p no:cacheprovider "${PARALLEL[@]}" "${CPU_ONLY[@]}" ${PYTEST_ARGS:-}
+step kernel-bench 45 "$PYTHON" kernels/bench.py
 # shellcheck disable=SC2086  # E2E_ARGS is a list of options
-step e2e-generation 150 "$PYTHON" tools/bench_e2e_gpu.py ${E2E_ARGS:-}
+step e2e-generation 110 "$PYTHON" tools/bench_e2e_gpu.py ${E2E_ARGS:-}
+
+# --- CUDA graphs for decode (engine/cuda_graph.py): capture every bucket of a tiny model, replay
+# decode steps, and match the eager (--enforce-eager) tokens; plus the padded path's CPU tests.
+step cuda-graphs 130 "$PYTHON" -m pytest tests/engine/test_cuda_graph.py -q -p no:cacheprovider -rs
+# --- end of the CUDA-graph block
 
 echo
 echo "=== gpu_check summary (logs in $LOGS)"

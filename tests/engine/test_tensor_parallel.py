@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.distributed import TensorParallelError
+from pagedserve.engine.errors import TensorParallelError
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import (
     MergedColumnParallelLinear,

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from starlette.requests import ClientDisconnect
 
-from pagedserve.server.serving import EngineStreamingResponse
+from pagedserve.server.sse import EngineStreamingResponse
 
 
 class FakeStreams:

@@ -81,3 +81,25 @@ def test_engine_overhead_tool_runs_on_a_tiny_model(tiny_checkpoint):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "engine overhead" in result.stdout and "model forward" in result.stdout
+
+
+def test_host_overhead_tool_times_every_phase_with_a_stand_in_forward(tiny_checkpoint, capsys):
+    import bench_host_overhead
+
+    model = tiny_checkpoint("llama")
+    results = {n: bench_host_overhead.measure(model, n, steps=3, prompt_len=8) for n in (2, 4)}
+    results[3] = bench_host_overhead.measure(model, 3, steps=3, prompt_len=8, pad_decode=True)
+    for ms in results.values():
+        for phase in ("schedule", "build inputs", "sampling + decisions", "scheduler update",
+                      "apply decisions + outputs", "  of which sampler",
+                      "  of which make outputs", "  of which detokenize + stops"):  # fmt: skip
+            assert ms[phase] > 0.0, phase
+        # the top-level phases are disjoint parts of the step: what is left over is not negative
+        assert ms["other (step glue)"] >= 0.0
+        assert ms["forward (stand-in)"] < ms["step"] / 4
+        assert ms["  of which sampler"] <= ms["sampling + decisions"]
+        nested = ms["  of which make outputs"] + ms["  of which detokenize + stops"]
+        assert nested <= ms["apply decisions + outputs"]
+    bench_host_overhead.print_table(results)
+    table = capsys.readouterr().out
+    assert "step / floor" in table and "4 seqs" in table and "3 seqs" in table

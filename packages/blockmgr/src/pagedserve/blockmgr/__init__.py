@@ -1,8 +1,9 @@
 """pagedserve.blockmgr: the paged KV cache.
 
 Block pool with reference counts and an LRU of freed-but-cached blocks, chained prefix hashes,
-the KVCacheManager the scheduler talks to, and (in submodules that import torch or numpy) the
-KV cache tensors and sizing, the step layout and the copy-on-write kernel.
+the KVCacheManager the scheduler talks to, and (``slot_mapping``, with numpy) a step's layout.
+Host bookkeeping only: the KV cache tensors and their sizing live in ``pagedserve.engine.kv_cache``
+and the copy-on-write kernel in ``pagedserve.kernels``.
 """
 
 from pagedserve.blockmgr.block_pool import BlockPool, BlockPoolExhausted, KVBlock

@@ -1,24 +1,48 @@
-"""pagedserve.engine: sampling parameters, the model runner, the sampler, LLMEngine, LLM, AsyncLLM."""
+"""pagedserve.engine: sampling parameters, the model runner, the sampler, LLMEngine, LLM, AsyncLLM.
 
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+Also everything a front end (the server, the CLI) needs from the layers below, so that it
+imports this package alone: the errors a request can meet (``pagedserve.engine.errors``), the
+chat template, and the default model.
+"""
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.client import EngineClient
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.errors import (
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    RequestRejectedError,
+    SchedulerOverloadedError,
+    TensorParallelError,
+)
 from pagedserve.engine.llm import LLM
-from pagedserve.engine.llm_engine import EngineError, LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.metrics import EngineStats, FinishedRequestStats
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.models import apply_chat_template
+from pagedserve.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
 __all__ = [
+    "DEFAULT_MODEL_NAME",
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EngineClient",
     "EngineArgs",
     "EngineDeadError",
     "EngineError",
     "EngineStats",
     "FinishedRequestStats",
+    "InvalidRequestError",
     "LLMEngine",
     "RequestMetrics",
     "RequestOutput",
+    "RequestRejectedError",
     "SamplingParams",
+    "SchedulerOverloadedError",
+    "TensorParallelError",
+    "apply_chat_template",
+    "ensure_default_model",
 ]

@@ -26,15 +26,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.models import load_tokenizer
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (it crashed, or was shut down); no request can be served."""
 
 
 @dataclass
@@ -131,8 +128,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs of one request; the last has ``finished=True``.
 
-        Invalid requests raise (ValueError, or the scheduler's admission errors) from the first
-        ``__anext__``, before anything is yielded.
+        Invalid requests raise ``InvalidRequestError`` (a ValueError naming the field at fault),
+        a full queue ``SchedulerOverloadedError``, from the first ``__anext__``, before anything
+        is yielded.
         """
         stream = _RequestStream(asyncio.get_running_loop())
         done: concurrent.futures.Future = concurrent.futures.Future()

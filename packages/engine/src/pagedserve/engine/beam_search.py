@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sequence_group import SequenceGroup
-from pagedserve.scheduler import Request, RequestStatus, Scheduler
+from pagedserve.scheduler import Request, RequestStatus
 
 
 @dataclass
@@ -95,6 +96,17 @@ class BeamSearchGroup(SequenceGroup):
     @property
     def is_finished(self) -> bool:
         return self.done or self.aborted
+
+    def decide(self, rows: list[tuple[Request, int]], batch: SamplingBatch) -> StepDecision:
+        """One beam step from the live beams' logits rows, if every live beam has one here."""
+        live = [s for s in self.sequences if not s.is_finished]
+        if {r.request_id for r, _ in rows} != {s.request_id for s in live}:
+            return BeamDecision(self, waiting=[r for r, _ in rows])
+        row_of = {r.request_id: row for r, row in rows}
+        index = torch.tensor([row_of[s.request_id] for s in live], device=batch.logits.device)
+        plan = self.step(live, batch.logits[index])
+        self.beam_scores.update(plan.scores)
+        return BeamDecision(self, plan)
 
     def step(self, beams: list[Request], logits: torch.Tensor) -> BeamStep:
         """One beam step from the live ``beams`` (all of them) and their logits ``[m, V]``."""
@@ -197,59 +209,44 @@ class BeamSearchGroup(SequenceGroup):
 
 
 @dataclass
-class BeamDecisions:
-    """The beam steps of one engine step, applied around ``scheduler.update``.
+class BeamDecision:
+    """One beam step of one group, or, when not all its live beams got logits this step (a
+    sibling was preempted and is recomputing), no step: those beams wait, rewound by one token
+    so that they recompute it with their siblings."""
 
-    ``step_group`` runs before the update (its continuing beams' tokens go into ``sampled``);
-    ``apply`` runs after it: forks (children share the parent's blocks), drops (blocks freed).
-    """
-
-    forks: list[tuple[BeamSearchGroup, Request, list[int], float]] = field(default_factory=list)
-    drops: list[Request] = field(default_factory=list)
-    groups: list[BeamSearchGroup] = field(default_factory=list)
+    group: BeamSearchGroup
+    plan: BeamStep | None = None
     waiting: list[Request] = field(default_factory=list)
 
-    def step_group(
-        self,
-        group: BeamSearchGroup,
-        beams: list[tuple[Request, int]],
-        logits: torch.Tensor,
-        sampled: dict[str, int],
-    ) -> None:
-        """One beam step for ``group`` from ``beams`` (request, logits row), if all are here."""
-        live = [s for s in group.sequences if not s.is_finished]
-        if {r.request_id for r, _ in beams} != {s.request_id for s in live}:
-            self.waiting.extend(r for r, _ in beams)
-            return
-        row_of = {r.request_id: row for r, row in beams}
-        rows = torch.tensor([row_of[s.request_id] for s in live], device=logits.device)
-        plan = group.step(live, logits[rows])
-        sampled.update(plan.sampled)
-        group.beam_scores.update(plan.scores)
-        self.forks.extend((group, *fork) for fork in plan.forks)
-        self.drops.extend(plan.dropped)
-        self.groups.append(group)
+    def sampled_tokens(self) -> dict[str, int]:
+        return self.plan.sampled if self.plan is not None else {}
 
-    def apply(self, scheduler: Scheduler, tokenizer, device) -> list[BeamSearchGroup]:
-        """Fork and drop beams after the update; returns the groups that stepped."""
-        for group, parent, output_ids, score in self.forks:
+    def apply(self, ctx: StepContext) -> bool:
+        """Fork and drop beams after the update; True when the group stepped."""
+        if self.plan is None:
+            for beam in self.waiting:
+                ctx.scheduler.rewind(beam.request_id, 1)
+            return False
+        group = self.group
+        ctx.num_generation_tokens += sum(1 for b in self.plan.sampled if b in ctx.updated)
+        for parent, output_ids, score in self.plan.forks:
             child = Request(
                 request_id=group.next_child_id(),
                 prompt_token_ids=list(group.prompt_token_ids),
                 max_tokens=parent.max_tokens,
                 priority=parent.priority,
                 arrival_time=parent.arrival_time,
-                payload=group.new_state(0, tokenizer, device),
+                payload=group.new_state(0, ctx.tokenizer, ctx.device),
             )
             child.output_token_ids.extend(output_ids)
-            scheduler.add_forked_request(parent.request_id, child)
+            ctx.scheduler.add_forked_request(parent.request_id, child)
             group.sequences.append(child)
             group.beam_scores[child.request_id] = score
-        scheduler.finish_requests(
-            [r.request_id for r in self.drops], RequestStatus.FINISHED_ABORTED
+        ctx.scheduler.finish_requests(
+            [r.request_id for r in self.plan.dropped], RequestStatus.FINISHED_ABORTED
         )
-        for group in self.groups:
-            live = [s for s in group.sequences if not s.is_finished]
-            live.sort(key=lambda s: group.beam_scores[s.request_id], reverse=True)
-            group.sequences = live
-        return self.groups
+        live = [s for s in group.sequences if not s.is_finished]
+        live.sort(key=lambda s: group.beam_scores[s.request_id], reverse=True)
+        group.sequences = live
+        ctx.record_token(group)
+        return True

@@ -1,44 +1,75 @@
 """EngineArgs: every knob of the engine in one place, the same names in Python and on the CLI.
 
+Each field carries its help text (``option``); the CLI builds ``--kebab-case`` flags from the
+fields' type hints, defaults and help, so a new knob needs no CLI code.
+
 ``EngineArgs(...).create_configs()`` splits them into one dataclass per concern: the model
 (pagedserve.models.ModelConfig), the KV cache (pagedserve.blockmgr.CacheConfig) and the scheduler
-(pagedserve.scheduler.SchedulerConfig).
+(pagedserve.scheduler.SchedulerConfig); ``cuda_graph_config()`` gives the model runner's
+decode-graph settings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from pagedserve.blockmgr import CacheConfig
+from pagedserve.engine.cuda_graph import CUDAGraphConfig
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
 
 
+def option(default, help: str, **metadata):
+    """A config field with its help text: the CLI builds its flag from the field's type hint,
+    default and this text, so the three are written once, here."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass
 class EngineArgs:
-    model: str
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    max_num_waiting: int = 1024
-    tensor_parallel_size: int = 1
+    model: str = field(metadata={"help": "Hugging Face model folder"})
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    dtype: str = option("auto", "weights and activations: auto, float32, float16, bfloat16")
+    device: str = option("auto", "auto (CUDA if present, else CPU), cuda or cpu")
+    seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
+    max_model_len: int | None = option(
+        None, "longest sequence, prompt plus completion (default: the model's)"
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    kv_cache_memory: int | None = option(
+        None, "bytes for the KV cache on CPU, e.g. 2GiB, 512MB or 1073741824", unit="bytes"
+    )
+    gpu_memory_utilization: float = option(0.9, "fraction of free GPU memory for the KV cache")
+    num_gpu_blocks_override: int | None = option(
+        None, "exact number of KV blocks (overrides the memory settings)"
+    )
+    enable_prefix_caching: bool = option(
+        True, "share the KV blocks of common prompt prefixes between requests"
+    )
+    max_num_seqs: int = option(64, "most sequences in one batch")
+    max_num_batched_tokens: int | None = option(
+        None, "token budget of one step (prefill chunks + decodes)"
+    )
+    long_prefill_token_threshold: int = option(0, "most tokens of one prompt per step (0: no cap)")
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs, or priority (a request's 'priority' field, lower first)"
+    )
+    max_num_waiting: int = option(
+        1024, "most requests waiting in the queue; beyond it the server answers 503"
+    )
+    max_num_waiting_tokens: int = option(
+        0, "most tokens waiting in the queue (0: no cap, else >= max_model_len); beyond it, 503"
+    )
+    tensor_parallel_size: int = option(1, "number of devices to shard the model over")
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def cuda_graph_config(self) -> CUDAGraphConfig:
+        return CUDAGraphConfig(max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager)
 
     def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         model_config = ModelConfig(
@@ -68,5 +99,6 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
             max_num_waiting=self.max_num_waiting,
+            max_num_waiting_tokens=self.max_num_waiting_tokens,
         )
         return model_config, cache_config, scheduler_config

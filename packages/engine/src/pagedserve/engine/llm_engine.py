@@ -15,45 +15,25 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.blockmgr import KVCacheManager
-from pagedserve.engine.beam_search import BeamDecisions, BeamSearchGroup
+from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
-from pagedserve.engine.detokenizer import find_stop_string
+from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
+from pagedserve.engine.distributed import TensorParallelExecutor
+from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
-from pagedserve.engine.sampler import Sampler, SamplingMetadata
+from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
+from pagedserve.engine.sequence_group import SequenceGroup
+from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
-from pagedserve.scheduler import (
-    Request,
-    RequestRejectedError,
-    RequestStatus,
-    Scheduler,
-    SchedulerOverloadedError,
-)
-
-
-class EngineError(RuntimeError):
-    """The engine cannot go on (the step loop died); every pending request fails with it."""
-
-
-@dataclass
-class StepDecisions:
-    """Everything one step decided before ``scheduler.update`` applies the sampled tokens."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    new_children: list[tuple[SequenceState, int, dict[int, float] | None]] = field(
-        default_factory=list
-    )
-    beams: BeamDecisions = field(default_factory=BeamDecisions)
+from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 
 class LLMEngine:
@@ -62,10 +42,10 @@ class LLMEngine:
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         if args.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.model_config, self.cache_config)
-        else:  # rank 0 of a tensor-parallel group; same interface (lazy: it imports EngineError)
-            from pagedserve.engine.distributed import TensorParallelExecutor
-
+            self.runner = ModelRunner(
+                self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
+            )
+        else:  # rank 0 of a tensor-parallel group; same interface
             self.runner = TensorParallelExecutor(
                 self.model_config, self.cache_config, args.tensor_parallel_size
             )
@@ -82,7 +62,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = StatsCollector()
-        self._step_prompt_tokens = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -108,37 +87,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate a request against the model and queue it (its first sequence)."""
+        """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
+        naming the field at fault (validation.py; the scheduler's refusals too). A refused
+        request leaves no trace: no group, no seed drawn."""
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        for name, ids in (
-            ("logit_bias", params.logit_bias or {}),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len}"
-            )
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else max_len - len(prompt_token_ids)
-        )
+        max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        group = self._new_group(request_id, list(prompt_token_ids), params, prompt, now, max_tokens)
-        state = group.new_state(0, self.tokenizer, self.runner.device)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             stop_token_ids=frozenset() if params.use_beam_search else frozenset(stop_ids),
@@ -147,9 +111,14 @@ class LLMEngine:
             # prompt logprobs need every prompt position computed: a salt of its own keeps the
             # prefix cache from serving this prompt's blocks
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
-            payload=state,
+            needs_prompt_logits=params.prompt_logprobs is not None,
         )
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as e:
+            raise InvalidRequestError(str(e), e.param) from e
+        group = self._new_group(request_id, list(prompt_ids), params, prompt, now, max_tokens)
+        request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
 
@@ -216,168 +185,51 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> execute -> decide -> update -> outputs."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        logits, seq_ids = self._execute(scheduled)
+        decisions = self._decide(scheduled, logits, seq_ids)
+        updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
+        return self._apply(decisions, updated)
+
+    def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         now = time.monotonic()
         for item in scheduled.scheduled:
             metrics = item.request.payload.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        logits, seq_ids = self.runner.execute(scheduled)
+        return self.runner.execute(scheduled)
+
+    def _decide(
+        self, scheduled: SchedulerOutput, logits: torch.Tensor, seq_ids: list[str]
+    ) -> list[StepDecision]:
+        """Each group decides from its rows; every sampling row is drawn in one sampler call."""
         if len(logits) > len(seq_ids):
             record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
-        decisions = self._decide(logits, seq_ids)
-        updated = self.scheduler.update(scheduled, decisions.sampled)
-        for beam in decisions.beams.waiting:
-            beam.num_computed_tokens -= 1  # recompute its last token when its siblings catch up
-        touched: dict[str, SequenceGroup] = {}
-        num_tokens = 0
-        for request in updated:
-            group = request.payload.group
-            touched[group.request_id] = group
-            num_tokens += 1
-            if not isinstance(group, BeamSearchGroup):
-                self._process_new_token(request, decisions.logprobs.get(request.request_id))
-        for state, token, logprobs in decisions.new_children:
-            self._start_child(state, token, logprobs)
-            num_tokens += 1
-        for group in decisions.beams.apply(self.scheduler, self.tokenizer, self.runner.device):
-            touched[group.request_id] = group
-            self._touch_metrics(group, time.monotonic())
-        now = time.monotonic()
-        outputs = [self._group_output(group, now) for group in touched.values()]
-        self._record_step(num_tokens)
-        return outputs
-
-    def _decide(self, logits: torch.Tensor, seq_ids: list[str]) -> StepDecisions:
-        """Sampled tokens (and forks) for sampling requests; beam steps for beam groups."""
-        decisions = StepDecisions()
-        rows: list[int] = []
-        row_states: list[tuple[Request | None, SequenceState]] = []
-        beam_rows: dict[str, list[tuple[Request, int]]] = {}
+        rows: dict[SequenceGroup, list[tuple[Request, int]]] = {}
         for row, seq_id in enumerate(seq_ids):
             request = self.scheduler.requests[seq_id]
-            state: SequenceState = request.payload
-            group = state.group
-            if isinstance(group, BeamSearchGroup):
-                beam_rows.setdefault(group.request_id, []).append((request, row))
-                continue
-            rows.append(row)
-            row_states.append((request, state))
-            if group.needs_fork:
-                group.forked = True
-                for index in range(1, group.params.n):
-                    rows.append(row)
-                    row_states.append((None, group.new_state(index, self.tokenizer, logits.device)))
-        if rows:
-            self._sample(logits[torch.tensor(rows, device=logits.device)], row_states, decisions)
-        for group_id, beams in beam_rows.items():
-            decisions.beams.step_group(self.groups[group_id], beams, logits, decisions.sampled)
+            rows.setdefault(request.payload.group, []).append((request, row))
+        batch = SamplingBatch(logits)
+        decisions = [group.decide(group_rows, batch) for group, group_rows in rows.items()]
+        batch.sample(self.sampler)
         return decisions
 
-    def _sample(self, logits, row_states, decisions: StepDecisions) -> None:
-        meta = SamplingMetadata(
-            params=[s.params for _, s in row_states],
-            generators=[s.generator for _, s in row_states],
-            prompt_token_ids=[s.group.prompt_token_ids for _, s in row_states],
-            output_token_ids=[r.output_token_ids if r else [] for r, _ in row_states],
-            masked_token_ids=[
-                self._masked_tokens(r or s.group.sequences[0]) for r, s in row_states
-            ],
+    def _apply(self, decisions: list[StepDecision], updated: list[Request]) -> list[RequestOutput]:
+        """Apply each decision after the update; one output per group that has news."""
+        ctx = StepContext(
+            self.scheduler, self.tokenizer, self.runner.device, {r.request_id for r in updated}
         )
-        out = self.sampler(logits, meta)
-        tokens = out.token_ids.tolist()
-        for row, ((request, state), token) in enumerate(zip(row_states, tokens, strict=True)):
-            logprobs = None
-            if state.params.logprobs is not None:
-                logprobs = out.row_logprobs(row, state.params.logprobs)
-            if request is None:
-                decisions.new_children.append((state, token, logprobs))
-                continue
-            decisions.sampled[request.request_id] = token
-            if logprobs is not None:
-                decisions.logprobs[request.request_id] = logprobs
-
-    @staticmethod
-    def _masked_tokens(request: Request) -> frozenset[int]:
-        """Stop tokens may not be sampled before ``min_tokens`` tokens are out (vLLM's rule)."""
-        if request.num_output_tokens < request.min_tokens:
-            return request.stop_token_ids
-        return frozenset()
-
-    # ---- n > 1 and beams -----------------------------------------------------------------
-
-    def _start_child(self, state: SequenceState, token: int, logprobs) -> None:
-        """Sequence ``state.index`` of an n > 1 request: it forks the parent's blocks."""
-        group = state.group
-        parent = group.sequences[0]
-        child = Request(
-            request_id=group.child_request_id(state.index),
-            prompt_token_ids=list(group.prompt_token_ids),
-            max_tokens=parent.max_tokens,
-            min_tokens=parent.min_tokens,
-            stop_token_ids=parent.stop_token_ids,
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            payload=state,
-        )
-        child.append_output_token(token)
-        group.sequences.append(child)
-        stop = child.check_stop()
-        if stop is not None:
-            child.status = stop  # done at its first token: it never needs a block
-        elif parent.status is RequestStatus.RUNNING:
-            self.scheduler.add_forked_request(parent.request_id, child)
-        else:
-            # The parent ended at its first token and freed its blocks; the child is queued
-            # afresh and finds the prompt's blocks in the prefix cache.
-            try:
-                self.scheduler.add_request(child)
-            except (RequestRejectedError, SchedulerOverloadedError):
-                child.status = RequestStatus.FINISHED_ABORTED  # the queue is full right now
-        self._process_new_token(child, logprobs)
-
-    # ---- per token -----------------------------------------------------------------------
-
-    def _touch_metrics(self, group: SequenceGroup, now: float) -> None:
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-            self._step_prompt_tokens += len(group.prompt_token_ids)
-        group.metrics.last_token_time = now
-
-    def _process_new_token(self, request: Request, logprobs: dict[int, float] | None) -> None:
-        state: SequenceState = request.payload
-        self._touch_metrics(state.group, time.monotonic())
-        token = request.output_token_ids[-1]
-        if logprobs is not None:
-            state.record_logprobs(logprobs, token)
-        hidden_stop = (
-            request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
-        )
-        if not hidden_stop:
-            state.detokenizer.add_token(token)
-        if request.is_finished:
-            state.detokenizer.flush()
-        self._check_stop_strings(request, state)
-
-    def _check_stop_strings(self, request: Request, state: SequenceState) -> None:
-        stops = state.params.stop_strings
-        text = state.detokenizer.text
-        if not stops or state.stop_string_hit is not None:
-            return
-        hit = find_stop_string(text, len(text) - state.text_checked, stops)
-        state.text_checked = len(text)
-        if hit is None:
-            return
-        stop, index = hit
-        end = index + len(stop) if state.params.include_stop_str_in_output else index
-        state.detokenizer.text = text[:end]
-        state.stop_string_hit = stop
-        request.stop_reason = stop
-        if not request.is_finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        request.status = RequestStatus.FINISHED_STOPPED
+        touched = dict.fromkeys(r.payload.group for r in updated)
+        for decision in decisions:
+            if decision.apply(ctx):
+                touched.setdefault(decision.group)
+        now = time.monotonic()
+        outputs = [self._group_output(group, now) for group in touched]
+        self._record_step(ctx.num_generation_tokens, ctx.num_prompt_tokens)
+        return outputs
 
     # ---- outputs and metrics -------------------------------------------------------------
 
@@ -396,7 +248,7 @@ class LLMEngine:
             )
         return output
 
-    def _record_step(self, num_new_tokens: int) -> None:
+    def _record_step(self, num_new_tokens: int, num_new_prompt_tokens: int = 0) -> None:
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
@@ -406,7 +258,10 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=stats.num_preemptions,
-            new_prompt_tokens=self._step_prompt_tokens,
+            new_prompt_tokens=num_new_prompt_tokens,
             new_generation_tokens=num_new_tokens,
         )
-        self._step_prompt_tokens = 0
+
+
+def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int]:
+    return {rid: token for d in decisions for rid, token in d.sampled_tokens().items()}

@@ -5,6 +5,9 @@ its position and its cache slot (``block_table[pos // block_size] * block_size +
 block_size``); for each sequence its block table, its length in the cache after this step, and
 where its tokens start in the flat batch. The model returns hidden states for every token; only
 the last token of each sequence that reached the end of its known tokens is turned into logits.
+
+Pure-decode steps can instead run from persistent buffers padded to a batch-size bucket, replayed
+as CUDA graphs on a GPU (cuda_graph.py); the logits are those of the real rows either way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
+from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
 from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
@@ -26,6 +30,7 @@ from pagedserve.engine.kv_cache import (
     num_blocks_for_memory,
 )
 from pagedserve.kernels import copy_blocks, paged_attention_warmup
+from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
@@ -38,6 +43,9 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_request_ids: list[str]
+    # the decode bucket this batch was padded to (its tensors are views of the runner's
+    # persistent buffers); None for an unpadded batch
+    padded_batch_size: int | None = None
 
 
 class ModelRunner:
@@ -46,6 +54,11 @@ class ModelRunner:
     Under tensor parallelism there is one runner per rank, built with that rank's
     ``ParallelContext``: it holds the rank's shard of the weights and of the KV heads, and every
     rank agrees on the smallest block count any of them can hold.
+
+    With a ``graph_config`` whose padding is on for this device, the cache holds one block more
+    than ``num_blocks`` (the one the KVCacheManager hands out): block ``num_blocks`` is the
+    padding rows' own (cuda_graph.py). Without one (tensor-parallel ranks, tools), every step
+    runs eagerly and unpadded.
     """
 
     def __init__(
@@ -53,23 +66,17 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         par: ParallelContext | None = None,
+        graph_config: CUDAGraphConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.par = par or ParallelContext()
         self.device = model_config.torch_device
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_config, self.par)
+        self.model = self._load_model()
         self.num_blocks = self.par.min_over_ranks(self._num_blocks())
-        self.kv_caches = allocate_kv_caches(
-            model_config.num_layers,
-            self.num_blocks,
-            cache_config.block_size,
-            self._kv_heads_per_rank(),
-            model_config.head_dim,
-            model_config.torch_dtype,
-            self.device,
-        )
+        pads = graph_config is not None and graph_config.pads_decode(self.device)
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
         if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
             mc, heads = model_config, model_config.num_attention_heads // self.par.tp_size
@@ -82,6 +89,39 @@ class ModelRunner:
                 mc.max_model_len,
                 self.device,
             )
+        self.decode_buffers: DecodeInputBuffers | None = None
+        self.cuda_graphs: DecodeCUDAGraphs | None = None
+        if pads:
+            self._init_padded_decode(graph_config)
+
+    def _init_padded_decode(self, graph_config: CUDAGraphConfig) -> None:
+        """The persistent decode buffers, and on CUDA the graphs that replay from them."""
+        mc, block_size = self.model_config, self.cache_config.block_size
+        self.decode_buffers = DecodeInputBuffers(
+            graph_config.capture_sizes(),
+            max_blocks_per_seq=-(-mc.max_model_len // block_size),
+            block_size=block_size,
+            padding_block=self.num_blocks,
+            device=self.device,
+        )
+        if graph_config.captures(self.device) and use_triton(self.kv_caches[0][0]):
+            with torch.inference_mode():
+                self.cuda_graphs = DecodeCUDAGraphs(self.model, self.kv_caches, self.decode_buffers)
+
+    def _load_model(self):
+        return load_model(self.model_config, self.par)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.model_config
+        return allocate_kv_caches(
+            mc.num_layers,
+            num_blocks,
+            self.cache_config.block_size,
+            self._kv_heads_per_rank(),
+            mc.head_dim,
+            mc.torch_dtype,
+            self.device,
+        )
 
     def _kv_heads_per_rank(self) -> int:
         return kv_heads_per_rank(self.model_config.num_kv_heads, self.par.tp_size)
@@ -133,7 +173,7 @@ class ModelRunner:
             mc.torch_dtype,
             dev,
         )
-        meta = _attention_metadata(batch, max(lengths), dev)
+        meta = _attention_metadata(batch, dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.from_numpy(batch.positions).to(dev)
         hidden = self.model(input_ids, positions, caches, meta)
@@ -165,19 +205,27 @@ class ModelRunner:
                 sample_ids.append(item.request.request_id)
                 logits_rows.append(offset - 1)
         batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
-
+        token_ids = np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=offset)
         dev = self.device
-        meta = _attention_metadata(batch, max(counts), dev)
-        input_ids = torch.from_numpy(
-            np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=offset)
-        )
+        logits_indices = torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev)
+        bucket = self._decode_bucket(offset, len(counts))
+        if bucket is not None:
+            input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
+            return ModelInput(input_ids, positions, meta, logits_indices, sample_ids, bucket)
         return ModelInput(
-            input_ids=input_ids.to(dev),
+            input_ids=torch.from_numpy(token_ids).to(dev),
             positions=torch.from_numpy(batch.positions).to(dev),
-            attn_metadata=meta,
-            logits_indices=torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
+            attn_metadata=_attention_metadata(batch, dev),
+            logits_indices=logits_indices,
             sample_request_ids=sample_ids,
         )
+
+    def _decode_bucket(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The padded batch size of a pure-decode step (one new token per sequence), or None
+        when this step runs unpadded (padding off, a prefill in the batch, too many rows)."""
+        if self.decode_buffers is None or num_tokens != num_seqs:
+            return None
+        return self.decode_buffers.bucket_for(num_seqs)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
@@ -202,16 +250,23 @@ class ModelRunner:
         if blocks_to_copy:
             pairs = torch.tensor(blocks_to_copy, dtype=torch.long, device=self.device)
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
-        hidden = self.model(
-            model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
-        )
+        bucket = model_input.padded_batch_size
+        if self.cuda_graphs is not None and bucket in self.cuda_graphs.graphs:
+            hidden = self.cuda_graphs.replay(bucket)
+        else:
+            hidden = self.model(
+                model_input.input_ids,
+                model_input.positions,
+                self.kv_caches,
+                model_input.attn_metadata,
+            )
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
 
 def prompt_logit_positions(item: ScheduledRequest) -> range:
     """Positions of this chunk whose logits score the next prompt token, for a request that
-    asked for prompt logprobs (``payload.needs_prompt_logits``); empty for every other one."""
-    if not getattr(item.request.payload, "needs_prompt_logits", False):
+    asked for prompt logprobs (``Request.needs_prompt_logits``); empty for every other one."""
+    if not item.request.needs_prompt_logits:
         return range(0)
     start = item.num_computed_tokens
     return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))
@@ -229,15 +284,11 @@ def _token_slice(request: Request, start: int, count: int) -> list[int]:
     return prompt[start:] + output[: end - len(prompt)]
 
 
-def _attention_metadata(
-    batch: PagedBatch, max_query_len: int, device: torch.device
-) -> AttentionMetadata:
+def _attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
     """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
         block_tables=torch.from_numpy(batch.block_tables).to(device),
         seq_lens=torch.from_numpy(batch.seq_lens).to(device),
         query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
-        max_query_len=max_query_len,
-        max_seq_len=int(batch.seq_lens.max()),
     )

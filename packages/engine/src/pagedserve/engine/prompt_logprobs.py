@@ -2,8 +2,11 @@
 
 The model runner adds, after the sampled rows, the logits of every prompt position of a request
 that asked for them (``model_runner.prompt_logit_positions``; such a request bypasses the prefix
-cache, so no prompt position is skipped). The row at position p scores prompt token p + 1. As for
-sampled tokens, the logprobs are the raw model distribution's: the actual token's, and the top-N.
+cache, so no prompt position is skipped), while its ``Request.needs_prompt_logits`` is set: the
+engine sets it at admission and clears it here once every prompt position is recorded, so a
+recompute after preemption computes no prompt logits again. The row at position p scores prompt
+token p + 1. As for sampled tokens, the logprobs are the raw model distribution's: the actual
+token's, and the top-N.
 """
 
 from __future__ import annotations
@@ -40,3 +43,5 @@ def record_prompt_logprobs(scheduled: SchedulerOutput, logits: torch.Tensor) -> 
             entry = dict(zip(top_ids[i][:num_top], top_values[i][:num_top], strict=True))
             entry.setdefault(prompt[position + 1], actual[i])
             group.prompt_logprobs.append(entry)
+        if len(group.prompt_logprobs) == len(prompt):
+            item.request.needs_prompt_logits = False  # complete: a recompute needs none

@@ -14,19 +14,28 @@ vocabulary (the exponential race: ``argmax(x - log(noise))`` samples from ``soft
 draws its noise only from its own generator, so a seeded request draws the same tokens alone or
 in any batch.
 
+Two seams for later features: an optional per-row token mask (structured outputs: tokens the
+grammar forbids get -inf before anything else), and ``score_proposed_tokens`` (speculative
+decoding: the target model's probabilities of k proposed tokens per row).
+
+The host cost is kept out of the plain path: the per-row settings are gathered in one pass into
+one tensor, every decision (greedy? penalties? bias? logprobs?) is read from it, and a batch of
+greedy rows with nothing else to apply is one argmax.
+
 Logprobs are those of the model's raw distribution (log_softmax of the logits before any
 processing; vLLM's default ``raw_logprobs``): the sampled token's, and the top-N.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels.penalties import apply_penalties
-from pagedserve.kernels.sampling import sample_tokens
+from pagedserve.kernels.sampling import GREEDY_TEMPERATURE, sample_tokens
 
 
 @dataclass
@@ -34,6 +43,9 @@ class SamplingMetadata:
     """Per-row inputs of one sampling step. Row i of the logits belongs to entry i of each list.
 
     ``masked_token_ids[i]``: tokens that row i must not pick now (stop tokens under min_tokens).
+    ``allowed_token_mask``: when given, what each row may pick at all (structured outputs): a
+    bool ``[rows, vocab]`` (True = allowed), or the packed int32 bitmask ``[rows, ceil(vocab /
+    32)]`` that grammar backends (xgrammar) fill, bit ``t % 32`` of word ``t // 32`` = token t.
     """
 
     params: list[SamplingParams]
@@ -41,6 +53,7 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     masked_token_ids: list[frozenset[int] | set[int]]
+    allowed_token_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,31 +65,97 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
+    _host: tuple[list, list, list, list] | None = field(default=None, init=False, repr=False)
 
     def row_logprobs(self, row: int, num: int) -> dict[int, float]:
-        """Row ``row``'s logprobs as {token id: logprob}: its top ``num``, then the sampled token."""
+        """Row ``row``'s logprobs as {token id: logprob}: its top ``num``, then the sampled token.
+
+        The tensors come to the host once per step, on the first call (one transfer each, not
+        one per element read)."""
         assert self.logprobs is not None and self.top_logprobs is not None
-        result = {
-            int(t): float(v)
-            for t, v in zip(self.top_token_ids[row, :num], self.top_logprobs[row, :num])
-        }
-        result.setdefault(int(self.token_ids[row]), float(self.logprobs[row]))
+        if self._host is None:
+            tensors = (self.token_ids, self.logprobs, self.top_token_ids, self.top_logprobs)
+            self._host = tuple(t.tolist() for t in tensors)
+        tokens, logprobs, top_ids, top_values = self._host
+        result = dict(zip(top_ids[row][:num], top_values[row][:num]))
+        result.setdefault(tokens[row], logprobs[row])
         return result
 
 
-def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logit_bias and the min_tokens stop-token mask, on a copy of ``logits``."""
-    rows, cols, bias = [], [], []
-    for row, params in enumerate(meta.params):
-        for token, value in (params.logit_bias or {}).items():
-            rows.append(row)
-            cols.append(int(token))
-            bias.append(float(value))
-    masked = [(row, t) for row, ids in enumerate(meta.masked_token_ids) for t in ids]
-    if not rows and not masked:
-        return logits
-    logits = logits.clone()
-    if rows:
+class BatchSettings:
+    """What a batch needs, found in a few short passes over the rows' params.
+
+    The flags (all greedy? any penalty, bias, logprobs?) are plain ``all``/``any`` scans that
+    stop at the first row that decides them; the per-row sampling values are gathered only when
+    some row samples, into one tensor moved to the device in one copy. (A table of every value,
+    built for every batch, was measured slower: building a 256 x 9 tensor from Python tuples
+    costs more than the scans it replaces.)
+    """
+
+    def __init__(self, params: list[SamplingParams]) -> None:
+        self.params = params
+        self.greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
+        self.all_greedy = all(self.greedy)
+        self.any_penalty = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for p in params
+        )
+        self.any_bias = any(p.logit_bias for p in params)
+        self.max_logprobs = max(
+            (p.logprobs for p in params if p.logprobs is not None), default=None
+        )
+
+    def columns(self, names: tuple[str, ...], device: torch.device) -> torch.Tensor:
+        """``[len(names), B]`` float32 of the named SamplingParams fields, in one transfer."""
+        table = torch.tensor([[getattr(p, n) for p in self.params] for n in names])
+        return table.to(device=device, dtype=torch.float32)
+
+
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]`` without copying the matrix when ``rows`` is ``0, 1, ..., n - 1`` (every
+    sampled row in order, the common case): a view of the first n rows then, else one gather."""
+    n = len(rows)
+    if n <= logits.shape[0] and rows == list(range(n)):
+        return logits[:n]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    return logits.index_select(0, index)
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A packed int32 bitmask ``[rows, ceil(V / 32)]`` as bool ``[rows, V]`` (True = allowed)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32)[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Tokens outside each row's allowed set to -inf, on a copy (``mask``: see SamplingMetadata)."""
+    rows, vocab = logits.shape
+    if mask.dtype != torch.bool:
+        mask = unpack_token_bitmask(mask, vocab)
+    if mask.shape != (rows, vocab):
+        raise ValueError(f"allowed_token_mask must be [{rows}, {vocab}], got {tuple(mask.shape)}")
+    return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+
+
+def apply_logit_processors(
+    logits: torch.Tensor, meta: SamplingMetadata, settings: BatchSettings | None = None
+) -> torch.Tensor:
+    """The structured-output mask, logit_bias and the min_tokens stop-token mask, on a copy of
+    ``logits`` (the input itself when none applies)."""
+    settings = settings or BatchSettings(meta.params)
+    masked = [(row, t) for row, ids in enumerate(meta.masked_token_ids) if ids for t in ids]
+    if meta.allowed_token_mask is not None:
+        logits = apply_token_mask(logits, meta.allowed_token_mask)
+    elif settings.any_bias or masked:
+        logits = logits.clone()
+    if settings.any_bias:
+        rows, cols, bias = [], [], []
+        for row, params in enumerate(meta.params):
+            for token, value in (params.logit_bias or {}).items():
+                rows.append(row)
+                cols.append(int(token))
+                bias.append(float(value))
         index = (torch.tensor(rows), torch.tensor(cols))
         values = torch.tensor(bias, dtype=logits.dtype)
         logits.index_put_(tuple(i.to(logits.device) for i in index), values.to(logits.device), True)
@@ -88,36 +167,32 @@ def apply_logit_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torc
     return logits
 
 
-def penalise(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _scatter_index(token_lists: list[list[int]], device: torch.device):
+    """(row, token) index tensors of every token of every row, built in one pass."""
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    return rows.to(device), tokens.to(device)
+
+
+def penalise(
+    logits: torch.Tensor, meta: SamplingMetadata, settings: BatchSettings | None = None
+) -> torch.Tensor:
     """Repetition, frequency and presence penalties (skipped when no row uses any)."""
-    params = meta.params
-    if all(
-        p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-        for p in params
-    ):
+    settings = settings or BatchSettings(meta.params)
+    if not settings.any_penalty:
         return logits
     batch, vocab = logits.shape
     device = logits.device
     prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    prompt_mask[_scatter_index(meta.prompt_token_ids, device)] = True
     output_counts = torch.zeros(batch, vocab, dtype=torch.int32, device=device)
-    for row in range(batch):
-        if meta.prompt_token_ids[row]:
-            prompt_mask[row, torch.tensor(meta.prompt_token_ids[row], device=device)] = True
-        if meta.output_token_ids[row]:
-            ids = torch.tensor(meta.output_token_ids[row], device=device)
-            output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-
-    def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
-
-    return apply_penalties(
-        logits,
-        prompt_mask,
-        output_counts,
-        column("repetition_penalty"),
-        column("presence_penalty"),
-        column("frequency_penalty"),
-    )
+    rows, tokens = _scatter_index(meta.output_token_ids, device)
+    ones = torch.ones_like(tokens, dtype=torch.int32)
+    output_counts.index_put_((rows, tokens), ones, accumulate=True)
+    names = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    repetition, presence, frequency = settings.columns(names, device)
+    return apply_penalties(logits, prompt_mask, output_counts, repetition, presence, frequency)
 
 
 def exponential_noise(
@@ -136,35 +211,71 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Next token ids ``[B]`` (and logprobs) for ``logits [B, V]`` (float32)."""
         raw = logits
-        logits = penalise(apply_logit_processors(logits, meta), meta)
-        params = meta.params
+        settings = BatchSettings(meta.params)
+        logits = penalise(apply_logit_processors(logits, meta, settings), meta, settings)
         device = logits.device
-        greedy = [p.is_greedy for p in params]
-        if all(greedy):
+        if settings.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = sample_tokens(
-                logits,
-                torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-                torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-                exponential_noise(logits, meta.generators, greedy),
-            )
-        return self._with_logprobs(raw, tokens, params)
+            names = ("temperature", "top_k", "top_p", "min_p")
+            temperature, top_k, top_p, min_p = settings.columns(names, device)
+            noise = exponential_noise(logits, meta.generators, settings.greedy)
+            tokens = sample_tokens(logits, temperature, top_k.int(), top_p, min_p, noise)
+        return self._with_logprobs(raw, tokens, settings.max_logprobs)
 
     @staticmethod
     def _with_logprobs(
-        raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+        raw: torch.Tensor, tokens: torch.Tensor, max_logprobs: int | None
     ) -> SamplerOutput:
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        if not wanted:
+        if max_logprobs is None:
             return SamplerOutput(tokens)
         logprobs = torch.log_softmax(raw.float(), dim=-1)
-        top = logprobs.topk(max(max(wanted), 1), dim=-1)
+        top = logprobs.topk(max(max_logprobs, 1), dim=-1)
         return SamplerOutput(
             token_ids=tokens,
             logprobs=logprobs.gather(1, tokens[:, None]).squeeze(1),
             top_logprobs=top.values,
             top_token_ids=top.indices,
         )
+
+
+@dataclass
+class ProposalScores:
+    """The target model's view of k proposed tokens per row (speculative decoding's verify).
+
+    ``probs [R, k]``: the probability of proposed token j under the row's target distribution
+    (softmax of logits / temperature; greedy rows: 1 where it is the argmax, else 0), what a
+    rejection sampler compares with the proposer's probability. ``logprobs [R, k]``: its raw
+    logprob (log_softmax of the logits, as the sampler reports). ``bonus_logits [R, V]``: the
+    last position's logits, which give the extra token when all k are accepted.
+    """
+
+    probs: torch.Tensor
+    logprobs: torch.Tensor
+    bonus_logits: torch.Tensor
+
+
+def score_proposed_tokens(
+    logits: torch.Tensor, proposed_token_ids: torch.Tensor, params: list[SamplingParams]
+) -> ProposalScores:
+    """Score ``proposed_token_ids [R, k]`` against ``logits`` for k + 1 positions per row.
+
+    ``logits`` is ``[R, k + 1, V]`` or its flat ``[R * (k + 1), V]`` (each row's positions in
+    order, as the runner returns them): position j's logits give the distribution of proposed
+    token j, position k's the bonus token's. Top-k/top-p/min-p and penalties are the rejection
+    sampler's to apply when it comes; this is the seam it scores through.
+    """
+    num_rows, k = proposed_token_ids.shape
+    if len(params) != num_rows:
+        raise ValueError(f"{num_rows} rows of proposed tokens, {len(params)} sampling params")
+    logits = logits.reshape(num_rows, k + 1, -1).float()
+    scored, index = logits[:, :k], proposed_token_ids.long().to(logits.device)[:, :, None]
+    logprobs = torch.log_softmax(scored, dim=-1).gather(2, index).squeeze(2)
+    settings = BatchSettings(params)
+    greedy = torch.tensor(settings.greedy, device=logits.device)
+    (temperature,) = settings.columns(("temperature",), logits.device)
+    temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
+    sampled = torch.softmax(scored / temperature[:, None, None], dim=-1).gather(2, index).squeeze(2)
+    is_argmax = (scored.argmax(dim=-1) == index.squeeze(2)).float()
+    probs = torch.where(greedy[:, None], is_argmax, sampled)
+    return ProposalScores(probs=probs, logprobs=logprobs, bonus_logits=logits[:, k])

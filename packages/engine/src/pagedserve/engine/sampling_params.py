@@ -1,12 +1,15 @@
 """SamplingParams: how to pick each next token and when to stop, with vLLM's names.
 
-Every field is validated here, at the edge, with a ValueError naming the field, so the server can
-turn it into a 400 that says which parameter is wrong.
+Every field is validated here, at the edge, with an ``InvalidRequestError`` (a ValueError) whose
+``param`` names the field, so the server can turn it into a 400 that says which parameter is
+wrong. What needs the model (token ids inside the vocabulary) is the engine's check.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pagedserve.engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -50,11 +53,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def _validate(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+    def _require(self, ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}", name)
 
+    def _validate(self) -> None:
+        check = self._require
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         if self.best_of is not None:
             check(
@@ -71,19 +75,35 @@ class SamplingParams:
         check(self.repetition_penalty > 0.0, "repetition_penalty", "must be positive")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        self._validate_lengths()
+        self._validate_outputs_and_stops()
+        if self.use_beam_search:
+            self._validate_beam_search()
+        elif self.best_of not in (None, self.n):
+            raise InvalidRequestError(
+                f"best_of is only used by beam search (its beam width); got best_of={self.best_of} "
+                f"with n={self.n}: use n to ask for several samples",
+                "best_of",
+            )
+
+    def _validate_lengths(self) -> None:
         if self.max_tokens is not None:
-            check(
+            self._require(
                 isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                 "max_tokens",
                 "must be at least 1",
             )
-        check(
+        self._require(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0"
         )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}",
+                "min_tokens",
             )
+
+    def _validate_outputs_and_stops(self) -> None:
+        check = self._require
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -104,25 +124,21 @@ class SamplingParams:
             "stop_token_ids",
             "must be token ids",
         )
-        if self.logit_bias:
-            for token, bias in self.logit_bias.items():
-                if not isinstance(token, int) or token < 0 or not -100.0 <= float(bias) <= 100.0:
-                    raise ValueError(
-                        f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}"
-                    )
-        if self.use_beam_search:
-            self._validate_beam_search()
-        elif self.best_of not in (None, self.n):
-            raise ValueError(
-                f"best_of is only used by beam search (its beam width); got best_of={self.best_of} "
-                f"with n={self.n}: use n to ask for several samples"
-            )
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0 or not -100.0 <= float(bias) <= 100.0:
+                raise InvalidRequestError(
+                    "logit_bias must map token ids to values in [-100, 100], "
+                    f"got {token!r}: {bias!r}",
+                    "logit_bias",
+                )
 
     def _validate_beam_search(self) -> None:
         """Beam search is deterministic: it takes no sampling knobs, stop strings or logprobs.
         Its ``stop_token_ids`` end a hypothesis as EOS does."""
         if self.temperature != 0.0:
-            raise ValueError("temperature must be 0 with beam search (it is deterministic)")
+            raise InvalidRequestError(
+                "temperature must be 0 with beam search (it is deterministic)", "temperature"
+            )
         unsupported = {
             "top_p": self.top_p != 1.0,
             "top_k": self.top_k != 0,
@@ -138,9 +154,9 @@ class SamplingParams:
         }
         for name, used in unsupported.items():
             if used:
-                raise ValueError(f"{name} is not supported with beam search")
+                raise InvalidRequestError(f"{name} is not supported with beam search", name)
         if self.max_tokens is None:
-            raise ValueError("max_tokens must be set for beam search")
+            raise InvalidRequestError("max_tokens must be set for beam search", "max_tokens")
 
     @property
     def beam_width(self) -> int:

@@ -7,7 +7,10 @@ share the prompt's blocks, each drawing its own first token from the same logits
 (beam_search.py) is a group too, whose sequences are its live beams.
 
 Each sequence carries a ``SequenceState`` in ``Request.payload``: its generator, detokenizer,
-stop-string scan and logprobs.
+stop-string scan and logprobs. Each step a group decides from its rows of the logits
+(``decide``, decisions.py): a sampling group adds them to the step's one sampler batch, and
+after ``scheduler.update`` its decision detokenizes the new tokens, checks stop strings and
+starts the forks of an ``n > 1`` request.
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.scheduler import Request
+from pagedserve.scheduler import (
+    Request,
+    RequestRejectedError,
+    RequestStatus,
+    SchedulerOverloadedError,
+)
 
 
 @dataclass(eq=False)
@@ -39,21 +48,43 @@ class SequenceState:
     def params(self) -> SamplingParams:
         return self.group.params
 
-    @property
-    def needs_prompt_logits(self) -> bool:
-        """True while this request's prompt logprobs are incomplete (the model runner reads it
-        to also compute the logits of prompt positions)."""
-        group = self.group
-        return (
-            self.index == 0
-            and group.prompt_logprobs is not None
-            and len(group.prompt_logprobs) < len(group.prompt_token_ids)
-        )
-
     def record_logprobs(self, token_logprobs: dict[int, float], token: int) -> None:
         if self.logprobs is not None:
             self.logprobs.append(token_logprobs)
             self.cumulative_logprob += token_logprobs[token]
+
+    def process_new_token(
+        self, request: Request, logprobs: dict[int, float] | None, ctx: StepContext
+    ) -> None:
+        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings."""
+        ctx.record_token(self.group)
+        ctx.num_generation_tokens += 1
+        token = request.output_token_ids[-1]
+        if logprobs is not None:
+            self.record_logprobs(logprobs, token)
+        hidden_stop = (
+            request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
+        )
+        if not hidden_stop:
+            self.detokenizer.add_token(token)
+        if request.is_finished:
+            self.detokenizer.flush()
+        self._check_stop_strings(request, ctx)
+
+    def _check_stop_strings(self, request: Request, ctx: StepContext) -> None:
+        stops = self.params.stop_strings
+        text = self.detokenizer.text
+        if not stops or self.stop_string_hit is not None:
+            return
+        hit = find_stop_string(text, len(text) - self.text_checked, stops)
+        self.text_checked = len(text)
+        if hit is None:
+            return
+        stop, index = hit
+        end = index + len(stop) if self.params.include_stop_str_in_output else index
+        self.detokenizer.text = text[:end]
+        self.stop_string_hit = stop
+        ctx.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
 
 
 @dataclass(eq=False)
@@ -66,7 +97,7 @@ class SequenceGroup:
     params: SamplingParams
     metrics: RequestMetrics
     seed: int = 0
-    sequences: list[Request] = field(default_factory=list)
+    sequences: list[Request[SequenceState]] = field(default_factory=list)
     forked: bool = False
     aborted: bool = False
     # [None, {token 1: logprob, top-N...}, ...]: the first prompt token has no logprob
@@ -99,6 +130,56 @@ class SequenceGroup:
             ),
             logprobs=[] if self.params.logprobs is not None else None,
         )
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def decide(self, rows: list[tuple[Request, int]], batch: SamplingBatch) -> StepDecision:
+        """Add this step's rows (request, logits row) to the sampler batch. The row of an
+        ``n > 1`` request's first sample is added ``n`` times: once for each sequence it forks
+        into, each drawing with its own generator."""
+        decision = SamplingDecision(self, batch)
+        for request, row in rows:
+            state = request.payload
+            decision.slots.append((request, state, batch.add(row, state, request)))
+            if self.needs_fork:
+                self.forked = True
+                tokenizer = state.detokenizer.tokenizer
+                for index in range(1, self.params.n):
+                    child = self.new_state(index, tokenizer, batch.logits.device)
+                    decision.slots.append((None, child, batch.add(row, child, None)))
+        return decision
+
+    def start_child(
+        self, state: SequenceState, token: int, logprobs: dict[int, float] | None, ctx: StepContext
+    ) -> None:
+        """Sequence ``state.index`` of an n > 1 request, born with its first token: it forks
+        the parent's blocks."""
+        parent = self.sequences[0]
+        child = Request(
+            request_id=self.child_request_id(state.index),
+            prompt_token_ids=list(self.prompt_token_ids),
+            max_tokens=parent.max_tokens,
+            min_tokens=parent.min_tokens,
+            stop_token_ids=parent.stop_token_ids,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            payload=state,
+        )
+        child.append_output_token(token)
+        self.sequences.append(child)
+        stop = child.check_stop()
+        if stop is not None:
+            ctx.scheduler.finish_request(child, stop)  # done at its first token: no block
+        elif parent.status is RequestStatus.RUNNING:
+            ctx.scheduler.add_forked_request(parent.request_id, child)
+        else:
+            # The parent ended at its first token and freed its blocks; the child is queued
+            # afresh and finds the prompt's blocks in the prefix cache.
+            try:
+                ctx.scheduler.add_request(child)
+            except (RequestRejectedError, SchedulerOverloadedError):
+                ctx.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+        state.process_new_token(child, logprobs, ctx)
 
     def visible_text(self, request: Request) -> str:
         """The text a caller may see now. While a sequence with stop strings runs, its last
@@ -137,3 +218,30 @@ class SequenceGroup:
             metrics=self.metrics,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
+
+
+@dataclass
+class SamplingDecision:
+    """A sampling group's step: its slots in the sampler batch, applied after the update.
+
+    A slot is (request, its state, batch slot); the request is None for a fork not yet born.
+    """
+
+    group: SequenceGroup
+    batch: SamplingBatch
+    slots: list[tuple[Request | None, SequenceState, int]] = field(default_factory=list)
+
+    def sampled_tokens(self) -> dict[str, int]:
+        return {r.request_id: self.batch.token(slot) for r, _, slot in self.slots if r is not None}
+
+    def apply(self, ctx: StepContext) -> bool:
+        """Process the parents' new tokens, then start the forks, in slot order."""
+        for request, state, slot in self.slots:
+            if request is not None and request.request_id in ctx.updated:
+                state.process_new_token(request, self.batch.logprobs(slot), ctx)
+        for request, state, slot in self.slots:
+            if request is None:
+                self.group.start_child(
+                    state, self.batch.token(slot), self.batch.logprobs(slot), ctx
+                )
+        return any(r is not None and r.request_id in ctx.updated for r, _, _ in self.slots)

@@ -63,8 +63,3 @@ def taken_as_cuda(multi_processor_count: int) -> Iterator[None]:
         yield
     finally:
         _STAND_IN_SMS.reset(token)
-
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= n (Triton tiles must be powers of two)."""
-    return 1 << max(0, (n - 1).bit_length())

@@ -1,6 +1,7 @@
 """pagedserve.models: model architectures over the paged KV cache, the loader, the tokenizer."""
 
 from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.attention import AttentionMetadata
 from pagedserve.models.loader import load_model
 from pagedserve.models.parallel import ParallelContext
@@ -10,6 +11,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "ModelConfig",
+    "ModelForCausalLM",
     "ModelLoadError",
     "ParallelContext",
     "apply_chat_template",

@@ -109,15 +109,17 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
+    def _hf_int(self, name: str, gpt2_name: str) -> int:
+        """A size that Llama-style configs and GPT-2's spell differently (``n_layer``, ...)."""
+        return int(self.hf_config.get(name) or self.hf_config[gpt2_name])
+
     @property
     def num_layers(self) -> int:
-        c = self.hf_config
-        return int(c.get("num_hidden_layers") or c["n_layer"])
+        return self._hf_int("num_hidden_layers", "n_layer")
 
     @property
     def num_attention_heads(self) -> int:
-        c = self.hf_config
-        return int(c.get("num_attention_heads") or c["n_head"])
+        return self._hf_int("num_attention_heads", "n_head")
 
     @property
     def num_kv_heads(self) -> int:
@@ -125,8 +127,7 @@ class ModelConfig:
 
     @property
     def hidden_size(self) -> int:
-        c = self.hf_config
-        return int(c.get("hidden_size") or c["n_embd"])
+        return self._hf_int("hidden_size", "n_embd")
 
     @property
     def head_dim(self) -> int:

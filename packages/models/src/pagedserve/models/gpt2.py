@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.kernels import gelu_tanh
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.interface import KVCache
 from pagedserve.models.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import (
@@ -22,9 +23,8 @@ from pagedserve.models.layers.linear import (
 )
 from pagedserve.models.layers.norm import LayerNorm
 from pagedserve.models.parallel import ParallelContext
-from pagedserve.models.weights import load_stacked_weights
+from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 _CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 
 
@@ -139,14 +139,18 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
 
     def forward(
-        self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, meta)
+        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
         load_stacked_weights(self, self._normalise(weights), self.stacked_params, lambda n: n)
 
     def _normalise(self, weights: Iterable[tuple[str, torch.Tensor]]):

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.kernels import silu_and_mul
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.interface import KVCache
 from pagedserve.models.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import (
@@ -23,9 +24,7 @@ from pagedserve.models.layers.linear import (
 from pagedserve.models.layers.norm import RMSNorm
 from pagedserve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.models.parallel import ParallelContext
-from pagedserve.models.weights import load_stacked_weights
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
 
 
 class LlamaAttention(nn.Module):
@@ -182,14 +181,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
         def rename(name: str) -> str | None:
             if "rotary_emb.inv_freq" in name:
                 return None

@@ -1,23 +1,25 @@
-"""From a Hugging Face folder to a ready model: pick the architecture, build it, load weights."""
+"""From a Hugging Face folder to a ready model: pick the architecture, build it, load weights.
+
+Every class in ``MODEL_CLASSES`` implements ``ModelForCausalLM`` (interface.py)."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.weights import iterate_weights
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 
 
-def load_model(config: ModelConfig, par: ParallelContext | None = None) -> nn.Module:
+def load_model(config: ModelConfig, par: ParallelContext | None = None) -> ModelForCausalLM:
     """Build the model on ``config.torch_device`` in ``config.torch_dtype`` and load its weights."""
     model_cls = MODEL_CLASSES[config.arch]
     with torch.device(config.torch_device):

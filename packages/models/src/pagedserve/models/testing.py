@@ -10,7 +10,6 @@ next-token distribution is peaked and greedy decoding does not sit on near-ties.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +29,17 @@ _CORPUS = [
 ]
 
 
+# What every tiny architecture shares: the vocabulary and special ids of build_tiny_tokenizer.
+_TINY_SHARED: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB, initializer_range=0.1, bos_token_id=1, eos_token_id=2
+)
+
+
 def _llama_family_config(arch: str, overrides: dict[str, Any]):
     import transformers
 
     common: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB,
+        _TINY_SHARED,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -42,9 +47,6 @@ def _llama_family_config(arch: str, overrides: dict[str, Any]):
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
         tie_word_embeddings=False,
     )
     if arch == "llama":
@@ -64,22 +66,13 @@ def _llama_family_config(arch: str, overrides: dict[str, Any]):
 def _gpt2_config(overrides: dict[str, Any]):
     import transformers
 
-    common: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB,
-        n_positions=512,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = dict(_TINY_SHARED, n_positions=512, n_embd=64, n_layer=2, n_head=4)
     common.update(overrides)
     return transformers.GPT2Config(**common)
 
 
 def build_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
-    """A byte-level BPE tokenizer with <|endoftext|>=0? no: <unk>=0, <|im_start|>=1, <|im_end|>=2."""
+    """A byte-level BPE tokenizer: <unk>=0, <|im_start|>=1 (bos), <|im_end|>=2 (eos and pad)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -120,10 +113,6 @@ def make_tiny_checkpoint(
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tiny_tokenizer(out_dir, config.vocab_size)
     return out_dir
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

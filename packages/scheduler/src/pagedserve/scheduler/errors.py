@@ -10,7 +10,15 @@ from __future__ import annotations
 
 
 class RequestRejectedError(ValueError):
-    """The request can never be scheduled: it exceeds ``max_model_len`` or the whole KV cache."""
+    """The request can never be scheduled: it exceeds ``max_model_len`` or the whole KV cache.
+
+    ``param`` names the request field at fault (``prompt`` or ``max_tokens``), so that the engine
+    can tell its caller which field to change.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class SchedulerOverloadedError(RuntimeError):

@@ -12,7 +12,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Generic, TypeVar, overload
 
 
 class RequestStatus(enum.Enum):
@@ -85,13 +85,18 @@ _FINISHED = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 )
 
+PayloadT = TypeVar("PayloadT")
+
 
 @dataclass(eq=False)
-class Request:
+class Request(Generic[PayloadT]):
     """One sequence being generated.
 
     ``stop_token_ids`` already holds the EOS token unless the request ignores EOS. The engine
-    keeps what the scheduler does not need (sampling parameters, detokenizer) in ``payload``.
+    keeps what the scheduler does not need (sampling parameters, detokenizer) in ``payload``,
+    whose type is the engine's (``Request[SequenceState]``): the scheduler never reads it.
+    ``needs_prompt_logits`` is the engine's word to the model runner: while it is set, the
+    runner also computes the logits of the prompt positions it runs (prompt logprobs).
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -106,7 +111,8 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
-    payload: Any = None
+    payload: PayloadT | None = None
+    needs_prompt_logits: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -26,65 +26,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_table: list[int]
-
-    @property
-    def needs_sample(self) -> bool:
-        """True when this chunk reaches the last known token, whose logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: what each scheduled request computes, the block copies to run first, and the
-    requests preempted while making room."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the counters the engine exports as metrics.
-
-    ``num_running``, ``num_waiting`` and ``num_waiting_tokens`` are current; ``num_preemptions``,
-    ``num_steps`` and ``total_scheduled_tokens`` are cumulative; ``num_scheduled_tokens`` and
-    ``num_scheduled_seqs`` describe the last step.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    total_scheduled_tokens: int = 0
-    num_scheduled_tokens: int = 0
-    num_scheduled_seqs: int = 0
 
 
 class Scheduler:
@@ -108,7 +56,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request, or refuse it at once.
 
-        Raises ``RequestRejectedError`` (a ValueError) when it can never run: an empty prompt,
+        Raises ``RequestRejectedError`` (a ValueError naming the field at fault) when it can
+        never run: an empty prompt, a prompt that leaves no room under ``max_model_len``,
         ``max_tokens`` < 1, prompt + max_tokens over ``max_model_len``, or more blocks than the
         KV cache can give one request. Raises ``SchedulerOverloadedError`` when the waiting
         queue is full. Raises ValueError when the request id is already in use.
@@ -127,13 +76,22 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         max_len = self.config.max_model_len
         if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty: give at least one token")
+            raise RequestRejectedError("the prompt is empty: give at least one token", "prompt")
+        if num_prompt >= max_len:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {max_len}, which leaves "
+                "no room for a new token: shorten the prompt",
+                "prompt",
+            )
         if request.max_tokens < 1:
-            raise RequestRejectedError(f"max_tokens must be >= 1, got {request.max_tokens}")
+            raise RequestRejectedError(
+                f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens"
+            )
         if num_prompt + request.max_tokens > max_len:
             raise RequestRejectedError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens"
+                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens",
+                "max_tokens",
             )
         # The last sampled token is never fed back, so it needs no slot. The watermark is kept
         # free on admission, so one request may hold at most num_blocks - watermark blocks (a
@@ -145,7 +103,8 @@ class Scheduler:
             raise RequestRejectedError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) needs "
                 f"{blocks_needed} KV blocks of {self.kv.block_size} tokens, but the KV cache can "
-                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache"
+                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache",
+                "max_tokens",
             )
 
     def _check_not_overloaded(self, request: Request) -> None:
@@ -203,9 +162,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     @property
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -239,6 +195,43 @@ class Scheduler:
             self._finish(request, status)
             finished.append(request)
         return finished
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """End ``request`` with ``status`` (and ``stop_reason``, when given).
+
+        A live request leaves its queue and frees its blocks at once. One that holds no blocks
+        only takes the status: a fork that was never added (it ended at its first token, or
+        found the queue full), or a request that finished at this very token and whose reason
+        the engine overrules (a stop string in the text outranks the length limit).
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        if self.requests.get(request.request_id) is request and not request.is_finished:
+            self.finish_requests([request.request_id], status)
+        else:
+            request.status = status
+
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Un-compute the last ``num_tokens`` computed tokens of a running request: the next
+        step computes them again (a beam waiting for its siblings; rejected speculative tokens).
+
+        The tokens themselves stay, so every block the request holds is still needed (it is
+        recomputed into); none is given back. Blocks already registered in the prefix cache
+        stay valid: recomputing the same tokens writes the same keys and values.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running: it cannot be rewound")
+        if not 0 <= num_tokens <= request.num_computed_tokens:
+            raise ValueError(
+                f"cannot rewind {request_id!r} by {num_tokens} tokens: it has computed "
+                f"{request.num_computed_tokens}"
+            )
+        request.num_computed_tokens -= num_tokens
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The Starlette application: routes, body parsing, the gate middleware, metrics, lifespan.
 
-``build_app(engine, config)`` takes an ``AsyncLLM`` (anything with its interface) and returns an
+``build_app(engine, config)`` takes an ``AsyncLLM`` (any ``EngineClient``) and returns an
 ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
 Starlette's TestClient). Routes:
 
@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pagedserve.engine import EngineClient, EngineDeadError
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import (
     EXCEPTION_HANDLERS,
     APIError,
-    EngineDeadError,
     from_validation_error,
     parse_json_body,
 )
@@ -44,9 +44,10 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedserve.server.serving import ServerState, check_model, now_s
+from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
+from pagedserve.server.state import ServerState, now_s
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
@@ -187,9 +188,10 @@ ROUTES = [
 
 
 def build_app(
-    engine, config: ServerConfig | None = None, model_name: str | None = None
+    engine: EngineClient, config: ServerConfig | None = None, model_name: str | None = None
 ) -> Starlette:
-    """The ASGI app serving ``engine`` (an AsyncLLM) under ``model_name``.
+    """The ASGI app serving ``engine`` (an AsyncLLM, or anything that is an EngineClient)
+    under ``model_name``.
 
     The engine is shut down with the app's lifespan (uvicorn); in-process users that skip the
     lifespan shut it down themselves.

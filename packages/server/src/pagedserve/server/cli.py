@@ -16,30 +16,19 @@ import os
 import re
 import sys
 import time
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import fields
 
-from pagedserve.engine import LLM, EngineArgs, SamplingParams
+from pagedserve.engine import (
+    DEFAULT_MODEL_NAME,
+    LLM,
+    EngineArgs,
+    SamplingParams,
+    ensure_default_model,
+)
 from pagedserve.server.config import ServerConfig
-
-ENGINE_HELP = {
-    "tokenizer": "tokenizer folder (default: the model's)",
-    "dtype": "weights and activations: auto, float32, float16, bfloat16",
-    "device": "auto (CUDA if present, else CPU), cuda or cpu",
-    "seed": "seed of the engine's random source (per-request seeds override it)",
-    "max_model_len": "longest sequence, prompt plus completion (default: the model's)",
-    "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "bytes for the KV cache on CPU, e.g. 2GiB, 512MB or 1073741824",
-    "gpu_memory_utilization": "fraction of free GPU memory for the KV cache",
-    "num_gpu_blocks_override": "exact number of KV blocks (overrides the memory settings)",
-    "enable_prefix_caching": "share the KV blocks of common prompt prefixes between requests",
-    "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
-    "long_prefill_token_threshold": "most tokens of one prompt per step (0: no cap)",
-    "enable_chunked_prefill": "split long prompts over several steps",
-    "scheduling_policy": "fcfs, or priority (a request's 'priority' field, lower first)",
-    "max_num_waiting": "most requests waiting in the queue; beyond it the server answers 503",
-    "tensor_parallel_size": "number of devices to shard the model over",
-}
 
 _SIZE_UNITS = {
     "": 1,
@@ -69,39 +58,54 @@ def parse_size(text: str) -> int:
     return size
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Expose every EngineArgs field as --kebab-case, same name as in Python."""
-    group = parser.add_argument_group("engine")
-    for f in fields(EngineArgs):
-        if f.name == "model" or f.name in skip:
+def add_config_args(
+    group: argparse._ActionsContainer, cls: type, skip: tuple[str, ...] = (), **defaults
+) -> None:
+    """One ``--kebab-case`` flag per field of the config dataclass ``cls``, named as the field.
+
+    Everything comes from the dataclass: the value's type from its type hint (``X | None`` takes
+    an X; a bool is ``--flag``/``--no-flag``; a field whose metadata says ``unit="bytes"`` takes
+    sizes such as 2GiB), the help text from its metadata, the default from the field unless
+    ``defaults`` overrides it.
+    """
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_ = ENGINE_HELP.get(f.name, "") + f" (default: {f.default})"
-        if f.type in ("bool", bool):
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_
-            )
+        default = defaults.get(f.name, f.default)
+        help_ = f.metadata.get("help", "")
+        if "(default" not in help_:
+            help_ += f" (default: {f.default})"
+        kind = _flag_type(f.name, hints[f.name], f.metadata)
+        if kind is bool:
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=default, help=help_)
         else:
-            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            if f.name == "kv_cache_memory":
-                kind = parse_size
-            group.add_argument(flag, type=kind, default=f.default, help=help_)
+            group.add_argument(flag, type=kind, default=default, help=help_)
 
 
-def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
-    return {
-        f.name: getattr(args, f.name)
-        for f in fields(EngineArgs)
-        if f.name != "model" and f.name not in skip
-    }
+def _flag_type(name: str, hint, metadata) -> type | Callable[[str], int]:
+    if metadata.get("unit") == "bytes":
+        return parse_size
+    kind = hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None takes an X
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        kind = members[0] if len(members) == 1 else hint
+    if kind not in (bool, int, float, str):
+        raise TypeError(f"{name}: no command-line flag for a value of type {hint}")
+    return kind
+
+
+def config_kwargs(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict:
+    """The fields of ``cls`` as parsed by the flags of ``add_config_args``."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}
 
 
 def resolve_model(path: str | None) -> tuple[str, str | None]:
     """(model folder, its default served name): the default model when no path is given."""
     if path:
         return path, None
-    from pagedserve.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
     return str(ensure_default_model()), DEFAULT_MODEL_NAME
 
 
@@ -117,7 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("pagedserve generate: give prompts as arguments or with --file", file=sys.stderr)
         return 2
     model, _ = resolve_model(args.model)
-    llm = LLM(model=model, **engine_kwargs(args))
+    llm = LLM(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed
     )
@@ -159,29 +163,11 @@ def add_generate_parser(sub) -> None:
         "--max-tokens", type=int, default=64, help="tokens per completion (default: 64)"
     )
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
-    add_engine_args(gen)
+    add_config_args(gen.add_argument_group("engine"), EngineArgs, skip=("model",))
     gen.set_defaults(func=cmd_generate)
 
 
 # ---- serve -----------------------------------------------------------------------------------
-
-_SERVER_HELP = {
-    "host": "address to listen on",
-    "port": "port to listen on",
-    "api_key": "require 'Authorization: Bearer KEY' on every route but /health "
-    "(default: $PAGEDSERVE_API_KEY, else no key)",
-    "served_model_name": "the model's name in the API (default: the model path, or "
-    "SmolLM2-135M-Instruct for the default model)",
-    "shutdown_timeout": "on SIGTERM, seconds to let in-flight requests finish before aborting them",
-    "max_body_bytes": "largest request body (413 beyond)",
-    "max_header_bytes": "largest request headers (431 beyond)",
-    "max_n": "most choices (n) per request",
-    "max_prompts": "most prompts in one /v1/completions request",
-    "max_stop": "most stop strings (and stop token ids) per request",
-    "max_stop_length": "longest stop string, in characters",
-    "retry_after_s": "Retry-After seconds sent with a 503",
-    "log_level": "uvicorn's log level: critical, error, warning, info, debug",
-}
 
 
 def add_serve_parser(sub) -> None:
@@ -200,20 +186,9 @@ def add_serve_parser(sub) -> None:
         help="Hugging Face model folder (default: SmolLM2-135M-Instruct)",
     )
     serve.add_argument("--model", dest="model_option", default=None, help="same as MODEL_PATH")
-    group = serve.add_argument_group("server")
-    for f in fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = (
-            parse_size
-            if f.name.endswith("_bytes")
-            else {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        )
-        default = os.environ.get("PAGEDSERVE_API_KEY") if f.name == "api_key" else f.default
-        help_ = _SERVER_HELP.get(f.name, "")
-        if "(default" not in help_:
-            help_ += f" (default: {f.default})"
-        group.add_argument(flag, type=kind, default=default, help=help_)
-    add_engine_args(serve, skip=("served_model_name",))
+    api_key = os.environ.get("PAGEDSERVE_API_KEY")
+    add_config_args(serve.add_argument_group("server"), ServerConfig, api_key=api_key)
+    add_config_args(serve.add_argument_group("engine"), EngineArgs, skip=("model",))
     serve.set_defaults(func=cmd_serve)
 
 
@@ -226,16 +201,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("pagedserve serve: give the model once (MODEL_PATH or --model)", file=sys.stderr)
         return 2
     model, default_name = resolve_model(args.model_path or args.model_option)
-    server_kwargs = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     try:
-        config = ServerConfig(**server_kwargs)
+        config = ServerConfig(**config_kwargs(args, ServerConfig))
         name = config.served_model_name or default_name or model
         engine = AsyncLLM(
-            EngineArgs(
-                model=model,
-                served_model_name=name,
-                **engine_kwargs(args, skip=("served_model_name",)),
-            )
+            EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
         )
     except (ValueError, OSError) as e:
         print(f"pagedserve serve: {e}", file=sys.stderr)

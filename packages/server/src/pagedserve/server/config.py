@@ -1,8 +1,13 @@
-"""ServerConfig: the HTTP server's knobs (the engine's are in EngineArgs), same names as the CLI."""
+"""ServerConfig: the HTTP server's knobs (the engine's are in EngineArgs), same names as the CLI.
+
+Each field carries its help text, as EngineArgs's do; the CLI builds its flags from both alike.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pagedserve.engine.config import option
 
 MIB = 1024 * 1024
 
@@ -17,19 +22,29 @@ class ServerConfig:
     HTTP input. ``retry_after_s`` is what a 503 tells a client to wait.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    shutdown_timeout: float = 30.0
-    max_body_bytes: int = 8 * MIB
-    max_header_bytes: int = 32 * 1024
-    max_n: int = 16
-    max_prompts: int = 16
-    max_stop: int = 16
-    max_stop_length: int = 256
-    retry_after_s: int = 1
-    log_level: str = "info"
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $PAGEDSERVE_API_KEY, else no key)",
+    )
+    served_model_name: str | None = option(
+        None,
+        "the model's name in the API (default: the model path, or SmolLM2-135M-Instruct for "
+        "the default model)",
+    )
+    shutdown_timeout: float = option(
+        30.0, "on SIGTERM, seconds to let in-flight requests finish before aborting them"
+    )
+    max_body_bytes: int = option(8 * MIB, "largest request body (413 beyond)", unit="bytes")
+    max_header_bytes: int = option(32 * 1024, "largest request headers (431 beyond)", unit="bytes")
+    max_n: int = option(16, "most choices (n) per request")
+    max_prompts: int = option(16, "most prompts in one /v1/completions request")
+    max_stop: int = option(16, "most stop strings (and stop token ids) per request")
+    max_stop_length: int = option(256, "longest stop string, in characters")
+    retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
+    log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

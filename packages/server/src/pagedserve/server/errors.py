@@ -4,17 +4,17 @@ Every error body is ``{"error": {"message", "type", "param", "code"}}`` so that 
 clients raise their typed exceptions (BadRequestError, AuthenticationError, NotFoundError,
 RateLimitError...). ``param`` names the request field at fault when there is one.
 
-Mapping: invalid parameters (pydantic, SamplingParams, the engine's validation, the scheduler's
-``RequestRejectedError``) -> 400; bad key -> 401; unknown model or route -> 404; body too
-large -> 413; headers too large -> 431; queue full (``SchedulerOverloadedError``) or draining ->
-503 with Retry-After; engine dead -> 503; anything else -> 500 (its details go to the log only).
+Mapping: invalid parameters (pydantic, and the engine's ``InvalidRequestError``, raised by
+SamplingParams and by the engine's checks against the model) -> 400; bad key -> 401; unknown
+model or route -> 404; body too large -> 413; headers too large -> 431; queue full
+(``SchedulerOverloadedError``) or draining -> 503 with Retry-After; engine dead -> 503; anything
+else -> 500 (its details go to the log only).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from http import HTTPStatus
 
 from pydantic import ValidationError
@@ -22,8 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from pagedserve.engine import EngineDeadError, SamplingParams
-from pagedserve.scheduler import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.engine import EngineDeadError, InvalidRequestError, SchedulerOverloadedError
 from pagedserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagedserve.server")
@@ -109,33 +108,32 @@ def from_validation_error(error: ValidationError) -> APIError:
     return bad_request(f"{where}{first.get('msg', 'invalid value')}", param)
 
 
-_SAMPLING_FIELDS = {
-    name for name in SamplingParams.__dataclass_fields__ if not name.startswith("_")
-}
+def from_invalid_request(error: ValueError, aliases: dict[str, str] | None = None) -> APIError:
+    """A 400 for a refused request, with ``param`` from ``InvalidRequestError``.
 
-
-def from_value_error(error: ValueError, aliases: dict[str, str] | None = None) -> APIError:
-    """A 400 for a ValueError whose message starts with the field's name (SamplingParams's
-    convention). ``aliases`` renames engine names to the API's (``logprobs`` -> ``top_logprobs``
-    in chat)."""
+    ``aliases`` renames the engine's field names to the API's (``logprobs`` -> ``top_logprobs``
+    in chat), in ``param`` and where the message starts with the field's name.
+    """
     message = str(error) or "invalid request"
-    match = re.match(r"[A-Za-z_]+", message)
-    param = match.group(0) if match and match.group(0) in _SAMPLING_FIELDS else None
+    param = error.param if isinstance(error, InvalidRequestError) else None
     if param and aliases and param in aliases:
         new = aliases[param]
-        message = new + message[len(param) :]
+        if message.startswith(param + " "):
+            message = new + message[len(param) :]
         param = new
     return bad_request(message, param)
 
 
-def from_engine_error(error: BaseException, retry_after_s: int) -> APIError:
+def from_engine_error(
+    error: BaseException, retry_after_s: int, aliases: dict[str, str] | None = None
+) -> APIError:
     """Map what ``AsyncLLM.generate`` raises before its first output to an APIError."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, SchedulerOverloadedError):
         return overloaded(f"the server is overloaded: {error}", retry_after_s)
-    if isinstance(error, RequestRejectedError | ValueError):
-        return from_value_error(error)
+    if isinstance(error, ValueError):
+        return from_invalid_request(error, aliases)
     if isinstance(error, EngineDeadError):
         return APIError(f"the engine is not running: {error}", 503, code="engine_dead")
     logger.exception("unexpected engine error", exc_info=error)

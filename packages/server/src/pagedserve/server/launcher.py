@@ -23,7 +23,7 @@ import uvicorn
 
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.serving import ServerState
+from pagedserve.server.state import ServerState
 
 logger = logging.getLogger("pagedserve.server")
 

@@ -1,10 +1,9 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models with OpenAI's field names.
 
 The models check types and shapes (a prompt is a string, a list of strings, token ids or lists of
-token ids; a message has a role and text content). Ranges that depend on the model or on the
-server's caps (token ids inside the vocabulary, ``n`` under the cap, the prompt within
-``max_model_len``) are checked by the serving code, which knows them; sampling ranges are checked
-by ``SamplingParams``. Unknown fields are accepted and ignored, as OpenAI's own clients send
+token ids; a message has a role and text content). The server's caps (``n``, stop strings) are
+checked by request_params.py; sampling ranges by ``SamplingParams``; what depends on the model
+(token ids inside the vocabulary, the prompt within ``max_model_len``) by the engine. Unknown fields are accepted and ignored, as OpenAI's own clients send
 fields that an engine may not know (``user``, ``service_tier``...).
 """
 

@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedserve.engine import RequestOutput
-from pagedserve.models import apply_chat_template
+from pagedserve.engine import RequestOutput, apply_chat_template
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.logprobs import chat_logprobs
 from pagedserve.server.protocol import (
@@ -22,28 +21,20 @@ from pagedserve.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from pagedserve.server.serving import (
+from pagedserve.server.request_params import build_sampling_params, check_caps
+from pagedserve.server.sse import (
     SSE_DONE,
     ClientDisconnected,
     EngineStreamingResponse,
-    EngineStreams,
-    PromptRequest,
-    ServerState,
-    StreamProgress,
-    build_sampling_params,
-    check_common,
-    check_prompt,
     error_event,
-    final_outputs,
-    new_id,
-    now_s,
-    resolve_max_tokens,
     sse,
     unless_disconnected,
 )
+from pagedserve.server.state import ServerState, new_id, now_s
+from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
 
-# SamplingParams's names -> the chat API's, so a 400 names the field the client sent.
-CHAT_ALIASES = {"logprobs": "top_logprobs"}
+# The engine's names -> the chat API's, so a 400 names the field the client sent.
+CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
 
 
 def chat_prompt_ids(
@@ -80,9 +71,12 @@ def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
     return (new, "max_completion_tokens") if new is not None else (old, "max_tokens")
 
 
-def plan_prompt(state: ServerState, body: ChatCompletionRequest) -> PromptRequest:
-    """Validate everything; the conversation becomes one engine request with the request's n."""
-    check_common(state, body)
+def plan_prompt(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[PromptRequest, dict[str, str]]:
+    """The conversation as one engine request with the request's n, and the API's names of the
+    engine's fields (for the engine's refusals)."""
+    check_caps(state, body)
     if body.tools:
         raise bad_request("tools are not supported", "tools")
     if body.top_logprobs is not None and not body.logprobs:
@@ -90,23 +84,20 @@ def plan_prompt(state: ServerState, body: ChatCompletionRequest) -> PromptReques
     prompt_ids = chat_prompt_ids(
         state, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )
-    check_prompt(state, prompt_ids, "messages")
-    requested, param = max_tokens_of(body)
-    max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
+    max_tokens, param = max_tokens_of(body)
+    aliases = {**CHAT_ALIASES, "max_tokens": param}
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = build_sampling_params(
-        state, body, max_tokens=max_tokens, logprobs=logprobs, aliases=CHAT_ALIASES
-    )
-    return PromptRequest(0, prompt_ids, params)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, aliases=aliases)
+    return PromptRequest(0, prompt_ids, params), aliases
 
 
 async def create_chat_completion(
     request: Request, state: ServerState, body: ChatCompletionRequest
 ) -> Response:
     state.check_admitting()
-    prompt = plan_prompt(state, body)
+    prompt, aliases = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
-    streams = EngineStreams(state, request_id, [prompt], body.priority)
+    streams = EngineStreams(state, request_id, [prompt], body.priority, aliases)
     view = _ChatView(state, body, request_id, len(prompt.prompt_token_ids))
     try:
         await unless_disconnected(request, streams.admitted())

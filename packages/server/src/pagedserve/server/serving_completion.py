@@ -16,25 +16,17 @@ from pagedserve.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from pagedserve.server.serving import (
+from pagedserve.server.request_params import build_sampling_params, check_caps
+from pagedserve.server.sse import (
     SSE_DONE,
     ClientDisconnected,
     EngineStreamingResponse,
-    EngineStreams,
-    PromptRequest,
-    ServerState,
-    StreamProgress,
-    build_sampling_params,
-    check_common,
-    check_prompt,
     error_event,
-    final_outputs,
-    new_id,
-    now_s,
-    resolve_max_tokens,
     sse,
     unless_disconnected,
 )
+from pagedserve.server.state import ServerState, new_id, now_s
+from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
 
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -60,8 +52,9 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
 
 
 def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequest]:
-    """Validate everything, then one engine request per prompt."""
-    check_common(state, body)
+    """The server's own checks, then one engine request per prompt (the engine checks each
+    prompt against the model when it is submitted)."""
+    check_caps(state, body)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -70,15 +63,11 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
         raise bad_request(
             "echo together with logprobs needs prompt logprobs, which are not supported", "echo"
         )
-    planned = []
-    for p, (text, ids) in enumerate(prompts_of(state, body)):
-        check_prompt(state, ids, "prompt")
-        max_tokens = resolve_max_tokens(state, body.max_tokens, len(ids), "max_tokens")
-        params = build_sampling_params(
-            state, body, max_tokens=max_tokens, logprobs=body.logprobs, aliases={}
-        )
-        planned.append(PromptRequest(p, ids, params, text))
-    return planned
+    prompts = prompts_of(state, body)
+    params = build_sampling_params(
+        body, max_tokens=body.max_tokens, logprobs=body.logprobs, aliases={}
+    )
+    return [PromptRequest(p, ids, params, text) for p, (text, ids) in enumerate(prompts)]
 
 
 async def create_completion(

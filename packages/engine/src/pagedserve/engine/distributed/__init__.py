@@ -2,9 +2,10 @@
 
 With ``tensor_parallel_size > 1`` the engine builds a ``TensorParallelExecutor`` instead of a
 ``ModelRunner``; it answers the same ``execute(scheduler_output) -> (logits, request_ids)``,
-``num_blocks`` and ``device``, and adds ``shutdown()``. One rank keeps the single-process path.
+``num_blocks`` and ``device``, and adds ``shutdown()``; its failures raise
+``pagedserve.engine.errors.TensorParallelError``. One rank keeps the single-process path.
 """
 
-from pagedserve.engine.distributed.executor import TensorParallelError, TensorParallelExecutor
+from pagedserve.engine.distributed.executor import TensorParallelExecutor
 
-__all__ = ["TensorParallelError", "TensorParallelExecutor"]
+__all__ = ["TensorParallelExecutor"]

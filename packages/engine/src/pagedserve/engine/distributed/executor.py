@@ -39,7 +39,7 @@ from pagedserve.engine.distributed.group import (
     free_loopback_port,
 )
 from pagedserve.engine.distributed.step_channel import Step, StepSender
-from pagedserve.engine.llm_engine import EngineError
+from pagedserve.engine.errors import TensorParallelError
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.models import ModelConfig, ParallelContext
 from pagedserve.models.loader import MODEL_CLASSES
@@ -48,10 +48,6 @@ from pagedserve.scheduler import SchedulerOutput
 logger = logging.getLogger("pagedserve.engine")
 
 STOP_GRACE_S = 10.0  # how long shutdown waits for workers to exit before killing them
-
-
-class TensorParallelError(EngineError):
-    """A tensor-parallel rank died or stopped answering; the engine cannot go on."""
 
 
 def check_shardable(model_config: ModelConfig, tp_size: int) -> None:

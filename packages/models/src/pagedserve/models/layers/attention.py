@@ -30,12 +30,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
 
 
 class PagedAttention(nn.Module):

@@ -7,7 +7,9 @@ gate_up (column) before down (row), so each block needs one all-reduce.
 
 With ``tp_size == 1`` these are plain linear layers. Each parameter carries a ``weight_loader``
 that takes the whole checkpoint tensor (a lazy ``CheckpointTensor`` handle when loading from
-disk), narrows it to this rank's rows or columns and reads only those.
+disk): the layer works out this rank's rows or columns (a ``WeightShard``) and its linear method
+(linear_method.py; ``linear_method=None`` means unquantized) creates the weights, reads only
+that shard into them, and applies them.
 """
 
 from __future__ import annotations
@@ -15,21 +17,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.config import ModelLoadError
+from pagedserve.models.layers.linear_method import (
+    LinearMethodBase,
+    Loaded,
+    UnquantizedLinearMethod,
+    WeightShard,
+    load_shard,
+    loadable_param,
+)
 from pagedserve.models.parallel import kv_heads_per_rank
-from pagedserve.models.weights import CheckpointTensor, copy_shard, default_weight_loader
-
-Loaded = torch.Tensor | CheckpointTensor
-
-
-def _loadable_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Callable) -> nn.Parameter:
-    """An inference-only parameter that knows how to copy its shard from a checkpoint tensor."""
-    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    param.weight_loader = loader  # type: ignore[attr-defined]
-    return param
+from pagedserve.models.weights import default_weight_loader
 
 
 class ColumnParallelLinear(nn.Module):
@@ -43,6 +42,8 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         tp_rank: int = 0,
         tp_size: int = 1,
+        linear_method: LinearMethodBase | None = None,
+        output_sizes: list[int] | None = None,
     ) -> None:
         super().__init__()
         if output_size % tp_size:
@@ -50,17 +51,26 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.output_size = output_size
         self.output_size_per_rank = output_size // tp_size
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        parts = [size // tp_size for size in output_sizes or [output_size]]
+        self.linear_method.create_weights(self, input_size, parts, dtype, self.weight_loader)
         size = self.output_size_per_rank
-        self.weight = _loadable_param((size, input_size), dtype, self.weight_loader)
-        self.bias = _loadable_param((size,), dtype, self.weight_loader) if bias else None
+        self.bias = loadable_param((size,), dtype, self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
-        _check_full(loaded, 0, self.output_size, "column-parallel output features")
         size = self.output_size_per_rank
-        copy_shard(param.data, loaded.narrow(0, self.tp_rank * size, size), "column shard")
+        shard = WeightShard(0, self.tp_rank * size, size, self.output_size, "column shard")
+        self._load(param, loaded, shard)
+
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard: WeightShard) -> None:
+        """The bias is plain; every other parameter is the linear method's."""
+        if param is self.bias:
+            load_shard(param, loaded, shard)
+        else:
+            self.linear_method.load_weight(param, loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -74,7 +84,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp_size = kw.get("tp_size", 1)
         if any(size % tp_size for size in output_sizes):
             raise ValueError(f"output sizes {output_sizes} are not all divisible by {tp_size}")
-        super().__init__(input_size, sum(output_sizes), bias=bias, **kw)
+        super().__init__(input_size, sum(output_sizes), bias=bias, output_sizes=output_sizes, **kw)
         self.output_sizes = output_sizes
 
     def weight_loader(
@@ -82,14 +92,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         if shard_id is None:
             raise ValueError("a merged projection is loaded one shard at a time")
-        _check_full(loaded, 0, self.output_sizes[shard_id], f"merged projection part {shard_id}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        copy_shard(
-            param.data.narrow(0, offset, size),
-            loaded.narrow(0, self.tp_rank * size, size),
-            f"merged projection part {shard_id}",
-        )
+        what = f"merged projection part {shard_id}"
+        total = self.output_sizes[shard_id]
+        self._load(param, loaded, WeightShard(0, self.tp_rank * size, size, total, what, offset))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -111,6 +118,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
+        linear_method: LinearMethodBase | None = None,
     ) -> None:
         if num_heads % tp_size:
             raise ValueError(f"{num_heads} attention heads cannot be split over {tp_size} ranks")
@@ -122,14 +130,16 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = tp_rank * self.num_kv_heads
         else:
             self.kv_head_start = tp_rank * num_kv_heads // tp_size
-        out_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        parts = [n * head_dim * tp_size for n in (self.num_heads, *[self.num_kv_heads] * 2)]
         super().__init__(
             hidden_size,
-            out_per_rank * tp_size,
+            sum(parts),
             bias=bias,
             dtype=dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            linear_method=linear_method,
+            output_sizes=parts,
         )
 
     @property
@@ -152,12 +162,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             total = self.total_num_kv_heads * self.head_dim
         else:
             raise ValueError(f"qkv shard must be 'q', 'k' or 'v', got {shard_id!r}")
-        _check_full(loaded, 0, total, f"{shard_id} projection")
-        copy_shard(
-            param.data.narrow(0, offset, size),
-            loaded.narrow(0, start, size),
-            f"{shard_id} projection",
-        )
+        what = f"{shard_id} projection"
+        self._load(param, loaded, WeightShard(0, start, size, total, what, offset))
 
 
 class RowParallelLinear(nn.Module):
@@ -172,6 +178,7 @@ class RowParallelLinear(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        linear_method: LinearMethodBase | None = None,
     ) -> None:
         super().__init__()
         if input_size % tp_size:
@@ -180,29 +187,22 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.input_size_per_rank = input_size // tp_size
         self.all_reduce = all_reduce
-        shape = (output_size, self.input_size_per_rank)
-        self.weight = _loadable_param(shape, dtype, self.weight_loader)
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(
+            self, self.input_size_per_rank, [output_size], dtype, self.weight_loader
+        )
         # The bias is whole on every rank and added once, after the sum.
-        self.bias = _loadable_param((output_size,), dtype, default_weight_loader) if bias else None
+        self.bias = loadable_param((output_size,), dtype, default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
-        _check_full(loaded, 1, self.input_size, "row-parallel input features")
         size = self.input_size_per_rank
-        copy_shard(param.data, loaded.narrow(1, self.tp_rank * size, size), "row shard")
+        shard = WeightShard(1, self.tp_rank * size, size, self.input_size, "row shard")
+        self.linear_method.load_weight(param, loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear_method.apply(self, x)
         if self.tp_size > 1 and self.all_reduce is not None:
             y = self.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias  # added once, after the reduce
         return y
-
-
-def _check_full(loaded: Loaded, dim: int, expected: int, what: str) -> None:
-    """The checkpoint tensor must be whole along the split dimension before a rank narrows it."""
-    if loaded.dim() <= dim or loaded.shape[dim] != expected:
-        raise ModelLoadError(
-            f"checkpoint tensor for the {what} has shape {tuple(loaded.shape)}; expected "
-            f"{expected} along dimension {dim}"
-        )

@@ -1,0 +1,61 @@
+"""EngineClient: everything the server may ask of the engine, and nothing more.
+
+The OpenAI server talks to one online engine (``AsyncLLM``) through this Protocol, so that what
+the server depends on is written down in one place: streams of outputs per request, abort,
+health, metrics, shutdown, the tokenizer for callers, and the two configs whose limits the server
+checks requests against (``model_config.vocab_size``, ``scheduler_config.max_model_len``). A
+test double, or another engine (a remote one, a data-parallel front), serves the same server by
+satisfying it. ``runtime_checkable`` lets a test check the members' presence; their signatures
+are the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pagedserve.engine.metrics import EngineStats
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.models import ModelConfig
+    from pagedserve.scheduler import SchedulerConfig
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The online engine as the server sees it (``AsyncLLM`` satisfies it)."""
+
+    tokenizer: Any  # a transformers tokenizer, safe to use from the server's thread
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; the last has ``finished=True``. A request the
+        engine refuses raises from the first ``__anext__``; a caller that stops iterating
+        aborts its request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a finished output (finish_reason "abort")."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` once the engine can no longer serve."""
+        ...
+
+    def get_stats(self, drain: bool = True) -> EngineStats:
+        """Gauges, cumulative counters and finished-request latencies, for /metrics."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop the engine; requests still pending end with ``EngineDeadError``."""
+        ...

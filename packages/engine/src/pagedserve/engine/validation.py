@@ -1,0 +1,47 @@
+"""The engine's checks of a request against the model, before it reaches the scheduler.
+
+Each check has one owner: SamplingParams checks its own fields when it is built; these check
+what needs the model (token ids inside its vocabulary) and resolve what depends on its context
+length (the default ``max_tokens``); the scheduler's admission checks its own limits (an empty
+prompt, ``max_model_len``, the KV cache's capacity). Every refusal is an ``InvalidRequestError``
+naming the field at fault.
+"""
+
+from __future__ import annotations
+
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """Every token id the request names must be a token of this model."""
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(
+            f"prompt token ids must be integers in [0, {vocab_size})", "prompt"
+        )
+    for name, ids in (
+        ("logit_bias", params.logit_bias or {}),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{name} token ids must be in [0, {vocab_size}), got {bad}", name
+            )
+
+
+def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+    """``params.max_tokens``, or all the room ``max_model_len`` leaves after the prompt.
+
+    A prompt that leaves no room at all is the scheduler's refusal (it names the prompt).
+    """
+    if params.max_tokens is not None:
+        return params.max_tokens
+    room = max_model_len - num_prompt_tokens
+    if 0 < room < params.min_tokens:
+        raise InvalidRequestError(
+            f"min_tokens must be <= max_tokens, got {params.min_tokens} > {room} (the room "
+            "max_model_len leaves after the prompt)",
+            "min_tokens",
+        )
+    return room

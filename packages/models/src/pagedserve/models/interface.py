@@ -1,0 +1,58 @@
+"""The interface a model architecture implements to run in pagedserve.
+
+A new architecture is an ``nn.Module`` with these three methods, registered in
+``loader.MODEL_CLASSES``; the model runner relies on nothing else:
+
+- ``forward(input_ids, positions, kv_caches, attn_metadata)``: the new tokens of every scheduled
+  sequence, flattened (``[T]`` ids and positions), through the layers over the paged KV cache
+  (one ``(k_cache, v_cache)`` pair per layer, written by ``store_kv`` and read by
+  ``paged_attention`` as ``attn_metadata`` describes); returns the hidden states ``[T, H]``.
+- ``compute_logits(hidden)``: the LM head over the rows the runner picked, gathered across
+  tensor-parallel ranks, as float32 ``[N, vocab_size]`` (the sampler's precision, whatever the
+  model's dtype).
+- ``load_weights(weights)``: (checkpoint name, tensor) pairs, each tensor possibly a lazy
+  ``CheckpointTensor``; every parameter loaded exactly once, this rank's shard only.
+
+The constructor takes ``(config: ModelConfig, par: ParallelContext | None)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.weights import CheckpointTensor
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class ModelForCausalLM(Protocol):
+    """A decoder-only language model over the paged KV cache."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``nn.Module.__call__``: runs ``forward`` (the runner calls the model this way)."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]
+    ) -> None: ...

@@ -1,0 +1,59 @@
+"""What one ``Scheduler.schedule`` call decides, and the counters it keeps (plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this chunk reaches the last known token, whose logits give the next one."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what each scheduled request computes, the block copies to run first, and the
+    requests preempted while making room."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the counters the engine exports as metrics.
+
+    ``num_running``, ``num_waiting`` and ``num_waiting_tokens`` are current; ``num_preemptions``,
+    ``num_steps`` and ``total_scheduled_tokens`` are cumulative; ``num_scheduled_tokens`` and
+    ``num_scheduled_seqs`` describe the last step.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    total_scheduled_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    num_scheduled_seqs: int = 0

@@ -1,0 +1,102 @@
+"""From a validated request body to SamplingParams: the server's own caps, then the engine's.
+
+The server checks only what is its own: the model name it serves, and the caps of its
+ServerConfig (``n``, the number and length of stop strings, ``logit_bias`` entries), which bound
+the work one request may ask for. Everything else has one owner, and its refusal names the field
+at fault: SamplingParams checks the sampling ranges (here, while it is built), the engine checks
+the request against the model (token ids in the vocabulary, the prompt and ``max_tokens`` within
+``max_model_len``) when the request is submitted. ``aliases`` turns the engine's field names into
+the API's where they differ, so that a 400 names the field the client sent.
+"""
+
+from __future__ import annotations
+
+from pagedserve.engine import SamplingParams
+from pagedserve.server.errors import APIError, bad_request, from_invalid_request
+from pagedserve.server.protocol import SamplingRequest
+from pagedserve.server.state import ServerState
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    """A request may name the served model, or no model at all."""
+    if name is not None and name != state.model_name:
+        raise APIError(
+            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_caps(state: ServerState, body: SamplingRequest) -> None:
+    """The served model's name, and the server's caps on what one request may ask for."""
+    cfg = state.config
+    check_model(state, body.model)
+    if not 1 <= body.n <= cfg.max_n:
+        raise bad_request(f"n must be in [1, {cfg.max_n}], got {body.n}", "n")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > cfg.max_stop:
+        raise bad_request(f"at most {cfg.max_stop} stop strings, got {len(stops)}", "stop")
+    if any(len(s) > cfg.max_stop_length for s in stops):
+        raise bad_request(f"stop strings must be at most {cfg.max_stop_length} characters", "stop")
+    if len(body.stop_token_ids or []) > cfg.max_stop:
+        raise bad_request(f"at most {cfg.max_stop} stop token ids", "stop_token_ids")
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as string keys; SamplingParams and the engine check the values."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(
+            f"logit_bias has more than {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
+        )
+    parsed = {}
+    for key, value in bias.items():
+        try:
+            parsed[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+    return parsed
+
+
+def build_sampling_params(
+    body: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    aliases: dict[str, str],
+) -> SamplingParams:
+    """The SamplingParams of each prompt's engine request (with the request's ``n``).
+
+    ``max_tokens=None`` asks for as many tokens as ``max_model_len`` leaves after the prompt.
+    """
+
+    def given(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=given(body.temperature, 1.0),
+            top_p=given(body.top_p, 1.0),
+            top_k=given(body.top_k, 0),
+            min_p=given(body.min_p, 0.0),
+            presence_penalty=given(body.presence_penalty, 0.0),
+            frequency_penalty=given(body.frequency_penalty, 0.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0),
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs,
+            logit_bias=parse_logit_bias(body.logit_bias),
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as e:  # InvalidRequestError, naming the field
+        raise from_invalid_request(e, aliases) from e

@@ -1,0 +1,178 @@
+"""Engine streams and their progress: one engine request per prompt, consumed concurrently, and
+what of each choice has been sent.
+
+A request over ``P`` prompts becomes ``P`` engine requests (ids ``<id>-<prompt index>``), each
+with the request's ``n``: the engine forks the ``n`` choices of a prompt after its prefill, over
+shared blocks. Choice ``j`` of prompt ``p`` is index ``p * n + j`` in the response, as OpenAI
+orders them.
+
+Each engine stream is consumed by its own asyncio task (a *pump*). Cancelling a pump closes its
+``AsyncLLM.generate`` iterator, which aborts the request and frees its blocks; cancelling is
+synchronous, so it also works from inside an anyio cancel scope (Starlette's streaming response
+cancels the body iterator when the client goes away, and no ``await`` may run after that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedserve.engine import RequestOutput, SamplingParams
+from pagedserve.server.errors import APIError, from_engine_error
+from pagedserve.server.state import ServerState
+
+
+@dataclass
+class PromptRequest:
+    """One engine request: prompt ``index`` of the HTTP request, with all its ``n`` choices."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+
+
+class EngineStreams:
+    """Runs one engine request per prompt concurrently; iterate for ``(prompt index, output)``.
+
+    Outputs are cumulative, so a slow consumer skips intermediate ones harmlessly. ``admitted``
+    waits until every prompt was accepted by the engine (its first output arrived) and raises the
+    first refusal as an APIError, so a streaming response can still answer with a 4xx/503; the
+    engine's field names in a refusal become the API's through ``aliases``.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        prompts: list[PromptRequest],
+        priority: int,
+        aliases: dict[str, str] | None = None,
+    ):
+        self.state = state
+        self.prompts = prompts
+        self.aliases = aliases or {}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._first: list[asyncio.Future] = []
+        self._pumps: list[asyncio.Task] = []
+        loop = asyncio.get_running_loop()
+        for prompt in prompts:
+            engine_id = f"{request_id}-{prompt.index}"
+            state.in_flight[engine_id] = None  # at once, so a drain never misses a request
+            first = loop.create_future()
+            self._first.append(first)
+            generator = state.engine.generate(
+                prompt.prompt_token_ids, prompt.params, engine_id, prompt.prompt_text, priority
+            )
+            pump = asyncio.create_task(self._pump(prompt.index, generator, first))
+            # Out of in_flight only once the pump is done (its abort, if any, is submitted).
+            pump.add_done_callback(lambda _, key=engine_id: state.in_flight.pop(key, None))
+            self._pumps.append(pump)
+
+    async def _pump(self, index: int, generator, first: asyncio.Future) -> None:
+        try:
+            async for output in generator:
+                if not first.done():
+                    first.set_result(None)
+                self._queue.put_nowait((index, output))
+        except Exception as error:  # a refusal, or the engine died: the consumer raises it
+            if not first.done():
+                first.set_exception(error)
+                first.exception()  # retrieved: the consumer reads it through ``admitted``
+            self._queue.put_nowait((index, error))
+        finally:
+            await generator.aclose()
+
+    async def admitted(self) -> None:
+        for first in self._first:
+            try:
+                await asyncio.shield(first)
+            except Exception as error:
+                self.cancel()
+                retry_after_s = self.state.config.retry_after_s
+                raise from_engine_error(error, retry_after_s, self.aliases) from error
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self.prompts)
+        try:
+            while remaining:
+                index, item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    retry_after_s = self.state.config.retry_after_s
+                    raise from_engine_error(item, retry_after_s, self.aliases) from item
+                if any(c.finish_reason == "abort" for c in item.outputs):
+                    raise aborted_error(self.state)
+                if item.finished:
+                    remaining -= 1
+                yield index, item
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Abort every prompt still running (synchronous: safe in a cancelled scope)."""
+        for pump in self._pumps:
+            if not pump.done():
+                pump.cancel()
+
+
+@dataclass
+class Delta:
+    """What one choice added since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None
+    text_offset: int  # characters of this choice already streamed
+    finished: bool
+
+
+@dataclass
+class StreamProgress:
+    """What has been streamed of each choice: turns cumulative outputs into deltas.
+
+    The engine's cumulative text only grows (it holds back what a stop string may still cut), so
+    a delta is the text past what was sent.
+    """
+
+    chars: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def advance(self, index: int, completion) -> Delta | None:
+        """The delta of choice ``index`` (None when there is nothing new to send)."""
+        if index in self.finished:
+            return None
+        sent_chars, sent_tokens = self.chars.get(index, 0), self.tokens.get(index, 0)
+        finished = completion.finish_reason is not None
+        text = completion.text[sent_chars:]
+        if not text and not finished:
+            return None
+        self.chars[index] = len(completion.text)
+        self.tokens[index] = len(completion.token_ids)
+        if finished:
+            self.finished.add(index)
+        logprobs = completion.logprobs[sent_tokens:] if completion.logprobs is not None else None
+        return Delta(text, completion.token_ids[sent_tokens:], logprobs, sent_chars, finished)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
+async def final_outputs(streams: EngineStreams) -> dict[int, RequestOutput]:
+    """Each prompt's finished output (a request aborted by the drain raises a 503)."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in streams:
+        if output.finished:
+            finals[index] = output
+    return finals
+
+
+def aborted_error(state: ServerState) -> APIError:
+    return APIError(
+        "the request was aborted: the server is shutting down",
+        503,
+        code="aborted",
+        headers={"Retry-After": str(state.config.retry_after_s)},
+    )
