@@ -16,6 +16,10 @@ varies per step is marked ``do_not_specialize`` in the kernels, so the variants 
   Launches with one key compile once: for head_dim a multiple of 16 the counts differ only
   in the merge's tile, a power of two.
 
+The query, output and cache strides stay specialised (they vectorise the tile loads): the
+warm-up's query is contiguous, the models' may be a view of the fused qkv output; for head_dim
+a multiple of 16 (every model here) both strides divide by 16 and give one variant.
+
 Every other kernel has one variant per model and dtype and is compiled by the first forward
 (the profiling step, on a GPU).
 """
