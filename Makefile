@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test test-fast test-kernels demo serve docs bench lint clean
+.PHONY: setup model test test-fast test-kernels test-compile-all demo serve docs bench lint clean
 
 setup: $(SETUP_STAMP)
 
@@ -27,9 +27,15 @@ serve: setup model
 	$(BIN)/pagedserve serve $(SERVE_ARGS)
 
 # The kernel suite runs in its own process: TRITON_INTERPRET is read when @triton.jit runs.
+# It includes the ahead-of-time compile check for sm80 and sm90 (kernels/compile_check.py,
+# run compiled in a subprocess; its table is printed at the end of the suite's output).
 test: setup model
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest kernels -q
 	$(BIN)/python -m pytest tests -q
+
+# Every launch compiled for sm80, sm90, sm100, sm120 and AMD gfx942, over the full grid.
+test-compile-all: setup
+	cd kernels && ../$(BIN)/python compile_check.py --targets all --grid full
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"

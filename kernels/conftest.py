@@ -8,6 +8,11 @@ place, so even functions imported before now see interpreted kernels.
 
 Outside this folder the variable is restored after collection, so in a mixed run the other
 tests keep the reference path that dispatch picks on CPU.
+
+``--impl CONTRACT=MODULE:FUNCTION`` points a contract's tests at another implementation
+(``contracts.py``); the run ends with a report of what passed, per contract. Tests that
+need compiled kernels (the ahead-of-time compile check) run them in a subprocess, and
+hand lines for the final summary to the ``summary_lines`` fixture.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections import defaultdict
 
+import pytest
 import torch
 
 ON_CUDA = torch.cuda.is_available()
@@ -36,8 +43,45 @@ def _reload_kernel_modules_imported_too_early() -> None:
 
 _reload_kernel_modules_imported_too_early()
 
-import suite_grid  # noqa: E402  (after the environment is set)
+import contracts  # noqa: E402  (after the environment is set)
+import suite_grid  # noqa: E402
 import tolerances  # noqa: E402
+
+_OUTCOMES = pytest.StashKey[dict]()
+_SUMMARY = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--impl",
+        action="append",
+        default=[],
+        metavar="CONTRACT=MODULE:FUNCTION",
+        help=f"test another implementation of a contract ({', '.join(contracts.DEFAULTS)})",
+    )
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "contract(name): the test holds an implementation of name")
+    contracts.OVERRIDES.update(contracts.parse_overrides(config.getoption("impl")))
+    config.stash[_OUTCOMES] = defaultdict(lambda: defaultdict(int))
+    config.stash[_SUMMARY] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Tally each contract test's outcome (a setup skip or failure counts, a setup pass not)."""
+    report = yield
+    marker = item.get_closest_marker("contract")
+    if marker is not None and (report.when == "call" or report.outcome != "passed"):
+        item.config.stash[_OUTCOMES][marker.args[0]][report.outcome] += 1
+    return report
+
+
+@pytest.fixture
+def summary_lines(pytestconfig) -> list[str]:
+    """Lines a test wants printed in the run's final summary (the compile check's table)."""
+    return pytestconfig.stash[_SUMMARY]
 
 
 def _set_interpret(value: str | None) -> None:
@@ -72,7 +116,12 @@ def pytest_report_header(config) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Repeat the header at the end: ``-q`` (as CI runs the suite) hides report headers."""
-    if terminalreporter.verbosity < 0:
-        for line in pytest_report_header(terminalreporter.config):
-            terminalreporter.write_line(line)
+    """Repeat the header at the end (``-q``, as CI runs the suite, hides report headers), then
+    what tests handed over, then which implementation answered each contract and how."""
+    config = terminalreporter.config
+    lines = pytest_report_header(config) if terminalreporter.verbosity < 0 else []
+    lines += config.stash[_SUMMARY]
+    if config.stash[_OUTCOMES]:
+        lines += contracts.report_lines(config.stash[_OUTCOMES])
+    for line in lines:
+        terminalreporter.write_line(line)

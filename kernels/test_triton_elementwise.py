@@ -1,16 +1,18 @@
-"""store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, gelu_tanh: Triton vs ref."""
+"""store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, gelu_tanh: the Triton
+kernel (or the implementation given with --impl) against the reference."""
 
 import pytest
 import torch
+from contracts import implementation
 from suite_grid import DEVICE, DTYPES, pick
 from tolerances import assert_close
 
-from pagedserve.kernels.gelu_tanh import gelu_tanh_ref, gelu_tanh_triton
-from pagedserve.kernels.layer_norm import layer_norm_ref, layer_norm_triton
-from pagedserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from pagedserve.kernels.rotary_embedding import rotary_embedding_ref, rotary_embedding_triton
-from pagedserve.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
-from pagedserve.kernels.store_kv import store_kv_ref, store_kv_triton
+from pagedserve.kernels.gelu_tanh import gelu_tanh_ref
+from pagedserve.kernels.layer_norm import layer_norm_ref
+from pagedserve.kernels.rms_norm import rms_norm_ref
+from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
+from pagedserve.kernels.silu_and_mul import silu_and_mul_ref
+from pagedserve.kernels.store_kv import store_kv_ref
 
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 HIDDEN = pick([64, 100], [64, 100, 2048, 4096, 5120])
@@ -22,6 +24,7 @@ def randn(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
 
+@pytest.mark.contract("store_kv")
 @dtypes
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("heads", [(1, 64), (4, 32), (3, 80)], ids=str)
@@ -42,37 +45,43 @@ def test_store_kv(heads, slot_dtype, dtype):
         for _ in range(4)
     ]
     slots = slots.to(slot_dtype).to(DEVICE)
-    store_kv_triton(key, value, caches[0], caches[1], slots)
+    implementation("store_kv")(key, value, caches[0], caches[1], slots)
     store_kv_ref(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
 
 
+@pytest.mark.contract("rms_norm")
 @dtypes
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("fused_residual", [False, True])
 def test_rms_norm(fused_residual, hidden, dtype):
     x, weight = randn(TOKENS, hidden, dtype=dtype), randn(hidden, dtype=dtype, seed=1)
     residual = randn(TOKENS, hidden, dtype=dtype, seed=2) if fused_residual else None
-    out = rms_norm_triton(x, weight, 1e-6, residual)
+    out = implementation("rms_norm")(x, weight, 1e-6, residual)
     expect = rms_norm_ref(x, weight, 1e-6, residual)
     for a, b in zip(out, expect) if fused_residual else [(out, expect)]:
         assert_close(a, b)
 
 
+@pytest.mark.contract("rms_norm")
 def test_rms_norm_strided_rows():
     x = randn(6, 2 * 64)[:, :64]
     assert_close(
-        rms_norm_triton(x, randn(64, seed=1), 1e-5), rms_norm_ref(x, randn(64, seed=1), 1e-5)
+        implementation("rms_norm")(x, randn(64, seed=1), 1e-5),
+        rms_norm_ref(x, randn(64, seed=1), 1e-5),
     )
 
 
+@pytest.mark.contract("layer_norm")
 @dtypes
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_layer_norm(hidden, dtype):
     x = randn(TOKENS, hidden, dtype=dtype) * 3 + 1
     weight, bias = randn(hidden, dtype=dtype, seed=1), randn(hidden, dtype=dtype, seed=2)
-    assert_close(layer_norm_triton(x, weight, bias, 1e-5), layer_norm_ref(x, weight, bias, 1e-5))
+    assert_close(
+        implementation("layer_norm")(x, weight, bias, 1e-5), layer_norm_ref(x, weight, bias, 1e-5)
+    )
 
 
 def _cos_sin_cache(max_position, rot_dim):
@@ -81,6 +90,7 @@ def _cos_sin_cache(max_position, rot_dim):
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
 
 
+@pytest.mark.contract("rotary_embedding")
 @dtypes
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (64, 32), (80, 80)])
@@ -94,22 +104,24 @@ def test_rotary_embedding(heads, head_dim, rot_dim, is_neox, dtype):
     cache = _cos_sin_cache(4096, rot_dim)
     q, k = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv]
     expect = rotary_embedding_ref(positions, q.clone(), k.clone(), cache, is_neox)
-    out = rotary_embedding_triton(positions, q, k, cache, is_neox)
+    out = implementation("rotary_embedding")(positions, q, k, cache, is_neox)
     assert out[0].data_ptr() == qkv.data_ptr(), "rotary must work in place on views"
     assert_close(out[0], expect[0])
     assert_close(out[1], expect[1])
 
 
+@pytest.mark.contract("silu_and_mul")
 @dtypes
 @pytest.mark.parametrize("d", pick([64, 100], [128, 1000, 11008, 14336]))
 def test_silu_and_mul(d, dtype):
     x = randn(2, TOKENS, 2 * d, dtype=dtype) * 3
-    assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+    assert_close(implementation("silu_and_mul")(x), silu_and_mul_ref(x))
 
 
+@pytest.mark.contract("gelu_tanh")
 @dtypes
 @pytest.mark.parametrize("shape", pick([(5, 100)], [(257, 3072), (4, 50257)]), ids=str)
 def test_gelu_tanh(shape, dtype):
     x = randn(*shape, dtype=dtype) * 4
     x[0, :3] = torch.tensor([-30.0, 0.0, 30.0])
-    assert_close(gelu_tanh_triton(x), gelu_tanh_ref(x))
+    assert_close(implementation("gelu_tanh")(x), gelu_tanh_ref(x))

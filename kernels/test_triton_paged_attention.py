@@ -1,16 +1,24 @@
-"""paged_attention's Triton kernel (varlen and split-KV paths) against paged_attention_ref.
+"""paged_attention (the Triton kernel, or the implementation given with --impl) against the
+literal specification, ``paged_attention_spec``; the engine's fast CPU path, paged_attention_ref,
+against the same specification over the same grid.
 
 Every batch reads K/V through shuffled, non-contiguous block tables padded with -1, and
 every cache slot no sequence owns is NaN, so reading past a sequence fails loudly.
 """
 
+import contracts
 import pytest
 import torch
 from suite_grid import DEVICE, DTYPES, FULL, pick
 from tolerances import assert_close
 
+from pagedserve.kernels.dispatch import taken_as_cuda
 from pagedserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from pagedserve.kernels.paged_attention_numba import paged_attention_numba
+from pagedserve.kernels.paged_attention_spec import paged_attention_spec
 from pagedserve.kernels.testing import make_paged_batch
+
+contract = pytest.mark.contract("paged_attention")
 
 
 def batch_case(name: str, bs: int) -> list[tuple[int, int]]:
@@ -32,10 +40,14 @@ BLOCK_SIZES = [8, 16, 32]
 
 def run(seqs, heads, head_dim, block_size, dtype, splits=None, seed=0):
     batch = make_paged_batch(seqs, *heads, head_dim, block_size, dtype, DEVICE, seed=seed)
-    out = paged_attention_triton(*batch.args(), num_kv_splits=splits)
-    assert_close(out, paged_attention_ref(*batch.args()), attention=True)
+    if splits is None:
+        out = contracts.implementation("paged_attention")(*batch.args())
+    else:
+        out = paged_attention_triton(*batch.args(), num_kv_splits=splits)
+    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
 
 
+@contract
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -44,36 +56,74 @@ def test_varlen(case, block_size, heads, dtype):
     run(batch_case(case, block_size), heads, pick(32, 128), block_size, dtype)
 
 
+CPU_PATHS = {"ref": paged_attention_ref, "numba": paged_attention_numba}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3)], ids=["mha", "gqa4", "smollm2"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_fast_cpu_paths_match_the_specification(path, case, heads, dtype):
+    """The CPU engine's paths (the vectorised reference, the numba kernel that reads through the
+    block table) are held to the spec like a kernel, NaN-filled unused slots included."""
+    batch = make_paged_batch(batch_case(case, 16), *heads, 32, 16, dtype, seed=5)
+    out = CPU_PATHS[path](*batch.args())
+    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+
+
+@contract
 @pytest.mark.parametrize("head_dim", pick([16, 64, 128, 256], [32, 64, 80, 128, 256]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_head_dims(head_dim, dtype):
     run(batch_case("mixed", 16), (4, 2), head_dim, 16, dtype, seed=1)
 
 
+@contract
 @pytest.mark.parametrize("splits", [2, 3, pick(5, 16)])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 1)], ids=["mha", "mqa"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_kv_decode(splits, heads, dtype):
     """Flash-decoding: some splits of the short sequences see no positions at all."""
+    contracts.own_wrapper_only("paged_attention")
     seqs = [(pick(70, 3000), 1), (1, 1), (17, 1), (pick(41, 1500), 1)]
     run(seqs, heads, pick(32, 128), 16, dtype, splits=splits, seed=2)
 
 
+@contract
 def test_split_kv_is_also_correct_on_non_decode_rows():
     """The split path never assumes q_len == 1; the wrapper merely chooses it for decodes."""
+    contracts.own_wrapper_only("paged_attention")
     run(batch_case("mixed", 8), (8, 2), 32, 8, torch.float32, splits=3, seed=3)
 
 
+@contract
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["smollm2-gqa3", "mqa"])
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_tensor_core_branch_in_fp16(case, heads):
+    """The branch a GPU takes for fp16 (tl.dot on fp16 operands, P rounded to fp16 before
+    P @ V), which the interpreter's own dispatch never takes: run it through the wrapper as a
+    GPU would choose it (taken_as_cuda; 16 SMs, so long decodes also split), at fp16
+    tolerance against the spec."""
+    contracts.own_wrapper_only("paged_attention")
+    seqs = batch_case(case, 16) + [(1100, 1)] * (case == "decode")
+    batch = make_paged_batch(seqs, *heads, 64, 16, torch.float16, DEVICE, seed=6)
+    with taken_as_cuda(multi_processor_count=16):
+        out = paged_attention_triton(*batch.args())
+    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+
+
+@contract
 @pytest.mark.skipif(DEVICE != "cuda" or not FULL, reason="default split choice needs CUDA")
 def test_default_split_choice_on_long_decodes():
     run([(8000, 1), (4000, 1)], (32, 8), 128, 16, torch.bfloat16, seed=4)
 
 
+@contract
 def test_padding_rows_and_empty_sequences():
     """Sequences with no new tokens own no rows; rows past the last sequence stay zero."""
     batch = make_paged_batch([(9, 2), (5, 0), (12, 1)], 4, 2, 32, 8, device=DEVICE)
     query = torch.cat([batch.query, torch.randn(2, 4, 32, device=DEVICE)])
     args = (query, *batch.args()[1:])
-    out = paged_attention_triton(*args)
-    assert_close(out, paged_attention_ref(*args), attention=True)
+    out = contracts.implementation("paged_attention")(*args)
+    assert_close(out, paged_attention_spec(*args), attention=True)
     assert not out[-2:].any()

@@ -1,14 +1,16 @@
-"""sample_tokens, apply_penalties and copy_blocks: Triton vs ref (tokens and copies exactly)."""
+"""sample_tokens, apply_penalties and copy_blocks: the Triton kernel (or the implementation
+given with --impl) against the reference (tokens and copies exactly)."""
 
 import importlib
 
 import pytest
 import torch
+from contracts import implementation
 from suite_grid import DEVICE, DTYPES, pick
 from tolerances import assert_close
 
-from pagedserve.kernels.penalties import apply_penalties_ref, apply_penalties_triton
-from pagedserve.kernels.sampling import sample_tokens_ref, sample_tokens_triton
+from pagedserve.kernels.penalties import apply_penalties_ref
+from pagedserve.kernels.sampling import sample_tokens_ref
 
 copy_blocks = importlib.import_module("pagedserve.kernels.copy_blocks")
 
@@ -35,6 +37,7 @@ def _params():
     ]
 
 
+@pytest.mark.contract("sample_tokens")
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sample_tokens_same_token_on_the_same_noise(vocab, seed):
@@ -45,11 +48,12 @@ def test_sample_tokens_same_token_on_the_same_noise(vocab, seed):
     logits[6, 7] = float("-inf")
     noise = torch.empty(len(ROWS), vocab).exponential_(generator=gen)
     args = (logits.to(DEVICE), *_params(), noise.to(DEVICE))
-    tokens = sample_tokens_triton(*args)
+    tokens = implementation("sample_tokens")(*args)
     assert tokens.dtype == torch.int64
     assert torch.equal(tokens.cpu(), sample_tokens_ref(*args).cpu())
 
 
+@pytest.mark.contract("apply_penalties")
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_apply_penalties(vocab):
     gen = torch.Generator().manual_seed(0)
@@ -64,9 +68,10 @@ def test_apply_penalties(vocab):
         for v in ([1.0, 1.2, 0.8, 2.0], [0.0, 0.5, -0.3, 1.0], [0.0, 0.1, 0.4, -0.2])
     ]
     args = [t.to(DEVICE) for t in (logits, prompt_mask, counts, *penalties)]
-    assert_close(apply_penalties_triton(*args), apply_penalties_ref(*args))
+    assert_close(implementation("apply_penalties")(*args), apply_penalties_ref(*args))
 
 
+@pytest.mark.contract("copy_blocks")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_shape", [(8, 2, 32), (16, 8, 128)], ids=str)
 def test_copy_blocks(block_shape, dtype):
@@ -77,6 +82,6 @@ def test_copy_blocks(block_shape, dtype):
     ]
     expect = [c.clone() for c in caches]
     pairs = torch.tensor([[1, 4], [9, 0], [1, 7], [3, 2]], device=DEVICE)
-    copy_blocks.copy_blocks_triton(caches[:layers], caches[layers:], pairs)
+    implementation("copy_blocks")(caches[:layers], caches[layers:], pairs)
     copy_blocks.copy_blocks_ref(expect[:layers], expect[layers:], pairs)
     assert all(torch.equal(a, b) for a, b in zip(caches, expect))

@@ -1,14 +1,18 @@
-"""paged_attention_ref against a naive attention that knows nothing about paging.
+"""paged_attention_ref and paged_attention_spec against a naive attention that knows nothing
+about paging.
 
 The naive side reads each sequence's contiguous keys/values and computes, one new token at
 a time in float64, softmax(q.k * scale) over the positions <= the token's own. The paged
-side reads the same tokens through shuffled block tables, with NaN in every unowned slot.
+sides read the same tokens through shuffled block tables, with NaN in every unowned slot.
+(The kernel suite holds the Triton kernel and the reference to the spec; this holds the spec,
+and the reference independently, to the plain definition.)
 """
 
 import pytest
 import torch
 
 from pagedserve.kernels import paged_attention, paged_attention_ref
+from pagedserve.kernels.paged_attention_spec import paged_attention_spec
 from pagedserve.kernels.testing import make_paged_batch
 
 
@@ -39,37 +43,46 @@ CASES = {
 }
 
 
+IMPLEMENTATIONS = pytest.mark.parametrize(
+    "attention", [paged_attention_ref, paged_attention_spec], ids=["ref", "spec"]
+)
+
+
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_matches_naive_attention(case, heads, block_size):
+def test_matches_naive_attention(case, heads, block_size, attention):
     batch = make_paged_batch(CASES[case], *heads, head_dim=8, block_size=block_size, seed=1)
-    out = paged_attention_ref(*batch.args())
+    out = attention(*batch.args())
     assert out.dtype == batch.query.dtype
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("pad_value", [0, -1, 10**6])
-def test_block_table_padding_is_never_read(pad_value):
+def test_block_table_padding_is_never_read(pad_value, attention):
     batch = make_paged_batch([(9, 1), (6, 6), (13, 4)], 4, 2, 8, 4, pad_value=pad_value)
     torch.testing.assert_close(
-        paged_attention_ref(*batch.args()).double(), naive_attention(batch), atol=1e-5, rtol=1e-5
+        attention(*batch.args()).double(), naive_attention(batch), atol=1e-5, rtol=1e-5
     )
 
 
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_dtypes_keep_query_dtype(dtype):
+def test_half_dtypes_keep_query_dtype(dtype, attention):
     batch = make_paged_batch([(11, 1), (9, 9), (14, 3)], 4, 2, 16, 8, dtype=dtype)
-    out = paged_attention_ref(*batch.args())
+    out = attention(*batch.args())
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-2, rtol=1e-2)
 
 
-def test_sequences_without_new_tokens_are_skipped():
+@IMPLEMENTATIONS
+def test_sequences_without_new_tokens_are_skipped(attention):
     batch = make_paged_batch([(6, 2), (5, 0), (7, 1)], 2, 2, 8, 4)
     torch.testing.assert_close(
-        paged_attention_ref(*batch.args()).double(), naive_attention(batch), atol=1e-5, rtol=1e-5
+        attention(*batch.args()).double(), naive_attention(batch), atol=1e-5, rtol=1e-5
     )
 
 

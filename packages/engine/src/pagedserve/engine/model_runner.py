@@ -29,7 +29,7 @@ from pagedserve.engine.kv_cache import (
     log_cache_size,
     num_blocks_for_memory,
 )
-from pagedserve.kernels import copy_blocks
+from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
@@ -82,6 +82,17 @@ class ModelRunner:
             from pagedserve.kernels.paged_attention_numba import warm_up
 
             warm_up((model_config.torch_dtype,))
+        if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
+            mc, heads = model_config, model_config.num_attention_heads // self.par.tp_size
+            paged_attention_warmup(
+                heads,
+                self._kv_heads_per_rank(),
+                mc.head_dim,
+                mc.torch_dtype,
+                cache_config.block_size,
+                mc.max_model_len,
+                self.device,
+            )
         self.decode_buffers: DecodeInputBuffers | None = None
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if pads:

@@ -16,6 +16,7 @@ from pagedserve.kernels.rotary_embedding import rotary_embedding, rotary_embeddi
 from pagedserve.kernels.sampling import sample_tokens, sample_tokens_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv, store_kv_ref
+from pagedserve.kernels.warmup import paged_attention_warmup
 
 __all__ = [
     "apply_penalties",
@@ -28,6 +29,7 @@ __all__ = [
     "layer_norm_ref",
     "paged_attention",
     "paged_attention_ref",
+    "paged_attention_warmup",
     "rms_norm",
     "rms_norm_ref",
     "rotary_embedding",

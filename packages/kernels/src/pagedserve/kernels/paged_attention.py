@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.kernels.dispatch import is_cuda, kernel_path, multi_processor_count
 
 
 @triton.jit
@@ -43,7 +43,18 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Arguments that change from step to step (batch size, block-table width, per-split length,
+# the split count's log-sum-exp strides) are not specialised on: a value that happens to be 1
+# or a multiple of 16 would otherwise compile a new variant mid-serving. They address scalars
+# only, so the kernel loses nothing (registers measured equal). The query, output and cache
+# strides stay specialised: their 16-divisibility vectorises the tile loads and stores, and
+# unspecialised they cost up to 60 more registers a thread (docs/kernel-suite.md).
+@triton.jit(
+    do_not_specialize=[
+        "n_seqs", "kv_positions_per_split", "lse_token_stride", "lse_head_stride",
+        "block_table_stride",
+    ]
+)  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, scale_log2, n_seqs, head_dim, kv_positions_per_split,
@@ -130,7 +141,7 @@ def _paged_attention_kernel(
             tl.store(lse_ptr + lse_off, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "lse_token_stride", "lse_head_stride"])
 def _merge_kv_splits_kernel(
     partial_ptr, lse_ptr, out_ptr, n_splits, head_dim,
     partial_token_stride, partial_head_stride, lse_token_stride, lse_head_stride,
@@ -162,22 +173,37 @@ def _merge_kv_splits_kernel(
     )  # fmt: skip
 
 
-def _tile_shape(group: int, head_dim: int, decode_like: bool) -> tuple[int, int]:
-    """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step)."""
-    rows = 16 if decode_like else (64 if head_dim <= 128 else 32)
-    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16
+def _tile_shape(
+    group: int, head_dim: int, decode_like: bool, dot_fp32: bool
+) -> tuple[int, int, int]:
+    """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step, warps).
+
+    The fp32 dot runs on FMA units with its operands in registers: half the prefill rows and
+    twice the warps keep it spill-free (at head_dim 128, prefill went from 255 registers and
+    2.4 KB of spill stores per thread on sm90, 16 KB on sm80, to ~110 registers and none;
+    docs/kernel-suite.md has the table)."""
+    if dot_fp32:
+        rows, warps = (16 if decode_like else 32), 8
+    else:
+        rows, warps = (16 if decode_like else (64 if head_dim <= 128 else 32)), 4
+    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
+
+
+def kv_split_count(n_seqs: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
+    """KV splits of a decode-shaped batch on a GPU with ``n_sms`` SMs: only for long contexts
+    (>= 1024 positions) and too few (sequence, KV head) programs to fill the device; each
+    split keeps >= 512 positions so the merge stays cheap. At most 64."""
+    if max_context < 1024:
+        return 1
+    wanted = triton.cdiv(2 * n_sms, max(1, n_seqs * n_kv_heads))
+    return max(1, min(wanted, max_context // 512, 64))
 
 
 def _num_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> int:
-    """Split the KV axis only for decode-shaped batches (T == B) with long contexts and
-    too few (sequence, KV head) programs to fill the device; each split keeps >= 512
-    positions so the merge stays cheap."""
-    n_seqs = query.shape[0]
-    if not query.is_cuda or max_context < 1024:
+    """The split count for this decode batch (1 off CUDA: the interpreter and CPU need none)."""
+    if not is_cuda(query):
         return 1
-    n_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    wanted = triton.cdiv(2 * n_sms, max(1, n_seqs * n_kv_heads))
-    return max(1, min(wanted, max_context // 512, 64))
+    return kv_split_count(query.shape[0], n_kv_heads, max_context, multi_processor_count(query))
 
 
 def paged_attention_triton(
@@ -205,7 +231,8 @@ def paged_attention_triton(
     decode_like = n_tokens == n_seqs
     max_context = block_tables.shape[1] * block_size
     splits = num_kv_splits or (_num_kv_splits(query, n_kv_heads, max_context) if decode_like else 1)
-    block_m, tile_n = _tile_shape(group, head_dim, decode_like)
+    dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
+    block_m, tile_n, num_warps = _tile_shape(group, head_dim, decode_like, dot_fp32)
     block_q = block_m // group
     out = torch.zeros_like(query)
     if n_tokens == 0 or n_seqs == 0:
@@ -226,7 +253,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
-        DOT_FP32=query.dtype == torch.float32 or not query.is_cuda, WRITE_PARTIAL=splits > 1,
+        DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _merge_kv_splits_kernel[(n_tokens, n_q_heads)](

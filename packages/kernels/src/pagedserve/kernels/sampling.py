@@ -94,10 +94,12 @@ def _sample_tokens_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, 1)
     if tl.load(temperature_ptr + row) < 1e-5:
-        token, _ = _argmax_chunks(logits_ptr, row, vocab_size, BLOCK)
+        # Each branch names what it discards: Triton's code generator needs a name bound in
+        # both branches of an `if` to have one type (here fp32 and int64).
+        token, _greedy_max = _argmax_chunks(logits_ptr, row, vocab_size, BLOCK)
         tl.store(tokens_ptr + row + offs, token)
     else:
-        _, x_max = _argmax_chunks(scaled_ptr, row, vocab_size, BLOCK)
+        _argmax_idx, x_max = _argmax_chunks(scaled_ptr, row, vocab_size, BLOCK)
         top_k = tl.load(top_k_ptr + row)
         k_key = tl.full([1], -2147483648, tl.int64)
         if (top_k > 0) & (top_k < vocab_size):

@@ -1,0 +1,148 @@
+"""The launches a serving engine makes, for the head layouts that matter, by calling the real
+launch wrappers the way the models and the sampler call them.
+
+Attention comes in the four shapes a step can take: decode (one new token per sequence,
+short contexts), split-KV decode (few sequences, long contexts: flash-decoding's partials and
+merge), mixed prefill (decodes beside a prefill chunk over a cached prefix) and a single whole
+prompt. Everything else a forward or the sampler launches comes once per model and dtype.
+Tensors are small (a few blocks, a few tokens): only shapes, dtypes and strides decide what
+is compiled, and the grid is recorded as the wrapper computed it for these tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.testing import make_paged_batch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    gpt2: bool = False  # layer_norm + gelu_tanh, no rotary; else rms_norm + rotary + silu
+
+    @property
+    def group(self) -> int:
+        return self.n_q_heads // self.n_kv_heads
+
+
+MODELS = [
+    ModelShape("smollm2", 9, 3, 64, 576, 1536, 49152),
+    ModelShape("llama3-8b", 32, 8, 128, 4096, 14336, 128256),
+    ModelShape("qwen3-0.6b", 16, 8, 128, 1024, 3072, 151936),
+    ModelShape("gpt2", 12, 12, 64, 768, 3072, 50257, gpt2=True),
+]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BLOCK_SIZES = [16, 32]
+
+_MODULES = (
+    "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
+    "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties",
+)  # fmt: skip
+
+
+def _wrappers():
+    return {name: importlib.import_module(f"pagedserve.kernels.{name}") for name in _MODULES}
+
+
+def attention_steps(block_size: int) -> dict[str, list[tuple[int, int]]]:
+    """(seq_len, q_len) per sequence for each shape of step."""
+    bs = block_size
+    return {
+        "decode": [(3 * bs + 1, 1), (bs, 1), (5, 1)],
+        "split-kv": [(4096, 1), (1500, 1)],
+        "mixed-prefill": [(2 * bs + 3, 1), (4 * bs, 2 * bs + 1), (bs + 1, 1)],
+        "prompt": [(3 * bs + 7, 3 * bs + 7)],
+    }
+
+
+def attention_launches(
+    m: ModelShape, dtype: torch.dtype, block_size: int, record: Callable, label: str
+) -> None:
+    """Every attention step shape through paged_attention_triton, then store_kv."""
+    mods = _wrappers()
+    for step, seqs in attention_steps(block_size).items():
+        batch = make_paged_batch(seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype)
+        mods["paged_attention"].paged_attention_triton(*batch.args())
+        record(f"{label} {step}")
+    store_launches(m, dtype, block_size, n_tokens=3)
+    record(f"{label} store")
+
+
+def store_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens: int) -> None:
+    """store_kv with key and value as the models hand them over: llama's key is a strided
+    view of the fused qkv output, the value (and qwen3's / gpt2's key) contiguous."""
+    width = m.n_q_heads * m.head_dim + 2 * m.n_kv_heads * m.head_dim
+    qkv = torch.randn(n_tokens, width).to(dtype)
+    key = qkv[:, m.n_q_heads * m.head_dim :][:, : m.n_kv_heads * m.head_dim]
+    key = key.reshape(n_tokens, m.n_kv_heads, m.head_dim)
+    value = torch.randn(n_tokens, m.n_kv_heads, m.head_dim).to(dtype)
+    cache = torch.empty(4, block_size, m.n_kv_heads, m.head_dim, dtype=dtype)
+    slots = torch.randint(-1, 4 * block_size, (n_tokens,))
+    mods = _wrappers()
+    mods["store_kv"].store_kv_triton(key, value, cache, cache.clone(), slots)
+    mods["store_kv"].store_kv_triton(value, value, cache, cache.clone(), slots)
+
+
+def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens: int = 3) -> None:
+    """Norms, rotary and activations of one decoder layer, and copy-on-write's block copy."""
+    mods = _wrappers()
+    x = torch.randn(n_tokens, m.hidden).to(dtype)
+    weight = torch.randn(m.hidden).to(dtype)
+    if m.gpt2:
+        mods["layer_norm"].layer_norm_triton(x, weight, weight.clone(), 1e-5)
+        mods["gelu_tanh"].gelu_tanh_triton(torch.randn(n_tokens, m.intermediate).to(dtype))
+    else:
+        mods["rms_norm"].rms_norm_triton(x, weight, 1e-6)
+        mods["rms_norm"].rms_norm_triton(x, weight, 1e-6, x.clone())
+        head = torch.randn(n_tokens, m.n_q_heads, m.head_dim).to(dtype)  # qwen3's q/k norm
+        mods["rms_norm"].rms_norm_triton(head, torch.randn(m.head_dim).to(dtype), 1e-6)
+        q = torch.randn(n_tokens, m.n_q_heads, m.head_dim).to(dtype)
+        k = torch.randn(n_tokens, m.n_kv_heads, m.head_dim).to(dtype)
+        cos_sin = torch.randn(64, m.head_dim)
+        mods["rotary_embedding"].rotary_embedding_triton(torch.arange(n_tokens), q, k, cos_sin)
+        gate_up = torch.randn(n_tokens, 2 * m.intermediate).to(dtype)
+        mods["silu_and_mul"].silu_and_mul_triton(gate_up)
+    caches = [torch.empty(6, block_size, m.n_kv_heads, m.head_dim, dtype=dtype) for _ in range(2)]
+    pairs = torch.tensor([[1, 4], [2, 5], [3, 0]])[: 1 + n_tokens % 3]
+    mods["copy_blocks"].copy_blocks_triton(caches[:1], caches[1:], pairs)
+
+
+def sampler_launches(m: ModelShape, rows: int = 2) -> None:
+    """Penalties and token sampling over fp32 logits of the model's vocabulary."""
+    mods = _wrappers()
+    logits = torch.randn(rows, m.vocab)
+    counts = torch.zeros(rows, m.vocab, dtype=torch.int32)
+    per_row = [torch.ones(rows) for _ in range(3)]
+    mods["penalties"].apply_penalties_triton(logits, counts > 0, counts, *per_row)
+    noise = torch.ones(rows, m.vocab)
+    temperature = torch.tensor([0.0, 0.8]).repeat(rows)[:rows]
+    top_k = torch.tensor([0, 20], dtype=torch.int32).repeat(rows)[:rows]
+    top_p, min_p = torch.full((rows,), 0.9), torch.full((rows,), 0.05)
+    mods["sampling"].sample_tokens_triton(logits, temperature, top_k, top_p, min_p, noise)
+
+
+def engine_launches(
+    models: list[ModelShape], block_sizes: dict[str, list[int]], record: Callable
+) -> None:
+    """Drive every wrapper for each model, dtype (``block_sizes``' keys) and block size;
+    ``record(variant)`` labels what was launched since its last call."""
+    for m in models:
+        for dtype_name, sizes in block_sizes.items():
+            for block_size in sizes:
+                label = f"{m.name} {dtype_name} bs{block_size}"
+                attention_launches(m, DTYPES[dtype_name], block_size, record, label)
+            layer_launches(m, DTYPES[dtype_name], sizes[0])
+            record(f"{m.name} {dtype_name}")
+        sampler_launches(m)
+        record(f"{m.name} fp32 logits")

@@ -1,0 +1,74 @@
+"""Compile, at start-up, every paged-attention variant that serving can launch.
+
+Triton compiles a kernel the first time it meets a new combination of dtypes, constexprs and
+argument specialisations: 1-3 s of stall, in the middle of serving, for the unlucky step.
+Paged attention is the one kernel whose launches change with the batch: decode and prefill
+steps take different tiles, and a decode batch over long contexts splits the KV axis
+(flash-decoding), with a merge kernel whose tile follows the split count. Every argument that
+varies per step is marked ``do_not_specialize`` in the kernels, so the variants left are:
+
+- a decode step without splits and a prefill (or mixed) step;
+- a decode step for each split count it can take (the merge's tile follows the count, and the
+  partials' strides do too). ``kv_split_count`` is at most ``cdiv(2 * SMs, Hkv)`` (one
+  sequence) and at most ``max_context // 512``, and every count from 2 up to the smaller
+  bound is reachable; so the batch sizes served do not matter, only the model, the GPU and
+  ``max_model_len`` (block tables are never wider than ``cdiv(max_model_len, block_size)``).
+  Launches with one key compile once: for head_dim a multiple of 16 the counts differ only
+  in the merge's tile, a power of two.
+
+The query, output and cache strides stay specialised (they vectorise the tile loads): the
+warm-up's query is contiguous, the models' may be a view of the fused qkv output; for head_dim
+a multiple of 16 (every model here) both strides divide by 16 and give one variant.
+
+Every other kernel has one variant per model and dtype and is compiled by the first forward
+(the profiling step, on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from pagedserve.kernels.dispatch import is_cuda, multi_processor_count, use_triton
+from pagedserve.kernels.paged_attention import kv_split_count, paged_attention_triton
+
+
+def reachable_kv_splits(n_kv_heads: int, max_context: int, n_sms: int) -> range:
+    """Every split count > 1 that ``kv_split_count`` can return for some batch size and some
+    context up to ``max_context``: 2 up to its value for one sequence at the longest context
+    (one sequence at ``512 * c`` positions gets ``min(that, c)``)."""
+    return range(2, kv_split_count(1, n_kv_heads, max_context, n_sms) + 1)
+
+
+def paged_attention_warmup(
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device | str,
+) -> int:
+    """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
+    returns the number of launches. Does nothing off a GPU (CPU tensors outside
+    ``taken_as_cuda``) or where dispatch would not pick Triton (``PAGEDSERVE_KERNELS=ref``)."""
+    probe = torch.empty(0, device=device)
+    if not (is_cuda(probe) and use_triton(probe)):
+        return 0
+    max_blocks = triton.cdiv(max_model_len, block_size)
+    splits = reachable_kv_splits(n_kv_heads, max_blocks * block_size, multi_processor_count(probe))
+    caches = [
+        torch.zeros(2, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        for _ in range(2)
+    ]
+    block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+    seq_lens = torch.full((1,), 2, dtype=torch.int32, device=device)
+    launches = 0
+    for n_tokens, kv_splits in [(1, 1), (2, 1), *((1, s) for s in splits)]:  # decode, prefill
+        query = torch.zeros(n_tokens, n_q_heads, head_dim, dtype=dtype, device=device)
+        query_start_loc = torch.tensor([0, n_tokens], dtype=torch.int32, device=device)
+        paged_attention_triton(
+            query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits
+        )
+        launches += 1
+    return launches
