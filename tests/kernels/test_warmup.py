@@ -8,8 +8,8 @@ import itertools
 
 import torch
 
+from pagedserve.kernels.attention_launch import kv_split_count
 from pagedserve.kernels.dispatch import is_cuda, multi_processor_count, taken_as_cuda
-from pagedserve.kernels.paged_attention import kv_split_count
 from pagedserve.kernels.warmup import paged_attention_warmup, reachable_kv_splits
 
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import is_cuda, kernel_path, multi_processor_count
+from pagedserve.kernels.attention_launch import decode_kv_splits, tile_shape
+from pagedserve.kernels.dispatch import is_cuda, kernel_path
 
 
 @triton.jit
@@ -173,39 +174,6 @@ def _merge_kv_splits_kernel(
     )  # fmt: skip
 
 
-def _tile_shape(
-    group: int, head_dim: int, decode_like: bool, dot_fp32: bool
-) -> tuple[int, int, int]:
-    """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step, warps).
-
-    The fp32 dot runs on FMA units with its operands in registers: half the prefill rows and
-    twice the warps keep it spill-free (at head_dim 128, prefill went from 255 registers and
-    2.4 KB of spill stores per thread on sm90, 16 KB on sm80, to ~110 registers and none;
-    docs/kernel-suite.md has the table)."""
-    if dot_fp32:
-        rows, warps = (16 if decode_like else 32), 8
-    else:
-        rows, warps = (16 if decode_like else (64 if head_dim <= 128 else 32)), 4
-    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
-
-
-def kv_split_count(n_seqs: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
-    """KV splits of a decode-shaped batch on a GPU with ``n_sms`` SMs: only for long contexts
-    (>= 1024 positions) and too few (sequence, KV head) programs to fill the device; each
-    split keeps >= 512 positions so the merge stays cheap. At most 64."""
-    if max_context < 1024:
-        return 1
-    wanted = triton.cdiv(2 * n_sms, max(1, n_seqs * n_kv_heads))
-    return max(1, min(wanted, max_context // 512, 64))
-
-
-def _num_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> int:
-    """The split count for this decode batch (1 off CUDA: the interpreter and CPU need none)."""
-    if not is_cuda(query):
-        return 1
-    return kv_split_count(query.shape[0], n_kv_heads, max_context, multi_processor_count(query))
-
-
 def paged_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -230,9 +198,11 @@ def paged_attention_triton(
     group = n_q_heads // n_kv_heads
     decode_like = n_tokens == n_seqs
     max_context = block_tables.shape[1] * block_size
-    splits = num_kv_splits or (_num_kv_splits(query, n_kv_heads, max_context) if decode_like else 1)
+    splits = num_kv_splits or (
+        decode_kv_splits(query, n_kv_heads, max_context) if decode_like else 1
+    )
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
-    block_m, tile_n, num_warps = _tile_shape(group, head_dim, decode_like, dot_fp32)
+    block_m, tile_n, num_warps = tile_shape(group, head_dim, decode_like, dot_fp32)
     block_q = block_m // group
     out = torch.zeros_like(query)
     if n_tokens == 0 or n_seqs == 0:

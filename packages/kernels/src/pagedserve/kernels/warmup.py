@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from pagedserve.kernels.attention_launch import kv_split_count
 from pagedserve.kernels.dispatch import is_cuda, multi_processor_count, use_triton
-from pagedserve.kernels.paged_attention import kv_split_count, paged_attention_triton
+from pagedserve.kernels.paged_attention import paged_attention_triton
 
 
 def reachable_kv_splits(n_kv_heads: int, max_context: int, n_sms: int) -> range:

@@ -1,0 +1,45 @@
+"""How the Triton paged attention is launched: its tile shape and its KV split count.
+
+These are the wrapper's choices, kept apart from the kernel so that the warm-up
+(warmup.py) enumerates exactly the variants the wrapper can pick, from the same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from pagedserve.kernels.dispatch import is_cuda, multi_processor_count
+
+
+def tile_shape(
+    group: int, head_dim: int, decode_like: bool, dot_fp32: bool
+) -> tuple[int, int, int]:
+    """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step, warps).
+
+    The fp32 dot runs on FMA units with its operands in registers: half the prefill rows and
+    twice the warps keep it spill-free (at head_dim 128, prefill went from 255 registers and
+    2.4 KB of spill stores per thread on sm90, 16 KB on sm80, to ~110 registers and none;
+    docs/kernel-suite.md has the table)."""
+    if dot_fp32:
+        rows, warps = (16 if decode_like else 32), 8
+    else:
+        rows, warps = (16 if decode_like else (64 if head_dim <= 128 else 32)), 4
+    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
+
+
+def kv_split_count(n_seqs: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
+    """KV splits of a decode-shaped batch on a GPU with ``n_sms`` SMs: only for long contexts
+    (>= 1024 positions) and too few (sequence, KV head) programs to fill the device; each
+    split keeps >= 512 positions so the merge stays cheap. At most 64."""
+    if max_context < 1024:
+        return 1
+    wanted = triton.cdiv(2 * n_sms, max(1, n_seqs * n_kv_heads))
+    return max(1, min(wanted, max_context // 512, 64))
+
+
+def decode_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> int:
+    """The split count for this decode batch (1 off CUDA: the interpreter and CPU need none)."""
+    if not is_cuda(query):
+        return 1
+    return kv_split_count(query.shape[0], n_kv_heads, max_context, multi_processor_count(query))
