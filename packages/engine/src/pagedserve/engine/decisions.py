@@ -85,14 +85,13 @@ class SamplingBatch:
         if not self._rows:
             return
         states, requests = self._states, self._requests
+        groups = [s.group for s in states]
         meta = SamplingMetadata(
-            params=[s.params for s in states],
+            params=[g.params for g in groups],
             generators=[s.generator for s in states],
-            prompt_token_ids=[s.group.prompt_token_ids for s in states],
+            prompt_token_ids=[g.prompt_token_ids for g in groups],
             output_token_ids=[r.output_token_ids if r else [] for r in requests],
-            masked_token_ids=[
-                masked_tokens(r or s.group.sequences[0]) for r, s in zip(requests, states)
-            ],
+            masked_token_ids=[masked_tokens(r or g.sequences[0]) for r, g in zip(requests, groups)],
         )
         self._output = sampler(select_rows(self.logits, self._rows), meta)
         self._token_ids = self._output.token_ids.tolist()
