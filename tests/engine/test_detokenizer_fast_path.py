@@ -21,7 +21,7 @@ def tokenizer(request, tiny_checkpoint, default_model_path):
 
 def slow_stream(tokenizer, prompt, outputs, skip, monkeypatch) -> list[str]:
     with monkeypatch.context() as m:
-        m.setattr(detok_module, "fast_decoder", lambda tok: None)
+        m.setattr(detok_module, "byte_level_table", lambda tok: None)
         return stream(tokenizer, prompt, outputs, skip)
 
 
@@ -77,4 +77,4 @@ def test_streams_equal_the_wrapper_path_delta_for_delta(tokenizer, skip, monkeyp
 def test_tokenizers_the_table_cannot_describe_keep_their_own_decode():
     tokenizer = metaspace_tokenizer()
     assert ByteLevelDecodeTable.build(tokenizer) is None
-    assert IncrementalDetokenizer(tokenizer, [1])._fast_decode is None
+    assert IncrementalDetokenizer(tokenizer, [1])._table is None

@@ -48,10 +48,11 @@ class StepContext:
     updated: set[str]  # ids of the requests that got a token from scheduler.update
     num_prompt_tokens: int = 0  # prompts of the requests that produced their first token now
     num_generation_tokens: int = 0
+    now: float = field(default_factory=time.monotonic)  # every token of a step: one time
 
     def record_token(self, group: SequenceGroup) -> None:
         """Stamp the group's token times; its prompt counts once, with its first token."""
-        now = time.monotonic()
+        now = self.now
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
             self.num_prompt_tokens += len(group.prompt_token_ids)

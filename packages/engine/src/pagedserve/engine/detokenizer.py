@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import weakref
-from collections.abc import Callable
 from functools import lru_cache
 
 _WINDOW = 6
@@ -64,11 +63,7 @@ class ByteLevelDecodeTable:
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str | None:
         """The window's text, or None for an id the table does not hold (then: the wrapper)."""
-        table = self.tables[skip_special_tokens]
-        try:
-            return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
-        except (IndexError, TypeError):
-            return None
+        return decode_bytes(self.tables[skip_special_tokens], ids)
 
     @classmethod
     def build(cls, tokenizer) -> ByteLevelDecodeTable | None:
@@ -111,11 +106,19 @@ class ByteLevelDecodeTable:
         return True
 
 
+def decode_bytes(table: list[bytes | None], ids: list[int]) -> str | None:
+    """The text of ``ids`` from a token -> bytes table; None for an id it does not hold."""
+    try:
+        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+    except (IndexError, TypeError):
+        return None
+
+
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def fast_decoder(tokenizer) -> Callable[[list[int], bool], str | None] | None:
-    """The tokenizer's table decode (built on first use, kept as long as the tokenizer), or None
+def byte_level_table(tokenizer) -> ByteLevelDecodeTable | None:
+    """The tokenizer's decode table (built on first use, kept as long as the tokenizer), or None
     when the tokenizer needs its own decode."""
     try:
         table = _TABLES[tokenizer]
@@ -123,7 +126,7 @@ def fast_decoder(tokenizer) -> Callable[[list[int], bool], str | None] | None:
         table = _TABLES[tokenizer] = ByteLevelDecodeTable.build(tokenizer)
     except TypeError:  # not weak-referenceable: build it each time
         table = ByteLevelDecodeTable.build(tokenizer)
-    return table.decode if table is not None else None
+    return table
 
 
 class IncrementalDetokenizer:
@@ -140,15 +143,16 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._fast_decode = fast_decoder(tokenizer)
+        table = byte_level_table(tokenizer)
+        self._table = None if table is None else table.tables[skip_special_tokens]
         self.token_ids: list[int] = list(prompt_token_ids[-_WINDOW:])  # context, then outputs
         self.prefix_offset = 0  # start of the decode window (in self.token_ids)
         self.read_offset = len(self.token_ids)  # tokens whose text has been emitted
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        if self._fast_decode is not None:
-            text = self._fast_decode(ids, self.skip_special_tokens)
+        if self._table is not None:
+            text = decode_bytes(self._table, ids)
             if text is not None:
                 return text
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

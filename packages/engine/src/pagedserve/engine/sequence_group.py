@@ -69,7 +69,8 @@ class SequenceState:
             self.detokenizer.add_token(token)
         if request.is_finished:
             self.detokenizer.flush()
-        self._check_stop_strings(request, ctx)
+        if self.group.params.stop_strings:
+            self._check_stop_strings(request, ctx)
 
     def _check_stop_strings(self, request: Request, ctx: StepContext) -> None:
         stops = self.params.stop_strings
