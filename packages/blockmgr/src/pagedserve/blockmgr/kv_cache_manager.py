@@ -74,6 +74,8 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self._blocks_to_copy: list[tuple[int, int]] = []
         self.prefix_cache_stats = PrefixCacheStats()
+        # Per sequence: its block ids, kept between steps until its table changes (block_ids).
+        self._block_ids: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -86,7 +88,22 @@ class KVCacheManager:
         return self.pool.usage()
 
     def get_block_table(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(seq_id, ())]
+        return list(self.block_ids(seq_id))
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        """The sequence's block ids, read-only: the scheduler's per-step copy-free view.
+
+        The list is kept until the sequence's table changes, and then replaced, never changed
+        in place; so a step that holds it keeps that step's table, and a decode step that adds
+        no block builds nothing.
+        """
+        ids = self._block_ids.get(seq_id)
+        if ids is None:
+            table = self.block_tables.get(seq_id)
+            if table is None:
+                return []
+            ids = self._block_ids[seq_id] = [b.block_id for b in table]
+        return ids
 
     def get_computed_blocks(
         self, token_ids: Sequence[int], cache_salt: str | None = None
@@ -133,9 +150,13 @@ class KVCacheManager:
         next decode step. All or nothing: returns False and changes nothing when the pool
         cannot supply the blocks (the scheduler then preempts or waits).
         """
+        table = self.block_tables.get(seq_id)
+        if table is not None and not computed_blocks and num_new_tokens == 1 <= num_computed_tokens:
+            if self._decodes_in_place(seq_id, table, num_computed_tokens):
+                return True
         if num_new_tokens < 0 or num_computed_tokens < 0:
             raise ValueError("token counts must be non-negative")
-        table = self.block_tables.get(seq_id)
+        self._block_ids.pop(seq_id, None)
         is_new = table is None
         if not is_new and computed_blocks:
             raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")
@@ -172,6 +193,7 @@ class KVCacheManager:
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first, so the cached head of a prefix outlives it."""
         table = self.block_tables.pop(seq_id, None)
+        self._block_ids.pop(seq_id, None)
         self._block_hashes.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
         for block in reversed(table or []):
@@ -191,6 +213,7 @@ class KVCacheManager:
         for block in parent:
             self.pool.touch(block)
         self.block_tables[child_id] = list(parent)
+        self._block_ids.pop(child_id, None)
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
 
@@ -207,6 +230,16 @@ class KVCacheManager:
         return True
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _decodes_in_place(self, seq_id: str, table: list[KVBlock], num_computed: int) -> bool:
+        """The decode fast path (O(1)): True when one new token at ``num_computed`` lands in a
+        block the sequence already holds alone and fills no block not yet registered in the
+        prefix cache, so ``allocate_slots`` has nothing to allocate, copy or register."""
+        index = num_computed // self.block_size
+        if index >= len(table) or table[index].ref_count > 1:
+            return False
+        full = (num_computed + 1) // self.block_size
+        return not self.enable_prefix_caching or full <= self._num_registered.get(seq_id, 0)
 
     def _check_hits(
         self,

@@ -48,10 +48,11 @@ class StepContext:
     updated: set[str]  # ids of the requests that got a token from scheduler.update
     num_prompt_tokens: int = 0  # prompts of the requests that produced their first token now
     num_generation_tokens: int = 0
+    now: float = field(default_factory=time.monotonic)  # every token of a step: one time
 
     def record_token(self, group: SequenceGroup) -> None:
         """Stamp the group's token times; its prompt counts once, with its first token."""
-        now = time.monotonic()
+        now = self.now
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
             self.num_prompt_tokens += len(group.prompt_token_ids)
@@ -85,14 +86,13 @@ class SamplingBatch:
         if not self._rows:
             return
         states, requests = self._states, self._requests
+        groups = [s.group for s in states]
         meta = SamplingMetadata(
-            params=[s.params for s in states],
+            params=[g.params for g in groups],
             generators=[s.generator for s in states],
-            prompt_token_ids=[s.group.prompt_token_ids for s in states],
+            prompt_token_ids=[g.prompt_token_ids for g in groups],
             output_token_ids=[r.output_token_ids if r else [] for r in requests],
-            masked_token_ids=[
-                masked_tokens(r or s.group.sequences[0]) for r, s in zip(requests, states)
-            ],
+            masked_token_ids=[masked_tokens(r or g.sequences[0]) for r, g in zip(requests, groups)],
         )
         self._output = sampler(select_rows(self.logits, self._rows), meta)
         self._token_ids = self._output.token_ids.tolist()

@@ -209,9 +209,14 @@ class LLMEngine:
         if len(logits) > len(seq_ids):
             record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
         rows: dict[SequenceGroup, list[tuple[Request, int]]] = {}
+        requests = self.scheduler.requests
         for row, seq_id in enumerate(seq_ids):
-            request = self.scheduler.requests[seq_id]
-            rows.setdefault(request.payload.group, []).append((request, row))
+            request = requests[seq_id]
+            group = request.payload.group
+            if group in rows:
+                rows[group].append((request, row))
+            else:
+                rows[group] = [(request, row)]
         batch = SamplingBatch(logits)
         decisions = [group.decide(group_rows, batch) for group, group_rows in rows.items()]
         batch.sample(self.sampler)
@@ -235,7 +240,7 @@ class LLMEngine:
 
     def _group_output(self, group: SequenceGroup, now: float) -> RequestOutput:
         output = group.make_output()
-        if group.is_finished and self.groups.pop(group.request_id, None) is not None:
+        if output.finished and self.groups.pop(group.request_id, None) is not None:
             group.metrics.finished_time = now
             self.stats.record_finished(
                 finished_request_stats(
@@ -264,4 +269,7 @@ class LLMEngine:
 
 
 def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int]:
-    return {rid: token for d in decisions for rid, token in d.sampled_tokens().items()}
+    sampled: dict[str, int] = {}
+    for decision in decisions:
+        sampled.update(decision.sampled_tokens())
+    return sampled

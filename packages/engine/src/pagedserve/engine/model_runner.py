@@ -13,7 +13,6 @@ as CUDA graphs on a GPU (cuda_graph.py); the logits are those of the real rows e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -194,22 +193,30 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     def prepare_input(self, output: SchedulerOutput) -> ModelInput:
-        token_chunks, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
+        """The flat batch of a step. Runs for every scheduled request at every step, so a
+        decode (one new token, an output token) takes its token without slicing."""
+        tokens, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
         prompt_rows: list[int] = []
         offset = 0
         for item in output.scheduled:
+            request = item.request
             start, count = item.num_computed_tokens, item.num_new_tokens
-            prompt_rows.extend(offset + p - start for p in prompt_logit_positions(item))
-            token_chunks.append(_token_slice(item.request, start, count))
+            if request.needs_prompt_logits:
+                prompt_rows.extend(offset + p - start for p in prompt_logit_positions(item))
+            num_prompt = len(request.prompt_token_ids)
+            if count == 1 and start >= num_prompt:
+                tokens.append(request.output_token_ids[start - num_prompt])
+            else:
+                tokens.extend(_token_slice(request, start, count))
             starts.append(start)
             counts.append(count)
             tables.append(item.block_table)
             offset += count
-            if item.needs_sample:
-                sample_ids.append(item.request.request_id)
+            if start + count == num_prompt + len(request.output_token_ids):  # needs_sample
+                sample_ids.append(request.request_id)
                 logits_rows.append(offset - 1)
         batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
-        token_ids = np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=offset)
+        token_ids = np.array(tokens, dtype=np.int64)
         dev = self.device
         logits_indices = torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev)
         bucket = self._decode_bucket(offset, len(counts))

@@ -69,7 +69,8 @@ class SequenceState:
             self.detokenizer.add_token(token)
         if request.is_finished:
             self.detokenizer.flush()
-        self._check_stop_strings(request, ctx)
+        if self.group.params.stop_strings:
+            self._check_stop_strings(request, ctx)
 
     def _check_stop_strings(self, request: Request, ctx: StepContext) -> None:
         stops = self.params.stop_strings
@@ -114,7 +115,12 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return self.aborted or (not self.needs_fork and all(s.is_finished for s in self.sequences))
+        if self.aborted:
+            return True
+        sequences = self.sequences
+        if len(sequences) == 1:  # the common case, without a generator per request per step
+            return sequences[0].is_finished and not self.needs_fork
+        return not self.needs_fork and all(s.is_finished for s in sequences)
 
     def child_request_id(self, index: int) -> str:
         return self.request_id if index == 0 else f"{self.request_id}#{index}"
@@ -188,35 +194,39 @@ class SequenceGroup:
         state: SequenceState = request.payload
         text = state.detokenizer.text
         stops = self.params.stop_strings
-        if request.is_finished or not stops or self.params.include_stop_str_in_output:
+        if not stops or request.is_finished or self.params.include_stop_str_in_output:
             return text
         hold = max(len(s) for s in stops) - 1
         return text[: max(0, len(text) - hold)]
 
     def completion(self, request: Request) -> CompletionOutput:
         state: SequenceState = request.payload
-        return CompletionOutput(
-            index=state.index,
-            text=self.visible_text(request),
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
+        logprobs = state.logprobs
+        return CompletionOutput(  # positional: this runs for every request at every step
+            state.index,
+            self.visible_text(request),
+            request.output_token_ids.copy(),
+            None if logprobs is None else state.cumulative_logprob,
+            None if logprobs is None else logprobs.copy(),
+            request.status.finish_reason,
+            request.stop_reason,
         )
 
     def make_output(self) -> RequestOutput:
         """A cumulative snapshot: every sequence's whole text and tokens so far."""
-        first = self.sequences[0]
+        sequences = self.sequences
+        first = sequences[0]
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[self.completion(s) for s in self.sequences],
-            finished=self.is_finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=self.metrics,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [self.completion(first)]
+            if len(sequences) == 1
+            else [self.completion(s) for s in sequences],
+            self.is_finished,
+            max(first.num_cached_tokens, 0),
+            self.metrics,
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 
@@ -232,10 +242,19 @@ class SamplingDecision:
     slots: list[tuple[Request | None, SequenceState, int]] = field(default_factory=list)
 
     def sampled_tokens(self) -> dict[str, int]:
+        if len(self.slots) == 1 and self.slots[0][0] is not None:
+            request, _, slot = self.slots[0]
+            return {request.request_id: self.batch.token(slot)}
         return {r.request_id: self.batch.token(slot) for r, _, slot in self.slots if r is not None}
 
     def apply(self, ctx: StepContext) -> bool:
         """Process the parents' new tokens, then start the forks, in slot order."""
+        if len(self.slots) == 1 and self.slots[0][0] is not None:  # one sequence, no fork
+            request, state, slot = self.slots[0]
+            if request.request_id not in ctx.updated:
+                return False
+            state.process_new_token(request, self.batch.logprobs(slot), ctx)
+            return True
         for request, state, slot in self.slots:
             if request is not None and request.request_id in ctx.updated:
                 state.process_new_token(request, self.batch.logprobs(slot), ctx)

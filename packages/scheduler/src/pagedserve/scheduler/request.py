@@ -25,11 +25,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
-        return self.value if self.is_finished else None
+        value = self._value_
+        return value if value in _FINISHED_VALUES else None
 
 
 class TokenIds(Sequence[int]):
@@ -84,6 +85,9 @@ class TokenIds(Sequence[int]):
 _FINISHED = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 )
+# Membership by value (a str, hashed in C): every running request asks several times a step,
+# and a member's own hash is Python code (Enum.__hash__).
+_FINISHED_VALUES = frozenset(status.value for status in _FINISHED)
 
 PayloadT = TypeVar("PayloadT")
 
@@ -141,7 +145,7 @@ class Request(Generic[PayloadT]):
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISHED
+        return self.status._value_ in _FINISHED_VALUES
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -294,20 +294,26 @@ class Scheduler:
         return min(num_new, budget)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Each running request's next chunk, in order, preempting from the tail as needed.
+
+        A decode (one token left to compute) takes its one token without the chunking rules,
+        and ``allocate_slots`` answers it in O(1) when its block has room.
+        """
         max_seqs = self.config.max_num_seqs
+        scheduled, running, kv = output.scheduled, self.running, self.kv
         index = 0
-        while index < len(self.running) and budget > 0 and len(output.scheduled) < max_seqs:
-            request = self.running[index]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
+                num_new = 1  # what _num_new_tokens gives a decode under any budget left (> 0)
+            else:
+                num_new = self._num_new_tokens(request, num_computed, budget)
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request was the last one running, and preempted itself
-            output.scheduled.append(
-                ScheduledRequest(
-                    request,
-                    request.num_computed_tokens,
-                    num_new,
-                    self.kv.get_block_table(request.request_id),
-                )
+            request_id = request.request_id
+            scheduled.append(
+                ScheduledRequest(request, num_computed, num_new, kv.block_ids(request_id))
             )
             budget -= num_new
             index += 1
@@ -362,7 +368,7 @@ class Scheduler:
             self._add_running(request)
             output.scheduled.append(
                 ScheduledRequest(
-                    request, num_cached, num_new, self.kv.get_block_table(request.request_id)
+                    request, num_cached, num_new, self.kv.block_ids(request.request_id)
                 )
             )
             budget -= num_new
