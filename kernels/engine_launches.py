@@ -135,7 +135,7 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
     layer_launches: its tile follows the token count, which the warm-up check forbids there."""
     mods = _wrappers()
     for fmt in ("int8", "fp8"):
-        for name, (n, k) in projection_shapes(m).items():
+        for n, k in projection_shapes(m).values():
             qweight, scale = mods["weight_only_linear"].quantize_per_channel(torch.randn(n, k), fmt)
             bias = torch.randn(n).to(dtype) if m.gpt2 else None
             for n_tokens in (1, 64):

@@ -1,7 +1,8 @@
 """The suite's one tolerance table (PyTorch's allclose defaults, as vLLM uses them).
 
 Attention in fp32 gets atol 1e-4: its online softmax sums in a different order than the
-reference; so do GEMMs (weight-only linear layers), which get the same. Exact kernels (store_kv, copy_blocks, sampling tokens) are compared exactly.
+reference; so do GEMMs (weight-only linear layers), which get the same. Exact kernels
+(store_kv, copy_blocks, sampling tokens) are compared exactly.
 """
 
 from __future__ import annotations
