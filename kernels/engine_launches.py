@@ -47,7 +47,7 @@ BLOCK_SIZES = [16, 32]
 
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
-    "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties",
+    "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
 )  # fmt: skip
 
 
@@ -118,6 +118,32 @@ def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens:
     mods["copy_blocks"].copy_blocks_triton(caches[:1], caches[1:], pairs)
 
 
+def projection_shapes(m: ModelShape) -> dict[str, tuple[int, int]]:
+    """(out, in) features of a decoder layer's four linear layers, fused as the models fuse them."""
+    q, kv = m.n_q_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    return {
+        "qkv": (q + 2 * kv, m.hidden),
+        "o": (m.hidden, q),
+        "gate_up": ((1 if m.gpt2 else 2) * m.intermediate, m.hidden),
+        "down": (m.hidden, m.intermediate),
+    }
+
+
+def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str):
+    """A layer's projections with int8 and fp8 weights (``--quantization int8|fp8``), for a
+    decode step's few rows and a prefill's many (the two tiles the wrapper picks). Kept out of
+    layer_launches: its tile follows the token count, which the warm-up check forbids there."""
+    mods = _wrappers()
+    for fmt in ("int8", "fp8"):
+        for n, k in projection_shapes(m).values():
+            qweight, scale = mods["weight_only_linear"].quantize_per_channel(torch.randn(n, k), fmt)
+            bias = torch.randn(n).to(dtype) if m.gpt2 else None
+            for n_tokens in (1, 64):
+                x = torch.randn(n_tokens, k).to(dtype)
+                mods["weight_only_linear"].weight_only_linear_triton(x, qweight, scale, bias)
+        record(f"{label} {fmt}")
+
+
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
     """Penalties and token sampling over fp32 logits of the model's vocabulary."""
     mods = _wrappers()
@@ -144,5 +170,6 @@ def engine_launches(
                 attention_launches(m, DTYPES[dtype_name], block_size, record, label)
             layer_launches(m, DTYPES[dtype_name], sizes[0])
             record(f"{m.name} {dtype_name}")
+            quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")

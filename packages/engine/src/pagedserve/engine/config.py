@@ -30,6 +30,9 @@ class EngineArgs:
     model: str = field(metadata={"help": "Hugging Face model folder"})
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     dtype: str = option("auto", "weights and activations: auto, float32, float16, bfloat16")
+    quantization: str | None = option(
+        None, "weight-only quantization at load time: int8 or fp8 (per-channel scales)"
+    )
     device: str = option("auto", "auto (CUDA if present, else CPU), cuda or cpu")
     seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
     max_model_len: int | None = option(
@@ -78,6 +81,7 @@ class EngineArgs:
             device=self.device,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            quantization=self.quantization,
         )
         max_len = model_config.max_model_len
         budget = self.max_num_batched_tokens or (

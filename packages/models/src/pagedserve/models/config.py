@@ -29,8 +29,30 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+# Weight-only methods applied at load time (quantization.py); "int8" and "fp8" (e4m3).
+QUANTIZATION_METHODS = ("int8", "fp8")
+
+
 class ModelLoadError(ValueError):
     """The model folder is missing, malformed, or holds an architecture we do not support."""
+
+
+def check_quantization(method: str | None, hf_config: dict) -> None:
+    """Refuse, at load time, what pagedserve would otherwise load wrongly: an unknown method,
+    or a checkpoint that is already quantized (its packed tensors are not a plain weight)."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ModelLoadError(
+            f"quantization {method!r} is not supported; one of {list(QUANTIZATION_METHODS)} "
+            "(weight-only, applied at load time to an unquantized checkpoint)"
+        )
+    stored = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if stored is not None:
+        raise ModelLoadError(
+            f"this checkpoint is already quantized (quantization_config.quant_method = "
+            f"{stored!r}); pagedserve does not load pre-quantized {stored} checkpoints yet. "
+            "Serve the unquantized checkpoint, with --quantization int8 or fp8 to quantize it "
+            "at load time."
+        )
 
 
 def resolve_dtype(
@@ -60,6 +82,7 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
     hf_config: dict[str, Any] = field(init=False)
     architecture: str = field(init=False)
     arch: str = field(init=False)
@@ -81,6 +104,7 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {archs}; pagedserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        check_quantization(self.quantization, self.hf_config)
         self.architecture = known[0]
         self.arch = SUPPORTED_ARCHITECTURES[self.architecture]
         if self.device == "auto":
