@@ -13,6 +13,7 @@ its live beams as sequences that fork and drop each step (beam_search.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 
@@ -34,6 +35,8 @@ from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+logger = logging.getLogger("pagedserve.engine")
 
 
 class LLMEngine:
@@ -58,6 +61,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
+        logger.info(
+            "stop ids %s; %s",
+            sorted(self.eos_token_ids),
+            self.model_config.generation_defaults.describe(),
+        )
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -66,6 +74,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (vLLM's
+        ``get_default_sampling_params``): what a request that sets nothing gets."""
+        return SamplingParams(**self.model_config.generation_defaults.sampling)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+from pagedserve.models.generation_config import (
+    GenerationConfigError,
+    GenerationDefaults,
+    load_generation_defaults,
+)
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -52,7 +58,9 @@ def resolve_dtype(
 class ModelConfig:
     """The model to serve and how: its folder, dtype, device and maximum sequence length.
 
-    ``hf_config`` is the parsed config.json; ``arch`` the family we map it onto.
+    ``hf_config`` is the parsed config.json; ``arch`` the family we map it onto;
+    ``generation_defaults`` what generation_config.json adds (``generation_config``: ``auto``,
+    ``vllm`` or a folder, as vLLM's ``--generation-config``; generation_config.py).
     """
 
     model: str
@@ -60,11 +68,13 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    generation_config: str = "auto"
     hf_config: dict[str, Any] = field(init=False)
     architecture: str = field(init=False)
     arch: str = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
+    generation_defaults: GenerationDefaults = field(init=False)
 
     def __post_init__(self) -> None:
         path = Path(self.model)
@@ -92,6 +102,10 @@ class ModelConfig:
             self.hf_config.get("torch_dtype") or self.hf_config.get("dtype"),
             self.torch_device,
         )
+        try:
+            self.generation_defaults = load_generation_defaults(path, self.generation_config)
+        except GenerationConfigError as e:
+            raise ModelLoadError(str(e)) from e
         limit = self.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -135,7 +149,8 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """config.json's end ids, then generation_config.json's (its list is the one chat
+        models fill with their end-of-turn ids)."""
         eos = self.hf_config.get("eos_token_id")
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, list) else [int(eos)]
+        ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
+        return ids + [i for i in self.generation_defaults.eos_token_ids if i not in ids]
