@@ -148,6 +148,40 @@ class ModelConfig:
         return int(self.hf_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
 
     @property
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (positions a token sees, its own included), None for
+        a global layer: transformers' ``layer_types`` where the config lists them, else the
+        family's rule (Qwen2/3: ``use_sliding_window`` from ``max_window_layers`` on; Gemma 2:
+        every other layer; Gemma 3: all but every ``sliding_window_pattern``-th; Mistral and
+        Phi-3: every layer). A window that covers ``max_model_len`` is no window."""
+        c, n = self.hf_config, self.num_layers
+        window = c.get("sliding_window")
+        if not window:
+            return [None] * n
+        if c.get("layer_types"):
+            sliding = [t == "sliding_attention" for t in c["layer_types"]]
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            first = int(c.get("max_window_layers") or 0)
+            sliding = [bool(c.get("use_sliding_window")) and i >= first for i in range(n)]
+        elif self.architecture == "Gemma2ForCausalLM":
+            sliding = [i % 2 == 0 for i in range(n)]
+        elif self.architecture == "Gemma3ForCausalLM":
+            pattern = int(c.get("sliding_window_pattern") or 6)
+            sliding = [(i + 1) % pattern != 0 for i in range(n)]
+        else:
+            sliding = [True] * n
+        if window >= (self.max_model_len or self.max_position_embeddings):
+            return [None] * n
+        return [int(window) if s else None for s in sliding]
+
+    @property
+    def kv_cache_window(self) -> int | None:
+        """The window the block manager may free blocks behind: every layer's, when every
+        layer has one (the widest); None when any layer is global (its cache keeps all)."""
+        windows = self.sliding_windows
+        return None if None in windows else max(windows)
+
+    @property
     def eos_token_ids(self) -> list[int]:
         """config.json's end ids, then generation_config.json's (its list is the one chat
         models fill with their end-of-turn ids)."""
