@@ -62,3 +62,25 @@ def test_layer_windows_from_each_config_spelling(tiny_checkpoint):
     assert ModelConfig(model=tiny_checkpoint("llama")).sliding_windows == [None, None]
     wide = ModelConfig(model=tiny_checkpoint("mistral", sliding_window=4096))
     assert wide.sliding_windows == [None, None]  # wider than max_model_len: no window
+
+
+def test_prefix_caching_with_released_blocks_matches_transformers(tiny_checkpoint):
+    """The first request releases its prompt's head blocks as it decodes; the second, with the
+    same prompt, hits them in the prefix cache (they keep their hashes) and must continue
+    exactly as transformers does. While decoding, a request holds about a window of blocks."""
+    path = tiny_checkpoint("mistral", sliding_window=WINDOW)
+    llm = LLM(model=path, block_size=8, enable_prefix_caching=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = transformers_greedy(_hf(path), PROMPT, 24)
+    for request_id in ("first", "second"):
+        engine.add_request(request_id, PROMPT, params)
+        held, final = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+            table = engine.kv_cache_manager.block_tables.get(request_id, [])
+            held.append(sum(b.ref_count > 0 for b in table))
+        assert final.outputs[0].token_ids == expected, request_id
+        assert max(held[1:]) <= WINDOW // 8 + 2  # not the 10 blocks of 74 tokens
+    assert final.num_cached_tokens == 48  # the second request hit 6 blocks of the prompt

@@ -57,6 +57,7 @@ class LLMEngine:
             self.cache_config.block_size,
             self.cache_config.enable_prefix_caching,
             self.cache_config.watermark,
+            sliding_window=self.model_config.kv_cache_window,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler()
