@@ -72,14 +72,17 @@ def _paged_attention_kernel(
     cache_head_stride, block_table_stride,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
     tile are (token, head-in-group) pairs, so each K/V tile is loaded once per group.
-    ``window`` > 0: each row sees its last ``window`` positions only, and the walk starts at
-    the tile's first row's horizon. ``cap_log2`` > 0: scores soft-capped (``cap_inv`` is
-    scale / cap, ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``."""
+    SLIDING: each row sees its last ``window`` positions only, and the walk starts at the
+    tile's first row's horizon. SOFT_CAP: scores soft-capped (``cap_inv`` is scale / cap,
+    ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. Both are constexpr so that a
+    global, uncapped layer compiles exactly the kernel it did without them (their masks in
+    the loop cost registers: 8-12 bytes of spills on sm80 at head_dim 128 as runtime
+    branches)."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,7 +110,7 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
         kv_start = split * kv_positions_per_split
         kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
-        if window > 0:  # nothing before the first row's horizon is read
+        if SLIDING:  # nothing before the first row's horizon is read
             kv_start = tl.maximum(kv_start, n_cached + q_tile * BLOCK_Q - window + 1)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -131,9 +134,9 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
-            if window > 0:
+            if SLIDING:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            if cap_log2 > 0:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
+            if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
                 s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * cap_inv) + 1.0))
             else:
                 s = s * scale_log2
@@ -210,8 +213,8 @@ def paged_attention_triton(
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
     flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
-    window: splits cut absolute positions). Window and cap are runtime scalars: a windowed
-    or capped layer compiles no variant of its own."""
+    window: splits cut absolute positions). A windowed or capped layer is a variant of its
+    own (constexpr flags); the window's width is a runtime scalar."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
@@ -246,7 +249,8 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
-        DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, num_warps=num_warps,
+        DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _merge_kv_splits(partial, lse, out)

@@ -14,6 +14,7 @@ from pagedserve.models.generation_config import (
     GenerationDefaults,
     load_generation_defaults,
 )
+from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
 
 _DTYPES = {
     "float32": torch.float32,
@@ -26,17 +27,32 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "GPT2LMHeadModel": "gpt2",
-}
-
 
 class ModelLoadError(ValueError):
     """The model folder is missing, malformed, or holds an architecture we do not support."""
+
+
+MODEL_FOLDER_LAYOUT = (
+    "config.json; model.safetensors (or model-0000k-of-0000n.safetensors shards with "
+    "model.safetensors.index.json, or pytorch_model.bin); tokenizer.json and "
+    "tokenizer_config.json; optionally generation_config.json"
+)
+
+
+def _not_a_model_folder(model: str) -> str:
+    """What to tell a user whose ``model`` is not a folder we can read: for something shaped
+    like a hub id (``org/name``, no such folder here), how to get the folder, since pagedserve
+    never downloads."""
+    parts = model.split("/")
+    looks_like_hub_id = len(parts) == 2 and all(parts) and not Path(model).exists()
+    if looks_like_hub_id and not model.startswith((".", "~")):
+        return (
+            f"{model!r} looks like a Hugging Face hub id, and pagedserve does not download "
+            "models: download it first (e.g. `huggingface-cli download "
+            f"{model} --local-dir ./{parts[1]}`) and pass the folder. It must hold: "
+            f"{MODEL_FOLDER_LAYOUT}"
+        )
+    return f"{model!r} is not a model folder: no config.json in it (a folder holds: {MODEL_FOLDER_LAYOUT})"
 
 
 def resolve_dtype(
@@ -80,7 +96,7 @@ class ModelConfig:
         path = Path(self.model)
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise ModelLoadError(f"{self.model!r} is not a model folder: no config.json in it")
+            raise ModelLoadError(_not_a_model_folder(self.model))
         try:
             self.hf_config = json.loads(config_file.read_text())
         except json.JSONDecodeError as e:
@@ -173,6 +189,12 @@ class ModelConfig:
         if window >= (self.max_model_len or self.max_position_embeddings):
             return [None] * n
         return [int(window) if s else None for s in sliding]
+
+    @property
+    def attention_logits_soft_cap(self) -> float | None:
+        """Gemma 2's cap on attention scores (``attn_logit_softcapping``), None elsewhere."""
+        cap = self.hf_config.get("attn_logit_softcapping")
+        return float(cap) if cap else None
 
     @property
     def kv_cache_window(self) -> int | None:
