@@ -30,6 +30,8 @@ class ModelShape:
     intermediate: int
     vocab: int
     gpt2: bool = False  # layer_norm + gelu_tanh, no rotary; else rms_norm + rotary + silu
+    sliding_window: int | None = None  # every attention step also launched with this window
+    logits_soft_cap: float | None = None  # ... and with scores soft-capped (Gemma 2)
 
     @property
     def group(self) -> int:
@@ -41,6 +43,8 @@ MODELS = [
     ModelShape("llama3-8b", 32, 8, 128, 4096, 14336, 128256),
     ModelShape("qwen3-0.6b", 16, 8, 128, 1024, 3072, 151936),
     ModelShape("gpt2", 12, 12, 64, 768, 3072, 50257, gpt2=True),
+    # Mistral 7B v0.1: llama3-8b's heads, every layer windowed (its own attention variants)
+    ModelShape("mistral-7b", 32, 8, 128, 4096, 14336, 32000, sliding_window=4096),
 ]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BLOCK_SIZES = [16, 32]
@@ -75,6 +79,10 @@ def attention_launches(
         batch = make_paged_batch(seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype)
         mods["paged_attention"].paged_attention_triton(*batch.args())
         record(f"{label} {step}")
+        if m.sliding_window is not None:  # windowed (and capped) layers: variants of their own
+            window = dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap)
+            mods["paged_attention"].paged_attention_triton(*batch.args(), **window)
+            record(f"{label} {step} window")
     store_launches(m, dtype, block_size, n_tokens=3)
     record(f"{label} store")
 

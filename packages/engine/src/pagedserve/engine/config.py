@@ -64,6 +64,11 @@ class EngineArgs:
     max_num_waiting_tokens: int = option(
         0, "most tokens waiting in the queue (0: no cap, else >= max_model_len); beyond it, 503"
     )
+    generation_config: str = option(
+        "auto",
+        "auto (the model's generation_config.json sets eos ids and sampling defaults), vllm "
+        "(its eos ids only) or a folder holding a generation_config.json",
+    )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
 
@@ -82,6 +87,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             quantization=self.quantization,
+            generation_config=self.generation_config,
         )
         max_len = model_config.max_model_len
         budget = self.max_num_batched_tokens or (

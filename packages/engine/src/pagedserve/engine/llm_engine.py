@@ -13,6 +13,7 @@ its live beams as sequences that fork and drop each step (beam_search.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 
@@ -35,6 +36,8 @@ from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
+logger = logging.getLogger("pagedserve.engine")
+
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
@@ -54,10 +57,16 @@ class LLMEngine:
             self.cache_config.block_size,
             self.cache_config.enable_prefix_caching,
             self.cache_config.watermark,
+            sliding_window=self.model_config.kv_cache_window,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
+        logger.info(
+            "stop ids %s; %s",
+            sorted(self.eos_token_ids),
+            self.model_config.generation_defaults.describe(),
+        )
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -66,6 +75,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (vLLM's
+        ``get_default_sampling_params``): what a request that sets nothing gets."""
+        return SamplingParams(**self.model_config.generation_defaults.sampling)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

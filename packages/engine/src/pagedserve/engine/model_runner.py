@@ -91,6 +91,8 @@ class ModelRunner:
                 cache_config.block_size,
                 mc.max_model_len,
                 self.device,
+                layer_windows=mc.sliding_windows,
+                logits_soft_cap=mc.attention_logits_soft_cap,
             )
         self.decode_buffers: DecodeInputBuffers | None = None
         self.cuda_graphs: DecodeCUDAGraphs | None = None

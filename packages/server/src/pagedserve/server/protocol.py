@@ -239,6 +239,8 @@ class ModelCard(OpenAIBaseModel):
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
+    # the model's generation_config sampling defaults a request inherits (vLLM's names)
+    default_sampling_params: dict[str, Any] = {}
 
 
 class ModelList(OpenAIBaseModel):

@@ -68,31 +68,35 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     aliases: dict[str, str],
+    defaults: dict | None = None,
 ) -> SamplingParams:
     """The SamplingParams of each prompt's engine request (with the request's ``n``).
 
-    ``max_tokens=None`` asks for as many tokens as ``max_model_len`` leaves after the prompt.
+    A field the request leaves out takes ``defaults`` (the model's generation_config, as the
+    engine's ``model_config.generation_defaults.sampling``), else SamplingParams' default.
+    ``max_tokens=None`` with no default asks for as many tokens as ``max_model_len`` leaves.
     """
+    defaults = defaults or {}
 
-    def given(value, default):
-        return default if value is None else value
+    def given(value, default, name=None):
+        return defaults.get(name, default) if value is None else value
 
     try:
         return SamplingParams(
             n=body.n,
-            temperature=given(body.temperature, 1.0),
-            top_p=given(body.top_p, 1.0),
-            top_k=given(body.top_k, 0),
-            min_p=given(body.min_p, 0.0),
+            temperature=given(body.temperature, 1.0, "temperature"),
+            top_p=given(body.top_p, 1.0, "top_p"),
+            top_k=given(body.top_k, 0, "top_k"),
+            min_p=given(body.min_p, 0.0, "min_p"),
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
-            repetition_penalty=given(body.repetition_penalty, 1.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0, "repetition_penalty"),
             seed=body.seed,
             stop=body.stop,
             stop_token_ids=body.stop_token_ids,
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=given(max_tokens, None, "max_tokens"),
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             logit_bias=parse_logit_bias(body.logit_bias),

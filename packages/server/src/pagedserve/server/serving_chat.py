@@ -87,7 +87,13 @@ def plan_prompt(
     max_tokens, param = max_tokens_of(body)
     aliases = {**CHAT_ALIASES, "max_tokens": param}
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, aliases=aliases)
+    params = build_sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        aliases=aliases,
+        defaults=state.engine.model_config.generation_defaults.sampling,
+    )
     return PromptRequest(0, prompt_ids, params), aliases
 
 

@@ -65,7 +65,11 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
         )
     prompts = prompts_of(state, body)
     params = build_sampling_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, aliases={}
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        aliases={},
+        defaults=state.engine.model_config.generation_defaults.sampling,
     )
     return [PromptRequest(p, ids, params, text) for p, (text, ids) in enumerate(prompts)]
 
