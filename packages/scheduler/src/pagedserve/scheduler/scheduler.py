@@ -28,8 +28,8 @@ import itertools
 from collections.abc import Iterable
 
 from pagedserve.blockmgr import KVCacheManager
+from pagedserve.scheduler.admission import check_fits, check_not_overloaded
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
 from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import Request, RequestStatus
@@ -64,61 +64,13 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self._check_fits(request)
-        self._check_not_overloaded(request)
+        check_fits(request, self.config, self.kv)
+        check_not_overloaded(request, self.config, self.waiting)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.add(request)
-
-    def _check_fits(self, request: Request) -> None:
-        num_prompt = request.num_prompt_tokens
-        max_len = self.config.max_model_len
-        if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty: give at least one token", "prompt")
-        if num_prompt >= max_len:
-            raise RequestRejectedError(
-                f"the prompt has {num_prompt} tokens; max_model_len is {max_len}, which leaves "
-                "no room for a new token: shorten the prompt",
-                "prompt",
-            )
-        if request.max_tokens < 1:
-            raise RequestRejectedError(
-                f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens"
-            )
-        if num_prompt + request.max_tokens > max_len:
-            raise RequestRejectedError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens",
-                "max_tokens",
-            )
-        # The last sampled token is never fed back, so it needs no slot. The watermark is kept
-        # free on admission, so one request may hold at most num_blocks - watermark blocks (a
-        # request that needed more could wait at the head of the queue forever).
-        max_kv_tokens = num_prompt + request.max_tokens - 1
-        blocks_needed = -(-max_kv_tokens // self.kv.block_size)
-        blocks_usable = self.kv.num_blocks - self.kv.watermark_blocks
-        if blocks_needed > blocks_usable:
-            raise RequestRejectedError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) needs "
-                f"{blocks_needed} KV blocks of {self.kv.block_size} tokens, but the KV cache can "
-                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache",
-                "max_tokens",
-            )
-
-    def _check_not_overloaded(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_num_waiting:
-            raise SchedulerOverloadedError(
-                f"the waiting queue is full ({len(self.waiting)} requests, max_num_waiting = "
-                f"{self.config.max_num_waiting}): retry later"
-            )
-        cap = self.config.max_num_waiting_tokens
-        if cap and self.waiting.num_tokens + request.num_tokens > cap:
-            raise SchedulerOverloadedError(
-                f"the waiting queue is full ({self.waiting.num_tokens} tokens waiting, "
-                f"max_num_waiting_tokens = {cap}): retry later"
-            )
 
     def add_forked_request(self, parent_request_id: str, child: Request) -> None:
         """Run ``child`` beside a running parent whose tokens it extends (n > 1, beam search).
