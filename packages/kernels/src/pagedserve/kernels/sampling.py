@@ -237,3 +237,28 @@ def sample_tokens(
     if use_triton(logits):
         return sample_tokens_triton(*args)
     return sample_tokens_ref(*args)
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, V]`` fp32: the distribution ``sample_tokens`` draws each row from, written out.
+
+    ``softmax(logits / temperature)`` renormalised over the kept set (the same top-k, top-p
+    and min-p sets as the reference's); a greedy row is one-hot at its argmax. Speculative
+    decoding's rejection sampler compares proposals with it.
+    """
+    noise = torch.ones_like(logits)
+    _check(logits, temperature, top_k, top_p, min_p, noise)
+    greedy, scaled, _, log_min_p = _prepare(logits, temperature, min_p, noise)
+    x_max = scaled.max(dim=-1, keepdim=True).values
+    k_floor = _top_k_floor(scaled, top_k)
+    floor = torch.maximum(k_floor, _top_p_floor(scaled, x_max, k_floor, top_p))
+    kept = (scaled >= floor) & (scaled - x_max >= log_min_p[:, None])
+    probs = torch.softmax(torch.where(kept, scaled, float("-inf")), dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(probs.dtype)
+    return torch.where(greedy[:, None], one_hot, probs)

@@ -204,19 +204,25 @@ class Scheduler:
         self._total_scheduled_tokens += num_tokens
         return output
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, and finish requests that stop.
 
         ``sampled`` maps request id -> next token for the requests whose chunk reached their
-        last known token (``needs_sample``). A request finished between ``schedule`` and here
-        (an abort, a stop string) is skipped. Returns the requests that got a new token,
-        finished ones included; finished requests have already freed their blocks.
+        last known token (``needs_sample``); for a speculative decode, the list of its accepted
+        proposals and then the target's own token (``_update_verified``). A request finished
+        between ``schedule`` and here (an abort, a stop string) is skipped. Returns the requests
+        that got new tokens, finished ones included; finished requests have already freed their
+        blocks.
         """
         updated = []
         stopped = False
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
+                continue
+            if item.spec_token_ids:
+                stopped |= self._update_verified(item, sampled[request.request_id])
+                updated.append(request)
                 continue
             request.num_computed_tokens += item.num_new_tokens
             if request.num_computed_tokens < request.num_tokens:
@@ -233,6 +239,28 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
+
+    def _update_verified(self, item: ScheduledRequest, tokens: list[int]) -> bool:
+        """A speculative decode's outcome: ``tokens`` are the accepted proposals, then one token
+        of the target's own (the first rejection's resample, or the bonus token).
+
+        They are appended in order and each meets the stop rules (EOS, stop ids, max_tokens):
+        a stop inside the run ends the output there. Otherwise the request is rewound past the
+        rejected proposals (their keys and values are garbage) and the blocks that only they
+        used go back to the pool. True when the request finished.
+        """
+        request = item.request
+        request.num_computed_tokens += item.num_new_tokens
+        for token in tokens:
+            request.append_output_token(token)
+            stop = request.check_stop()
+            if stop is not None:
+                self._finish(request, stop)
+                return True
+        num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
+        self.rewind(request.request_id, num_rejected)
+        self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
+        return False
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -257,15 +285,19 @@ class Scheduler:
         while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
             request = running[index]
             num_computed = request.num_computed_tokens
+            spec: list[int] = []
             if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
                 num_new = 1  # what _num_new_tokens gives a decode under any budget left (> 0)
+                if request.spec_token_ids:  # verify the proposals too, as far as the budget goes
+                    spec, request.spec_token_ids = request.spec_token_ids[: budget - 1], []
+                    num_new += len(spec)
             else:
                 num_new = self._num_new_tokens(request, num_computed, budget)
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request was the last one running, and preempted itself
             request_id = request.request_id
             scheduled.append(
-                ScheduledRequest(request, num_computed, num_new, kv.block_ids(request_id))
+                ScheduledRequest(request, num_computed, num_new, kv.block_ids(request_id), spec)
             )
             budget -= num_new
             index += 1
@@ -335,6 +367,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and send it back to wait, ahead of later arrivals."""
         self.kv.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
