@@ -42,6 +42,12 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        spec_config = args.create_speculative_config()  # checked before the model is loaded
+        self.speculator = (
+            Speculator(spec_config, self.model_config, self.tokenizer)
+            if spec_config is not None
+            else None
+        )
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(
                 self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
@@ -63,8 +69,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = StatsCollector()
-        spec_config = args.create_speculative_config()
-        self.speculator = Speculator(spec_config) if spec_config is not None else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -146,6 +146,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)"
     )
+    stats = llm.engine.get_stats()
+    if stats.spec_decode_num_drafts:
+        print(
+            f"speculative decoding: {stats.spec_decode_num_accepted_tokens} of "
+            f"{stats.spec_decode_num_draft_tokens} proposed tokens accepted "
+            f"({stats.spec_decode_acceptance_rate:.1%}), "
+            f"{stats.spec_decode_mean_acceptance_length:.2f} tokens per verify step"
+        )
     return 0
 
 

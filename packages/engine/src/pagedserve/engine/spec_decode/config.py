@@ -79,13 +79,13 @@ class SpeculativeConfig:
     def _resolve_lookup(self) -> None:
         """vLLM's defaults: one bound given sets the other; neither gives 5 and 5."""
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise SpeculativeConfigError(name, f"must be an int >= 1, got {n!r}")
         if low is None and high is None:
             low = high = 5
         low = high if low is None else low
         high = low if high is None else high
-        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise SpeculativeConfigError(name, f"must be an int >= 1, got {n!r}")
         if low > high:
             raise SpeculativeConfigError(
                 "prompt_lookup_min", f"must be <= prompt_lookup_max ({low} > {high})"

@@ -20,16 +20,43 @@ import torch
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from pagedserve.engine.spec_decode.ngram import NgramProposer
 from pagedserve.engine.spec_decode.verify import VerificationBatch, VerifyCounts
+from pagedserve.models import ModelConfig, load_tokenizer
+from pagedserve.models.config import ModelLoadError
 from pagedserve.scheduler import Request, SchedulerOutput
+
+
+def check_draft_model(path: str, target: ModelConfig, target_tokenizer) -> None:
+    """A draft proposes token ids the target scores: both must share one vocabulary and one
+    tokenizer. Refused at start-up, naming ``speculative_config.model``."""
+    try:
+        draft = ModelConfig(model=path, dtype=target.dtype, device=target.device)
+        draft_tokenizer = load_tokenizer(path)
+    except ModelLoadError as e:
+        raise SpeculativeConfigError("model", f"cannot load the draft model: {e}") from e
+    if draft.vocab_size != target.vocab_size:
+        raise SpeculativeConfigError(
+            "model",
+            f"the draft's vocabulary has {draft.vocab_size} tokens, the target's "
+            f"{target.vocab_size}: a draft must share the target's tokenizer",
+        )
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise SpeculativeConfigError(
+            "model", "the draft's tokenizer maps tokens to other ids than the target's"
+        )
 
 
 class Speculator:
     """The proposer, and the bridge from a step's rows to the verification batch."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
+    def __init__(
+        self, config: SpeculativeConfig, model_config: ModelConfig, tokenizer: object
+    ) -> None:
+        if config.method == "draft_model":
+            check_draft_model(config.model, model_config, tokenizer)
             raise SpeculativeConfigError(
-                "method", f"{config.method!r} is not available in this build; use 'ngram'"
+                "method",
+                "the draft_model proposer is not available in this build (the draft checks "
+                "out against the target); use 'ngram'",
             )
         self.config = config
         self.proposer = NgramProposer(
@@ -65,4 +92,4 @@ class Speculator:
         return VerificationBatch(logits), proposals
 
 
-__all__ = ["Speculator", "VerificationBatch", "VerifyCounts"]
+__all__ = ["Speculator", "VerificationBatch", "VerifyCounts", "check_draft_model"]
