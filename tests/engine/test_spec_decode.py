@@ -215,3 +215,44 @@ def test_beam_search_with_speculation_is_refused_at_request_time(tiny_checkpoint
         engine.add_request("0", [5, 6, 7], params)
     assert info.value.param == "use_beam_search"
     assert not engine.has_unfinished_requests()
+
+
+def test_streaming_and_abort_with_speculation(tiny_checkpoint):
+    """AsyncLLM streams cumulative outputs that may grow by several tokens a step; a stream
+    aborted mid-way frees every block at once."""
+    import asyncio
+
+    from pagedserve.engine import AsyncLLM
+
+    path = tiny_checkpoint("llama")
+    prompts = repetitive_prompts(2, seed=5)
+    base, _, _ = run(path, prompts[:1], GREEDY, speculative=False)
+
+    async def main():
+        args = EngineArgs(
+            model=path, block_size=BLOCK_SIZE, num_gpu_blocks_override=64, speculative_config=NGRAM
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        try:
+            streamed = [o async for o in llm.generate(prompts[0], GREEDY, "a")]
+            aborted = []
+            async for out in llm.generate(prompts[1], GREEDY, "b"):
+                aborted.append(out)
+                if len(out.outputs[0].token_ids) >= 3:
+                    await llm.abort("b")
+                    break
+            for _ in range(50):
+                if not llm.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            return llm, streamed, aborted
+        finally:
+            await llm.shutdown()
+
+    llm, streamed, aborted = asyncio.run(main())
+    assert streamed[-1].finished
+    assert streamed[-1].outputs[0].token_ids == base["0"].outputs[0].token_ids
+    lengths = [len(o.outputs[0].token_ids) for o in streamed]
+    assert lengths == sorted(lengths) and len(lengths) < lengths[-1]  # several tokens a step
+    kv = llm.engine.kv_cache_manager
+    assert not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
