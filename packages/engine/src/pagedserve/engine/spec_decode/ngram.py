@@ -61,10 +61,10 @@ class NgramProposer:
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """At most ``min(k, max_tokens)`` tokens to follow ``token_ids`` (prompt + output)."""
+    def propose(self, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
+        """At most ``min(k, max_tokens)`` tokens to follow ``prompt + output``."""
         num = min(self.k, max_tokens)
         if num < 1:
             return []
-        array = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        array = np.concatenate((np.asarray(prompt, dtype=np.int64), np.asarray(output, np.int64)))
         return propose_ngram(array, num, self.lookup_min, self.lookup_max).tolist()

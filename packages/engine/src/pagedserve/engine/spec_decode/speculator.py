@@ -72,7 +72,9 @@ class Speculator:
                 continue
             room = request.max_tokens - request.num_output_tokens - 1
             if room > 0:
-                request.spec_token_ids = propose(request.all_token_ids, room)
+                request.spec_token_ids = propose(
+                    request.prompt_token_ids, request.output_token_ids, room
+                )
 
     def verification_batch(
         self, scheduled: SchedulerOutput, logits: torch.Tensor, num_spec_rows: int
