@@ -81,10 +81,22 @@ def test_a_preempted_request_drops_its_proposals():
     request = decoding(s, [1, 2, 3, 4, 5, 6, 7], max_tokens=5)  # 8 known: 2 blocks held
     other = Request("o", [9, 9, 9], max_tokens=4)
     s.add_request(other)
-    s.update(s.schedule(), {"r": 101, "o": 50})  # "o" holds the third block
+    s.update(s.schedule(), {"r": 101, "o": 50})  # "o" takes the third block
     other.spec_token_ids = [51]
-    request.spec_token_ids = [8, 8, 8]  # positions 8..11: "r" needs the third block
-    out = s.schedule()
+    out = s.schedule()  # position 8 of "r" needs a block: "o", the newest, is preempted
     assert out.preempted == [other] and other.status is RequestStatus.PREEMPTED
     assert other.spec_token_ids == []  # recomputed later from its prompt: proposals anew
-    assert list(out.scheduled[0].spec_token_ids) == [8, 8, 8]
+    assert request.status is RequestStatus.RUNNING
+
+
+def test_proposals_that_do_not_fit_fall_back_to_a_plain_decode():
+    s = make_scheduler(num_blocks=3, prefix_caching=False)
+    request = decoding(s, [1, 2, 3, 4, 5, 6], max_tokens=6)  # 7 known, 6 computed: 2 blocks
+    other = Request("o", [9, 9, 9], max_tokens=4)
+    s.add_request(other)
+    s.update(s.schedule(), {"r": 101, "o": 50})  # "o" takes the third block
+    request.spec_token_ids = [8, 8, 8]  # positions 7..10 would need the block "o" holds
+    out = s.schedule()
+    assert not out.preempted
+    plan = [(x.request.request_id, x.num_new_tokens, list(x.spec_token_ids)) for x in out.scheduled]
+    assert plan == [("r", 1, []), ("o", 1, [])]  # position 7 fits in the block "r" holds

@@ -293,7 +293,15 @@ class Scheduler:
                     num_new += len(spec)
             else:
                 num_new = self._num_new_tokens(request, num_computed, budget)
-            if not self._allocate_or_preempt(request, num_new, output):
+            if spec and not kv.allocate_slots(
+                request.request_id,
+                request.all_token_ids,
+                num_computed,
+                num_new,
+                cache_salt=request.cache_salt,
+            ):
+                spec, num_new = [], 1  # proposals never cost another request its place
+            if not spec and not self._allocate_or_preempt(request, num_new, output):
                 break  # the request was the last one running, and preempted itself
             request_id = request.request_id
             scheduled.append(
