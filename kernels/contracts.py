@@ -28,6 +28,7 @@ DEFAULTS = {
     "sample_tokens": "pagedserve.kernels.sampling:sample_tokens_triton",
     "apply_penalties": "pagedserve.kernels.penalties:apply_penalties_triton",
     "weight_only_linear": "pagedserve.kernels.weight_only_linear:weight_only_linear_triton",
+    "rejection_sample": "pagedserve.kernels.rejection_sample:rejection_sample_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

@@ -52,6 +52,7 @@ BLOCK_SIZES = [16, 32]
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
+    "rejection_sample",
 )  # fmt: skip
 
 
@@ -153,7 +154,8 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
 
 
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
-    """Penalties and token sampling over fp32 logits of the model's vocabulary."""
+    """Penalties, token sampling and speculative decoding's rejection sampling over fp32
+    logits of the model's vocabulary."""
     mods = _wrappers()
     logits = torch.randn(rows, m.vocab)
     counts = torch.zeros(rows, m.vocab, dtype=torch.int32)
@@ -164,6 +166,22 @@ def sampler_launches(m: ModelShape, rows: int = 2) -> None:
     top_k = torch.tensor([0, 20], dtype=torch.int32).repeat(rows)[:rows]
     top_p, min_p = torch.full((rows,), 0.9), torch.full((rows,), 0.05)
     mods["sampling"].sample_tokens_triton(logits, temperature, top_k, top_p, min_p, noise)
+    spec_decode_launches(m, rows)
+
+
+def spec_decode_launches(m: ModelShape, rows: int, k: int = 3) -> None:
+    """The verify step's rejection sampling, with (draft model) and without (n-gram) draft
+    probabilities, as the engine calls it over the model's vocabulary."""
+    mods = _wrappers()
+    probs = torch.softmax(torch.randn(rows, k, m.vocab), dim=-1)
+    draft = torch.randint(m.vocab, (rows, k))
+    num_draft = torch.full((rows,), k, dtype=torch.int32)
+    bonus = torch.randint(m.vocab, (rows,))
+    uniform, noise = torch.rand(rows, k), torch.ones(rows, k, m.vocab)
+    for draft_probs in (None, probs.clone()):
+        mods["rejection_sample"].rejection_sample_triton(
+            draft, num_draft, draft_probs, probs, bonus, uniform, noise
+        )
 
 
 def engine_launches(

@@ -6,17 +6,21 @@ fields' type hints, defaults and help, so a new knob needs no CLI code.
 ``EngineArgs(...).create_configs()`` splits them into one dataclass per concern: the model
 (pagedserve.models.ModelConfig), the KV cache (pagedserve.blockmgr.CacheConfig) and the scheduler
 (pagedserve.scheduler.SchedulerConfig); ``cuda_graph_config()`` gives the model runner's
-decode-graph settings.
+decode-graph settings; ``create_speculative_config()`` the proposer's (spec_decode/config.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.engine.cuda_graph import CUDAGraphConfig
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from pagedserve.engine.spec_decode.config import SpeculativeConfig
 
 
 def option(default, help: str, **metadata):
@@ -71,10 +75,27 @@ class EngineArgs:
     )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
+    speculative_config: dict | None = option(
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        unit="json",
+    )
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # a bad config fails here, before any loading
+            self.create_speculative_config()
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        from pagedserve.engine.spec_decode.config import SpeculativeConfig
+
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def cuda_graph_config(self) -> CUDAGraphConfig:
         return CUDAGraphConfig(max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager)

@@ -32,6 +32,7 @@ from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
+from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
@@ -44,6 +45,12 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        spec_config = args.create_speculative_config()  # checked before the model is loaded
+        self.speculator = (
+            Speculator(spec_config, self.model_config, self.tokenizer)
+            if spec_config is not None
+            else None
+        )
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(
                 self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
@@ -107,6 +114,12 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        if params.use_beam_search and self.speculator is not None:
+            raise InvalidRequestError(
+                "beam search cannot run with speculative decoding (its beams fork and drop "
+                "every step); start an engine without speculative_config for it",
+                "use_beam_search",
+            )
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
@@ -206,7 +219,10 @@ class LLMEngine:
         logits, seq_ids = self._execute(scheduled)
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
-        return self._apply(decisions, updated)
+        outputs = self._apply(decisions, updated)
+        if self.speculator is not None:  # proposals for the next step's decodes
+            self.speculator.propose(self.scheduler.running)
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         now = time.monotonic()
@@ -219,13 +235,23 @@ class LLMEngine:
     def _decide(
         self, scheduled: SchedulerOutput, logits: torch.Tensor, seq_ids: list[str]
     ) -> list[StepDecision]:
-        """Each group decides from its rows; every sampling row is drawn in one sampler call."""
+        """Each group decides from its rows; every sampling row is drawn in one sampler call,
+        every speculative decode's rows are verified in one pass (spec_decode/verify.py)."""
+        verify, proposals, spec_decisions = None, {}, []
+        num_spec = scheduled.num_spec_tokens if self.speculator is not None else 0
+        if num_spec:
+            verify, proposals = self.speculator.verification_batch(scheduled, logits, num_spec)
+            logits = logits[: len(logits) - num_spec]
         if len(logits) > len(seq_ids):
             record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
         rows: dict[SequenceGroup, list[tuple[Request, int]]] = {}
         requests = self.scheduler.requests
         for row, seq_id in enumerate(seq_ids):
             request = requests[seq_id]
+            if seq_id in proposals:
+                drafts, draft_rows = proposals[seq_id]
+                spec_decisions.append(verify.add(request, drafts, [*draft_rows, row]))
+                continue
             group = request.payload.group
             if group in rows:
                 rows[group].append((request, row))
@@ -234,7 +260,9 @@ class LLMEngine:
         batch = SamplingBatch(logits)
         decisions = [group.decide(group_rows, batch) for group, group_rows in rows.items()]
         batch.sample(self.sampler)
-        return decisions
+        if verify is not None:
+            self.stats.record_spec_decode(verify.verify())
+        return spec_decisions + decisions
 
     def _apply(self, decisions: list[StepDecision], updated: list[Request]) -> list[RequestOutput]:
         """Apply each decision after the update; one output per group that has news."""
@@ -282,8 +310,8 @@ class LLMEngine:
         )
 
 
-def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int]:
-    sampled: dict[str, int] = {}
+def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int | list[int]]:
+    sampled: dict[str, int | list[int]] = {}
     for decision in decisions:
         sampled.update(decision.sampled_tokens())
     return sampled

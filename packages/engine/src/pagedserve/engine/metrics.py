@@ -43,6 +43,24 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_requests_finished: int = 0
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # speculative decoding (vLLM's names): verify steps' sequences, proposals, accepted ones
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted proposals / proposals verified (0 before any)."""
+        proposed = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / proposed if proposed else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verify step emits per sequence on average: accepted proposals + 1."""
+        drafts = self.spec_decode_num_drafts
+        return self.spec_decode_num_emitted_tokens / drafts if drafts else 0.0
 
 
 def finished_request_stats(
@@ -105,6 +123,20 @@ class StatsCollector:
             s.prompt_tokens_total += new_prompt_tokens
             s.generation_tokens_total += new_generation_tokens
 
+    def record_spec_decode(self, counts) -> None:
+        """One verify step's ``VerifyCounts`` (spec_decode/verify.py) into the totals."""
+        with self._lock:
+            s = self._stats
+            s.spec_decode_num_drafts += counts.num_drafts
+            s.spec_decode_num_draft_tokens += counts.num_draft_tokens
+            s.spec_decode_num_accepted_tokens += counts.num_accepted_tokens
+            s.spec_decode_num_emitted_tokens += counts.num_accepted_tokens + counts.num_drafts
+            per_position = s.spec_decode_accepted_per_position
+            for j, n in enumerate(counts.accepted_per_position):
+                if j == len(per_position):
+                    per_position.append(0)
+                per_position[j] += n
+
     def record_finished(self, finished: FinishedRequestStats) -> None:
         with self._lock:
             self._stats.num_requests_finished += 1
@@ -113,7 +145,13 @@ class StatsCollector:
     def snapshot(self, drain: bool = True) -> EngineStats:
         """A copy of the current stats; with ``drain`` the finished-request list starts over."""
         with self._lock:
-            snap = replace(self._stats, finished_requests=list(self._stats.finished_requests))
+            snap = replace(
+                self._stats,
+                finished_requests=list(self._stats.finished_requests),
+                spec_decode_accepted_per_position=list(
+                    self._stats.spec_decode_accepted_per_position
+                ),
+            )
             if drain:
                 self._stats.finished_requests.clear()
             return snap

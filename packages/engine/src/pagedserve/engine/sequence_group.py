@@ -54,20 +54,31 @@ class SequenceState:
             self.cumulative_logprob += token_logprobs[token]
 
     def process_new_token(
-        self, request: Request, logprobs: dict[int, float] | None, ctx: StepContext
+        self,
+        request: Request,
+        logprobs: dict[int, float] | None,
+        ctx: StepContext,
+        token_index: int = -1,
     ) -> None:
-        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings."""
+        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings.
+
+        ``token_index``: which output token, when a step appended several (speculative
+        decoding's accepted run, processed in order); only the last one can have ended it."""
         ctx.record_token(self.group)
         ctx.num_generation_tokens += 1
-        token = request.output_token_ids[-1]
+        output = request.output_token_ids
+        token = output[token_index]
+        last = token_index == -1 or token_index == len(output) - 1
         if logprobs is not None:
             self.record_logprobs(logprobs, token)
         hidden_stop = (
-            request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
+            last
+            and request.status is RequestStatus.FINISHED_STOPPED
+            and request.stop_reason == token
         )
         if not hidden_stop:
             self.detokenizer.add_token(token)
-        if request.is_finished:
+        if last and request.is_finished:
             self.detokenizer.flush()
         if self.group.params.stop_strings:
             self._check_stop_strings(request, ctx)

@@ -101,6 +101,8 @@ class Request(Generic[PayloadT]):
     whose type is the engine's (``Request[SequenceState]``): the scheduler never reads it.
     ``needs_prompt_logits`` is the engine's word to the model runner: while it is set, the
     runner also computes the logits of the prompt positions it runs (prompt logprobs).
+    ``spec_token_ids`` are the engine's proposals for the tokens after the last one (speculative
+    decoding): the next decode step verifies them with it, and takes them off the request.
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -125,6 +127,7 @@ class Request(Generic[PayloadT]):
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> TokenIds:

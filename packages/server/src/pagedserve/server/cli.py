@@ -11,6 +11,7 @@ options keep vLLM's names (--host, --port, --api-key, --served-model-name, --shu
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -88,6 +89,8 @@ def add_config_args(
 def _flag_type(name: str, hint, metadata) -> type | Callable[[str], int]:
     if metadata.get("unit") == "bytes":
         return parse_size
+    if metadata.get("unit") == "json":  # a config dict given as JSON text (vLLM's spelling)
+        return json.loads
     kind = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None takes an X
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -143,6 +146,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)"
     )
+    stats = llm.engine.get_stats()
+    if stats.spec_decode_num_drafts:
+        print(
+            f"speculative decoding: {stats.spec_decode_num_accepted_tokens} of "
+            f"{stats.spec_decode_num_draft_tokens} proposed tokens accepted "
+            f"({stats.spec_decode_acceptance_rate:.1%}), "
+            f"{stats.spec_decode_mean_acceptance_length:.2f} tokens per verify step"
+        )
     return 0
 
 

@@ -64,6 +64,16 @@ _COUNTERS = {
     "num_preemptions": ("num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
     "prompt_tokens_total": ("prompt_tokens", "Prompt tokens processed."),
     "generation_tokens_total": ("generation_tokens", "Tokens generated."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Sequences verified (speculative)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted.",
+    ),
+    "spec_decode_num_emitted_tokens": (
+        "spec_decode_num_emitted_tokens",
+        "Tokens emitted by verify steps (accepted + one of the target's own per sequence).",
+    ),
 }
 
 
@@ -121,6 +131,16 @@ class EngineMetrics(Collector):
                 "kv_cache_usage_perc",
                 "Fraction of KV blocks in use (1 = full).",
                 stats.kv_cache_usage,
+            ),
+            (
+                "spec_decode_acceptance_rate",
+                "Accepted / proposed tokens since start (speculative decoding).",
+                stats.spec_decode_acceptance_rate,
+            ),
+            (
+                "spec_decode_mean_acceptance_length",
+                "Tokens emitted per verified sequence per step since start (accepted + 1).",
+                stats.spec_decode_mean_acceptance_length,
             ),
             (
                 "num_requests_in_flight",
