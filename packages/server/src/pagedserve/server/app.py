@@ -31,7 +31,7 @@ from pagedserve.server.errors import (
     parse_json_body,
 )
 from pagedserve.server.metrics import EngineMetrics
-from pagedserve.server.middleware import GateMiddleware
+from pagedserve.server.middleware import GateMiddleware, InternalErrorMiddleware
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -217,7 +217,8 @@ def build_app(
                 api_key=config.api_key,
                 max_body_bytes=config.max_body_bytes,
                 max_header_bytes=config.max_header_bytes,
-            )
+            ),
+            Middleware(InternalErrorMiddleware),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,

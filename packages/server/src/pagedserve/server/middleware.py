@@ -18,11 +18,14 @@ known to be allowed:
 from __future__ import annotations
 
 import hmac
+import logging
 from urllib.parse import quote, unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.server.errors import APIError
+from pagedserve.server.errors import APIError, internal_error
+
+logger = logging.getLogger("pagedserve.server")
 
 UNPROTECTED_PATHS = frozenset({"/health"})
 
@@ -125,3 +128,38 @@ class GateMiddleware:
             return message
 
         return counted
+
+
+class InternalErrorMiddleware:
+    """Turns an unexpected exception into the 500 of ``internal_error`` (with
+    ``Connection: close``) and does not re-raise it.
+
+    Starlette's own last-resort handler answers and then re-raises, and uvicorn, seeing the
+    exception after the response started, drops the connection without a word: a client's
+    next pooled request then fails with a reset. Here the server says it closes the connection,
+    and h11 closes it cleanly once the 500 is sent. An exception after the response started
+    (mid-stream) can only end the connection, so it is re-raised for uvicorn to do that.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await internal_error().response()(scope, receive, send)
