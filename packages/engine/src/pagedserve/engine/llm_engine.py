@@ -31,7 +31,7 @@ from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
-from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
+from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -93,6 +93,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)

@@ -31,7 +31,11 @@ from pagedserve.server.errors import (
     parse_json_body,
 )
 from pagedserve.server.metrics import EngineMetrics
-from pagedserve.server.middleware import GateMiddleware, InternalErrorMiddleware
+from pagedserve.server.middleware import (
+    GateMiddleware,
+    InternalErrorMiddleware,
+    RequestIdMiddleware,
+)
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +52,7 @@ from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.state import ServerState, now_s
+from pagedserve.server.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
@@ -120,16 +125,24 @@ async def tokenize(request: Request) -> Response:
     except ValidationError as e:
         raise from_validation_error(e) from e
     check_model(state, body.model)
+    tokenizer = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
         tokens = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     else:
-        tokens = state.engine.tokenizer.encode(
-            body.prompt, add_special_tokens=body.add_special_tokens
-        )
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     max_len = state.engine.scheduler_config.max_model_len
-    return JSONResponse(
-        TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len).model_dump()
-    )
+    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    response = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len)
+    response.token_strs = strs
+    return JSONResponse(response.model_dump())
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's /tokenizer_info (behind --enable-tokenizer-info-endpoint, as there)."""
+    state = state_of(request)
+    if not state.config.enable_tokenizer_info_endpoint:
+        raise APIError("no route GET /tokenizer_info (see --enable-tokenizer-info-endpoint)", 404)
+    return JSONResponse(tokenizer_info_of(state.engine.tokenizer).model_dump())
 
 
 async def detokenize(request: Request) -> Response:
@@ -178,6 +191,7 @@ ROUTES = [
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
@@ -219,6 +233,7 @@ def build_app(
                 max_header_bytes=config.max_header_bytes,
             ),
             Middleware(InternalErrorMiddleware),
+            Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,

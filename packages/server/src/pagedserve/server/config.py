@@ -45,6 +45,12 @@ class ServerConfig:
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
     log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
+    enable_request_id_headers: bool = option(
+        False, "echo the request's X-Request-Id (or a new id) in an X-Request-Id response header"
+    )
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

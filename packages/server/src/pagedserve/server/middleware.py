@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 from urllib.parse import quote, unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -163,3 +164,26 @@ class InternalErrorMiddleware:
             if started:
                 raise
             await internal_error().response()(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """``--enable-request-id-headers``: every response carries ``X-Request-Id``, the one the
+    request sent (so a client or proxy can match logs) or a new one, as vLLM's server does."""
+
+    def __init__(self, app: ASGIApp, enabled: bool) -> None:
+        self.app = app
+        self.enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.enabled:
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
