@@ -193,7 +193,7 @@ class LLMEngine:
         logits, seq_ids = self._execute(scheduled)
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
-        return self._apply(decisions, updated)
+        return self._apply(decisions, updated, scheduled.num_scheduled_tokens)
 
     def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         now = time.monotonic()
@@ -223,7 +223,9 @@ class LLMEngine:
         batch.sample(self.sampler)
         return decisions
 
-    def _apply(self, decisions: list[StepDecision], updated: list[Request]) -> list[RequestOutput]:
+    def _apply(
+        self, decisions: list[StepDecision], updated: list[Request], num_scheduled_tokens: int = 0
+    ) -> list[RequestOutput]:
         """Apply each decision after the update; one output per group that has news."""
         ctx = StepContext(
             self.scheduler, self.tokenizer, self.runner.device, {r.request_id for r in updated}
@@ -234,7 +236,12 @@ class LLMEngine:
                 touched.setdefault(decision.group)
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched]
-        self._record_step(ctx.num_generation_tokens, ctx.num_prompt_tokens)
+        self._record_step(
+            ctx.num_generation_tokens,
+            ctx.num_prompt_tokens,
+            iteration_tokens=num_scheduled_tokens,
+            inter_token_latencies=ctx.inter_token_latencies,
+        )
         return outputs
 
     # ---- outputs and metrics -------------------------------------------------------------
@@ -254,7 +261,9 @@ class LLMEngine:
             )
         return output
 
-    def _record_step(self, num_new_tokens: int, num_new_prompt_tokens: int = 0) -> None:
+    def _record_step(
+        self, num_new_tokens: int, num_new_prompt_tokens: int = 0, **per_step_samples
+    ) -> None:
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
@@ -266,6 +275,7 @@ class LLMEngine:
             num_preemptions=stats.num_preemptions,
             new_prompt_tokens=num_new_prompt_tokens,
             new_generation_tokens=num_new_tokens,
+            **per_step_samples,
         )
 
 

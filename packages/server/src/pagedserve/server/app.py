@@ -231,6 +231,7 @@ def build_app(
                 api_key=config.api_key,
                 max_body_bytes=config.max_body_bytes,
                 max_header_bytes=config.max_header_bytes,
+                open_paths=open_paths(config),
             ),
             Middleware(InternalErrorMiddleware),
             Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
@@ -241,6 +242,14 @@ def build_app(
     app.state.server = state
     app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
     return app
+
+
+def open_paths(config: ServerConfig) -> frozenset[str]:
+    """Routes served without the API key: /health, and /metrics unless configured otherwise."""
+    paths = {"/health"}
+    if not config.metrics_require_api_key:
+        paths.add("/metrics")
+    return frozenset(paths)
 
 
 async def _refresh_metrics(engine_metrics: EngineMetrics) -> None:

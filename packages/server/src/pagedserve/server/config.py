@@ -26,8 +26,11 @@ class ServerConfig:
     port: int = option(8000, "port to listen on")
     api_key: str | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $PAGEDSERVE_API_KEY, else no key)",
+        "require 'Authorization: Bearer KEY' on every route but /health, /metrics and the API's "
+        "docs (default: $PAGEDSERVE_API_KEY, else no key)",
+    )
+    metrics_require_api_key: bool = option(
+        False, "with --api-key, guard /metrics too (vLLM leaves it open to Prometheus)"
     )
     served_model_name: str | None = option(
         None,

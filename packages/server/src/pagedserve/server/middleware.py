@@ -9,7 +9,8 @@ known to be allowed:
    key check therefore see the *same* path: ``//v1/models``, ``/v1/%6Dodels`` or
    ``/health/../v1/models`` cannot reach a protected route unauthenticated, because they are
    either routed as ``/v1/models`` (and checked as such) or not routed at all;
-3. with an API key, every path but ``/health`` needs ``Authorization: Bearer <key>``, compared in
+3. with an API key, every path but the open ones (``/health``, ``/metrics`` unless configured
+   otherwise, the API's schema and docs) needs ``Authorization: Bearer <key>``, compared in
    constant time (``hmac.compare_digest`` on the bytes) -> 401 otherwise;
 4. a declared ``Content-Length`` over ``max_body_bytes`` -> 413 at once; a chunked body is
    counted as it is read and fails with 413 when it passes the cap.
@@ -29,6 +30,7 @@ from pagedserve.server.errors import APIError, internal_error
 logger = logging.getLogger("pagedserve.server")
 
 UNPROTECTED_PATHS = frozenset({"/health"})
+OPEN_PREFIXES = ()  # path prefixes served without the key (static files of open pages)
 
 
 def normalize_path(path: str) -> str:
@@ -67,10 +69,18 @@ def bearer_token(scope: Scope) -> bytes | None:
 
 class GateMiddleware:
     def __init__(
-        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, max_header_bytes: int
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_header_bytes: int,
+        open_paths: frozenset[str] = UNPROTECTED_PATHS,
+        open_prefixes: tuple[str, ...] = OPEN_PREFIXES,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
 
@@ -94,7 +104,7 @@ class GateMiddleware:
             )
         path = normalize_path(scope["path"])
         scope = dict(scope, path=path, raw_path=quote(path).encode())
-        if self.api_key is not None and path not in UNPROTECTED_PATHS:
+        if self.api_key is not None and not self._is_open(path):
             token = bearer_token(scope)
             if token is None or not hmac.compare_digest(token, self.api_key):
                 raise APIError(
@@ -110,6 +120,9 @@ class GateMiddleware:
             if int(length) > self.max_body_bytes:
                 raise self._too_large(int(length))
         return scope
+
+    def _is_open(self, path: str) -> bool:
+        return path in self.open_paths or any(path.startswith(p) for p in self.open_prefixes)
 
     def _too_large(self, size: int) -> APIError:
         return APIError(
