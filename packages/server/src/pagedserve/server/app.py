@@ -5,7 +5,8 @@ ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGI
 Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     GET /v1/models[/{id}]
-    POST /tokenize              POST /detokenize              GET /health  GET /metrics  GET /version
+    POST /tokenize              POST /detokenize              GET /tokenizer_info
+    GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  /static/...
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import asyncio
 import contextlib
 import logging
 from importlib import metadata
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from pagedserve.engine import EngineClient, EngineDeadError
 from pagedserve.server.config import ServerConfig
@@ -36,6 +40,7 @@ from pagedserve.server.middleware import (
     InternalErrorMiddleware,
     RequestIdMiddleware,
 )
+from pagedserve.server.openapi import openapi_document
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -176,12 +181,30 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-async def version(request: Request) -> Response:
+def server_version() -> str:
     try:
-        value = metadata.version("pagedserve")
+        return metadata.version("pagedserve")
     except metadata.PackageNotFoundError:  # pragma: no cover - always installed in the venv
-        value = "unknown"
-    return JSONResponse(VersionResponse(version=value).model_dump())
+        return "unknown"
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse(VersionResponse(version=server_version()).model_dump())
+
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+async def openapi_json(request: Request) -> Response:
+    app_state = request.app.state
+    if not hasattr(app_state, "openapi"):  # built once, on first use
+        app_state.openapi = openapi_document(server_version())
+    return JSONResponse(app_state.openapi)
+
+
+async def docs(request: Request) -> Response:
+    """The API's documentation page; its script renders /openapi.json (no CDN: static files)."""
+    return FileResponse(STATIC_DIR / "docs.html", media_type="text/html")
 
 
 ROUTES = [
@@ -195,6 +218,9 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
+    Route("/docs", docs, methods=["GET"]),
+    Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
 ]
 
 
@@ -226,12 +252,21 @@ def build_app(
     app = Starlette(
         routes=ROUTES,
         middleware=[
+            # outermost: a browser's preflight (OPTIONS, no key) is answered before the gate
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.allowed_origins),
+                allow_methods=list(config.allowed_methods),
+                allow_headers=list(config.allowed_headers),
+                allow_credentials=config.allow_credentials,
+            ),
             Middleware(
                 GateMiddleware,
                 api_key=config.api_key,
                 max_body_bytes=config.max_body_bytes,
                 max_header_bytes=config.max_header_bytes,
                 open_paths=open_paths(config),
+                open_prefixes=("/static/",),
             ),
             Middleware(InternalErrorMiddleware),
             Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
@@ -245,8 +280,9 @@ def build_app(
 
 
 def open_paths(config: ServerConfig) -> frozenset[str]:
-    """Routes served without the API key: /health, and /metrics unless configured otherwise."""
-    paths = {"/health"}
+    """Routes served without the API key: /health, the API's schema and docs (their static
+    files too), and /metrics unless configured otherwise."""
+    paths = {"/health", "/openapi.json", "/docs"}
     if not config.metrics_require_api_key:
         paths.add("/metrics")
     return frozenset(paths)

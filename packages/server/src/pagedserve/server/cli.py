@@ -11,6 +11,7 @@ options keep vLLM's names (--host, --port, --api-key, --served-model-name, --shu
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -86,9 +87,25 @@ def add_config_args(
             group.add_argument(flag, type=kind, default=default, help=help_)
 
 
-def _flag_type(name: str, hint, metadata) -> type | Callable[[str], int]:
+def parse_list(text: str) -> tuple[str, ...]:
+    """A list of strings, as vLLM takes it (a JSON list: '["a", "b"]') or comma-separated."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({e})") from e
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"not a list of strings: {text!r}")
+        return tuple(value)
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _flag_type(name: str, hint, metadata) -> type | Callable[[str], object]:
     if metadata.get("unit") == "bytes":
         return parse_size
+    if metadata.get("unit") == "list":
+        return parse_list
     kind = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None takes an X
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]

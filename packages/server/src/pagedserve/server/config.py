@@ -51,6 +51,12 @@ class ServerConfig:
     enable_request_id_headers: bool = option(
         False, "echo the request's X-Request-Id (or a new id) in an X-Request-Id response header"
     )
+    allowed_origins: tuple[str, ...] = option(
+        ("*",), "CORS: origins allowed to call from a browser (JSON list or a,b)", unit="list"
+    )
+    allowed_methods: tuple[str, ...] = option(("*",), "CORS: allowed methods", unit="list")
+    allowed_headers: tuple[str, ...] = option(("*",), "CORS: allowed request headers", unit="list")
+    allow_credentials: bool = option(False, "CORS: allow credentials (cookies, HTTP auth)")
     enable_tokenizer_info_endpoint: bool = option(
         False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)"
     )

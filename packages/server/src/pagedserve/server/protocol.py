@@ -309,3 +309,8 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class VersionResponse(OpenAIBaseModel):
     version: str
+
+
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok", "draining", "dead"]
+    error: str | None = None
