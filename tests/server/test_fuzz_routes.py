@@ -28,6 +28,7 @@ SEEDS = {  # one valid body per POST route, cheap to answer
     "/v1/chat/completions": {"messages": USER, "max_tokens": 2, "logprobs": True},
     "/tokenize": {"prompt": "Hello", "return_token_strs": True},
     "/detokenize": {"tokens": [5, 6, 7]},
+    "/v1/responses": {"input": USER, "instructions": "Be brief.", "max_output_tokens": 2},
 }
 GET_ROUTES = [
     "/v1/models",
@@ -76,7 +77,8 @@ FIELDS = [  # request fields a mutation sets, vLLM's and OpenAI's
     "prompt_logprobs", "echo", "stream", "stream_options", "logit_bias", "min_tokens",
     "use_beam_search", "length_penalty", "early_stopping", "return_token_ids", "tokens",
     "return_tokens_as_token_ids", "ignore_eos", "model", "priority", "add_generation_prompt",
-    "response_format", "tools", "suffix", "user",
+    "response_format", "tools", "suffix", "user", "input", "instructions", "max_output_tokens",
+    "store", "previous_response_id", "text", "metadata",
 ]  # fmt: skip
 
 
@@ -94,7 +96,8 @@ def mutate(rng: random.Random, body: dict) -> dict:
             body["messages"] = [*body["messages"], message]
         else:
             body[rng.choice(["stream", "echo"])] = True
-    body["max_tokens"] = body.get("max_tokens", 2) if rng.random() < 0.97 else None
+    key = "max_output_tokens" if "input" in body else "max_tokens"
+    body[key] = body.get(key, 2) if rng.random() < 0.97 else None
     return body
 
 

@@ -4,7 +4,8 @@
 ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
 Starlette's TestClient). Routes:
 
-    POST /v1/completions        POST /v1/chat/completions     GET /v1/models[/{id}]
+    POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
+    GET /v1/models[/{id}]
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  /static/...
 """
@@ -53,9 +54,11 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
+from pagedserve.server.serving_responses import create_response
 from pagedserve.server.state import ServerState, now_s
 from pagedserve.server.tokenizer_info import tokenizer_info_of
 
@@ -98,6 +101,11 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     return await create_chat_completion(request, state_of(request), body)
+
+
+async def responses(request: Request) -> Response:
+    body = await read_body(request, ResponsesRequest)
+    return await create_response(request, state_of(request), body)
 
 
 def _model_card(state: ServerState) -> ModelCard:
@@ -210,6 +218,7 @@ async def docs(request: Request) -> Response:
 ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),

@@ -91,6 +91,8 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids (integers >= 0) "
     "or a list of such lists",
     "stop": "must be a string or a list of strings",
+    "input": "must be a string or a non-empty list of messages, each {'role': user, system, "
+    "developer or assistant, 'content': a string or input_text/output_text parts}",
     "content": "must be a string or a list of {'type': 'text', 'text': ...} parts "
     "(only text is supported)",
 }

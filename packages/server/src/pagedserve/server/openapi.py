@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedserve.server import protocol as p
+from pagedserve.server import protocol_responses as r
 
 REF = "#/components/schemas/{model}"
 
@@ -45,6 +46,14 @@ OPERATIONS = [
         "Answer a conversation through the model's chat template",
         (p.ChatCompletionRequest,),
         p.ChatCompletionResponse,
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/responses",
+        "OpenAI's Responses API: text or messages in, one assistant message out",
+        (r.ResponsesRequest,),
+        r.ResponseObject,
         streams=True,
     ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
