@@ -86,21 +86,21 @@ def test_real_answers_satisfy_the_documented_schemas(spec, client):
     assert not request.is_valid({"max_tokens": 3})  # no prompt
 
 
-def test_docs_are_served_from_the_package_without_a_cdn(client):
-    page = client.get("/docs")
+@pytest.mark.parametrize("page_path", ["/docs", "/"])
+def test_pages_are_served_from_the_package_without_a_cdn(client, page_path):
+    page = client.get(page_path)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
-    assert sources and all(s.startswith("/static/") for s in sources)
-    for source in sources:
+    assert sources and all(s.startswith("/") and not s.startswith("//") for s in sources)
+    for source in (s for s in sources if s.startswith("/static/")):
         asset = client.get(source)
         assert asset.status_code == 200 and asset.text
         assert "http://" not in asset.text and "https://" not in asset.text
-    assert "/openapi.json" in client.get("/static/docs.js").text
 
 
 def test_docs_and_schema_are_open_under_an_api_key(engine):
     keyed = TestClient(build_app(engine, ServerConfig(api_key="sk-k"), MODEL))
-    for path in ("/docs", "/openapi.json", "/static/docs.js"):
+    for path in ("/docs", "/openapi.json", "/static/docs.js", "/", "/static/playground.js"):
         assert keyed.get(path).status_code == 200, path
     assert keyed.get("/v1/models").status_code == 401
     assert keyed.get("/static/../v1/models").status_code == 401  # normalised before the check

@@ -7,7 +7,7 @@ Starlette's TestClient). Routes:
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     GET /v1/models[/{id}]
     POST /tokenize              POST /detokenize              GET /tokenizer_info
-    GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  /static/...
+    GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
 """
 
 from __future__ import annotations
@@ -210,6 +210,11 @@ async def openapi_json(request: Request) -> Response:
     return JSONResponse(app_state.openapi)
 
 
+async def playground(request: Request) -> Response:
+    """The playground: a chat page with live figures, served from the package's static files."""
+    return FileResponse(STATIC_DIR / "playground.html", media_type="text/html")
+
+
 async def docs(request: Request) -> Response:
     """The API's documentation page; its script renders /openapi.json (no CDN: static files)."""
     return FileResponse(STATIC_DIR / "docs.html", media_type="text/html")
@@ -229,6 +234,7 @@ ROUTES = [
     Route("/version", version, methods=["GET"]),
     Route("/openapi.json", openapi_json, methods=["GET"]),
     Route("/docs", docs, methods=["GET"]),
+    Route("/", playground, methods=["GET"]),
     Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
 ]
 
@@ -289,9 +295,10 @@ def build_app(
 
 
 def open_paths(config: ServerConfig) -> frozenset[str]:
-    """Routes served without the API key: /health, the API's schema and docs (their static
-    files too), and /metrics unless configured otherwise."""
-    paths = {"/health", "/openapi.json", "/docs"}
+    """Routes served without the API key: /health, the API's schema and docs and the
+    playground page (their static files too; the page's own calls carry the key), and /metrics
+    unless configured otherwise."""
+    paths = {"/", "/health", "/openapi.json", "/docs"}
     if not config.metrics_require_api_key:
         paths.add("/metrics")
     return frozenset(paths)

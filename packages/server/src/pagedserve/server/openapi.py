@@ -85,6 +85,9 @@ OPERATIONS = [
     Operation("get", "/version", "The server's version", response=p.VersionResponse),
     Operation("get", "/openapi.json", "This document", media_type="application/json", open=True),
     Operation("get", "/docs", "This document, rendered", media_type="text/html", open=True),
+    Operation(
+        "get", "/", "The playground: a streaming chat page", media_type="text/html", open=True
+    ),
 ]
 
 
