@@ -75,6 +75,9 @@ class EngineArgs:
     )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
+    max_logprobs: int = option(
+        20, "most logprobs (and prompt logprobs) a request may ask for (-1: the whole vocabulary)"
+    )
     speculative_config: dict | None = option(
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '

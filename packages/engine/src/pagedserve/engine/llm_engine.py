@@ -33,7 +33,7 @@ from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.spec_decode.speculator import Speculator
-from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
+from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -120,6 +120,7 @@ class LLMEngine:
                 "every step); start an engine without speculative_config for it",
                 "use_beam_search",
             )
+        check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
@@ -219,7 +220,7 @@ class LLMEngine:
         logits, seq_ids = self._execute(scheduled)
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
-        outputs = self._apply(decisions, updated)
+        outputs = self._apply(decisions, updated, scheduled.num_scheduled_tokens)
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
         return outputs
@@ -264,7 +265,9 @@ class LLMEngine:
             self.stats.record_spec_decode(verify.verify())
         return spec_decisions + decisions
 
-    def _apply(self, decisions: list[StepDecision], updated: list[Request]) -> list[RequestOutput]:
+    def _apply(
+        self, decisions: list[StepDecision], updated: list[Request], num_scheduled_tokens: int = 0
+    ) -> list[RequestOutput]:
         """Apply each decision after the update; one output per group that has news."""
         ctx = StepContext(
             self.scheduler, self.tokenizer, self.runner.device, {r.request_id for r in updated}
@@ -275,7 +278,12 @@ class LLMEngine:
                 touched.setdefault(decision.group)
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched]
-        self._record_step(ctx.num_generation_tokens, ctx.num_prompt_tokens)
+        self._record_step(
+            ctx.num_generation_tokens,
+            ctx.num_prompt_tokens,
+            iteration_tokens=num_scheduled_tokens,
+            inter_token_latencies=ctx.inter_token_latencies,
+        )
         return outputs
 
     # ---- outputs and metrics -------------------------------------------------------------
@@ -295,7 +303,9 @@ class LLMEngine:
             )
         return output
 
-    def _record_step(self, num_new_tokens: int, num_new_prompt_tokens: int = 0) -> None:
+    def _record_step(
+        self, num_new_tokens: int, num_new_prompt_tokens: int = 0, **per_step_samples
+    ) -> None:
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
@@ -307,6 +317,7 @@ class LLMEngine:
             num_preemptions=stats.num_preemptions,
             new_prompt_tokens=num_new_prompt_tokens,
             new_generation_tokens=num_new_tokens,
+            **per_step_samples,
         )
 
 

@@ -88,6 +88,9 @@ class SequenceState:
         text = self.detokenizer.text
         if not stops or self.stop_string_hit is not None:
             return
+        if request.num_output_tokens < self.params.min_tokens:
+            self.text_checked = len(text)  # as EOS: no stop string counts before min_tokens
+            return
         hit = find_stop_string(text, len(text) - self.text_checked, stops)
         self.text_checked = len(text)
         if hit is None:
@@ -220,8 +223,16 @@ class SequenceGroup:
             None if logprobs is None else state.cumulative_logprob,
             None if logprobs is None else logprobs.copy(),
             request.status.finish_reason,
-            request.stop_reason,
+            self.stop_reason(request),
         )
+
+    def stop_reason(self, request: Request) -> int | str | None:
+        """The stop string or stop token id that ended ``request``; None when it ended on EOS
+        (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
+        reason = request.stop_reason
+        if isinstance(reason, int) and reason not in self.params.stop_token_ids:
+            return None
+        return reason
 
     def make_output(self) -> RequestOutput:
         """A cumulative snapshot: every sequence's whole text and tokens so far."""

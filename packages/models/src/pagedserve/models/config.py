@@ -136,7 +136,15 @@ class ModelConfig:
         if self.device == "auto":
             self.torch_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
-            self.torch_device = torch.device(self.device)
+            try:
+                self.torch_device = torch.device(self.device)
+            except RuntimeError as e:
+                raise ModelLoadError(f"device {self.device!r} is not a device: {e}") from e
+            if self.torch_device.type == "cuda" and not torch.cuda.is_available():
+                raise ModelLoadError(
+                    f"device {self.device!r} was asked for, but this machine has no CUDA device "
+                    "usable by torch (use --device cpu, or auto)"
+                )
         self.torch_dtype = resolve_dtype(
             self.dtype,
             self.hf_config.get("torch_dtype") or self.hf_config.get("dtype"),

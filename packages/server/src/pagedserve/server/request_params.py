@@ -15,6 +15,7 @@ from pagedserve.engine import SamplingParams
 from pagedserve.server.errors import APIError, bad_request, from_invalid_request
 from pagedserve.server.protocol import SamplingRequest
 from pagedserve.server.state import ServerState
+from pagedserve.server.vllm_fields import check_stream_options, extra_sampling_kwargs
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
@@ -34,6 +35,7 @@ def check_caps(state: ServerState, body: SamplingRequest) -> None:
     """The served model's name, and the server's caps on what one request may ask for."""
     cfg = state.config
     check_model(state, body.model)
+    check_stream_options(body)
     if not 1 <= body.n <= cfg.max_n:
         raise bad_request(f"n must be in [1, {cfg.max_n}], got {body.n}", "n")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -69,6 +71,7 @@ def build_sampling_params(
     logprobs: int | None,
     aliases: dict[str, str],
     defaults: dict | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The SamplingParams of each prompt's engine request (with the request's ``n``).
 
@@ -81,10 +84,14 @@ def build_sampling_params(
     def given(value, default, name=None):
         return defaults.get(name, default) if value is None else value
 
+    kwargs = {
+        "temperature": given(body.temperature, 1.0, "temperature"),
+        "best_of": getattr(body, "best_of", None),  # completions only: the beam width
+        **extra_sampling_kwargs(body, prompt_logprobs),
+    }
     try:
         return SamplingParams(
             n=body.n,
-            temperature=given(body.temperature, 1.0, "temperature"),
             top_p=given(body.top_p, 1.0, "top_p"),
             top_k=given(body.top_k, 0, "top_k"),
             min_p=given(body.min_p, 0.0, "min_p"),
@@ -101,6 +108,7 @@ def build_sampling_params(
             logprobs=logprobs,
             logit_bias=parse_logit_bias(body.logit_bias),
             skip_special_tokens=body.skip_special_tokens,
+            **kwargs,
         )
     except ValueError as e:  # InvalidRequestError, naming the field
         raise from_invalid_request(e, aliases) from e
