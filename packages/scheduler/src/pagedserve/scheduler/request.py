@@ -101,6 +101,8 @@ class Request(Generic[PayloadT]):
     whose type is the engine's (``Request[SequenceState]``): the scheduler never reads it.
     ``needs_prompt_logits`` is the engine's word to the model runner: while it is set, the
     runner also computes the logits of the prompt positions it runs (prompt logprobs).
+    ``waiting_for_grammar`` is another: while it is set (structured outputs, the grammar still
+    compiling) the request stays in the waiting queue, and requests behind it may pass.
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -117,6 +119,7 @@ class Request(Generic[PayloadT]):
     cache_salt: str | None = None
     payload: PayloadT | None = None
     needs_prompt_logits: bool = False
+    waiting_for_grammar: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
