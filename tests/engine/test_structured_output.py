@@ -94,7 +94,7 @@ def test_unconstrained_rows_in_a_constrained_batch_are_untouched(llm):
 @pytest.mark.parametrize(
     "constraint, message",
     [
-        ({"json": {"type": "strnig"}}, "invalid JSON schema"),
+        ({"json": {"type": "strnig"}}, "not a valid JSON schema"),
         ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
         ({"json": "{not json"}, "not valid JSON"),
         ({"regex": "a(b"}, "parenthesis"),

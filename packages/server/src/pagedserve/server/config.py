@@ -6,6 +6,7 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.engine.config import option
 
@@ -45,8 +46,20 @@ class ServerConfig:
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
     log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
+    chat_template: str | None = option(
+        None, "a chat template (a Jinja file, or the template itself) instead of the model's"
+    )
+    tool_call_parser: str = option(
+        "hermes", "how tool calls are read from a reply under tool_choice auto: hermes, llama3_json"
+    )
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise ValueError(
+                f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}"
+            )
+        if self.chat_template and Path(self.chat_template).is_file():
+            self.chat_template = Path(self.chat_template).read_text()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:

@@ -12,6 +12,7 @@ the API's where they differ, so that a 400 names the field the client sent.
 from __future__ import annotations
 
 from pagedserve.engine import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import APIError, bad_request, from_invalid_request
 from pagedserve.server.protocol import SamplingRequest
 from pagedserve.server.state import ServerState
@@ -68,10 +69,12 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     aliases: dict[str, str],
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The SamplingParams of each prompt's engine request (with the request's ``n``).
 
     ``max_tokens=None`` asks for as many tokens as ``max_model_len`` leaves after the prompt.
+    ``structured_outputs``: the request's constraint (structured.py reads it from the body).
     """
 
     def given(value, default):
@@ -97,6 +100,7 @@ def build_sampling_params(
             logprobs=logprobs,
             logit_bias=parse_logit_bias(body.logit_bias),
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:  # InvalidRequestError, naming the field
         raise from_invalid_request(e, aliases) from e

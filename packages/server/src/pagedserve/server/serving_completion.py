@@ -27,6 +27,7 @@ from pagedserve.server.sse import (
 )
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
+from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
 
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -64,8 +65,14 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
             "echo together with logprobs needs prompt logprobs, which are not supported", "echo"
         )
     prompts = prompts_of(state, body)
+    if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens of each
+        prompts = [(text, ids[-body.truncate_prompt_tokens :]) for text, ids in prompts]
     params = build_sampling_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, aliases={}
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        aliases={},
+        structured_outputs=structured_outputs_of(body),
     )
     return [PromptRequest(p, ids, params, text) for p, (text, ids) in enumerate(prompts)]
 
@@ -76,7 +83,8 @@ async def create_completion(
     state.check_admitting()
     prompts = plan_prompts(state, body)
     request_id = new_id("cmpl")
-    streams = EngineStreams(state, request_id, prompts, body.priority)
+    aliases = structured_output_aliases(body)
+    streams = EngineStreams(state, request_id, prompts, body.priority, aliases)
     view = _CompletionView(state, body, request_id, prompts)
     try:
         await unless_disconnected(request, streams.admitted())

@@ -48,7 +48,7 @@ def check_json_schema(schema: Any, param: str) -> None:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.path) or "the top level"
-        message = f"invalid JSON schema in {param} at {where}: {e.message}"
+        message = f"{param} is not a valid JSON schema (at {where}): {e.message}"
         raise InvalidRequestError(message, param) from e
     _refuse_unsupported(schema, param, "#")
 
@@ -58,14 +58,14 @@ def _refuse_unsupported(schema: Any, param: str, where: str) -> None:
         return
     for keyword in UNSUPPORTED_KEYWORDS & schema.keys():
         raise InvalidRequestError(
-            f"the JSON schema keyword {keyword!r} (at {where}) is not supported by structured "
-            "outputs: remove it, or check it after generation",
+            f"{param} uses the JSON schema keyword {keyword!r} (at {where}), which structured "
+            "outputs do not support: remove it, or check it after generation",
             param,
         )
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         raise InvalidRequestError(
-            f"the JSON schema keyword 'allOf' with several schemas (at {where}) is not supported "
-            "by structured outputs: merge them into one schema",
+            f"{param} uses the JSON schema keyword 'allOf' with several schemas (at {where}), "
+            "which structured outputs do not support: merge them into one schema",
             param,
         )
     for key in _SUBSCHEMA_MAPS:
