@@ -1,6 +1,6 @@
 """Structured outputs in the engine: every sample obeys its constraint, constrained and
-unconstrained rows share a batch, a bad constraint fails only its request, and a grammar that
-the greedy output already satisfies changes nothing.
+unconstrained rows share a batch, and a bad constraint fails only its request (greedy under a
+constraint that the free greedy output already satisfies: tests/e2e/test_structured_outputs_smollm2.py).
 
 A random-weight model is the hard case for a grammar: left alone it never writes JSON, so any
 sample that validates does so because of the mask.
@@ -72,7 +72,7 @@ def test_regex_choice_and_grammar_hold_on_every_sample(llm, constraint, check):
 
 
 def test_any_json_object(llm):
-    for output in sampled(llm, StructuredOutputsParams(json_object=True), n=4, max_tokens=200):
+    for output in sampled(llm, StructuredOutputsParams(json_object=True), n=2, max_tokens=60):
         if output.finish_reason == "stop":
             assert isinstance(json.loads(output.text), dict)
         else:  # cut by max_tokens: still a prefix of an object
@@ -134,27 +134,3 @@ def test_structured_outputs_params_shape():
         SamplingParams(structured_outputs={"jsn": {}})
     with pytest.raises(InvalidRequestError, match="beam search"):
         SamplingParams(n=2, temperature=0, use_beam_search=True, structured_outputs={"regex": "a"})
-
-
-@pytest.mark.slow
-def test_greedy_is_unchanged_where_it_already_satisfies_the_constraint(default_model_path):
-    """SmolLM2's unconstrained greedy answer, as one of the choices (or inside a character
-    class that covers it): the constrained greedy run picks exactly the same tokens."""
-    llm = LLM(model=default_model_path)
-    messages = [
-        [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-        [{"role": "user", "content": "Say hello to Ana in five words."}],
-    ]
-    greedy = SamplingParams(temperature=0, max_tokens=24)
-    free = [o.outputs[0] for o in llm.chat(messages, greedy, use_tqdm=False)]
-    assert all(o.finish_reason == "stop" for o in free)  # whole answers, ended by EOS
-    charset = "".join(sorted({re.escape(c) for o in free for c in o.text}))
-    constraints = [
-        StructuredOutputsParams(choice=[free[0].text, "London", free[0].text + "!"]),
-        StructuredOutputsParams(regex=f"[{charset}]+"),
-    ]
-    for conv, output in zip(messages, free):
-        for constraint in constraints[:1] if output is free[0] else constraints[1:]:
-            params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=constraint)
-            (held,) = llm.chat(conv, params, use_tqdm=False)
-            assert held.outputs[0].token_ids == output.token_ids
