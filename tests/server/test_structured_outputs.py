@@ -222,3 +222,19 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     expected = client.post("/v1/completions", json=short)
     assert truncated.json()["usage"]["prompt_tokens"] == 2
     assert truncated.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+
+
+def test_continue_final_message_continues_the_assistant_turn(client, engine):
+    messages = [
+        {"role": "user", "content": "count"},
+        {"role": "assistant", "content": "one two"},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
+    response = client.post("/v1/chat/completions", json={**body, "continue_final_message": True})
+    expected = engine.tokenizer.apply_chat_template(
+        messages, continue_final_message=True, tokenize=True
+    )
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+    new_turn = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    assert new_turn > len(expected)  # a new turn closes the message and opens another
