@@ -90,29 +90,31 @@ PARSED = [
 ]
 
 
-async def _parse_all(app):
+async def _concurrently(app, method: str, requests: list[dict]):
+    """Every request at once through the async openai client (``method``: "create" or
+    "parse"), so that they share the engine's batches."""
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
         client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
-        return await asyncio.gather(
-            *(
-                client.chat.completions.parse(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": ask}],
-                    response_format=model,
-                    max_tokens=200,
-                    temperature=0,
-                )
-                for model, ask in PARSED
-            )
-        )
+        call = getattr(client.chat.completions, method)
+        return await asyncio.gather(*(call(**request) for request in requests))
 
 
 @pytest.mark.slow
 def test_parse_returns_the_pydantic_objects(app):
     """Nested objects, enums, arrays, bounded numbers, a pattern, required and optional fields;
     the three requests run concurrently (one batch)."""
-    for (model, _), completion in zip(PARSED, asyncio.run(_parse_all(app))):
+    requests = [
+        dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": ask}],
+            response_format=model,
+            max_tokens=200,
+            temperature=0,
+        )
+        for model, ask in PARSED
+    ]
+    for (model, _), completion in zip(PARSED, asyncio.run(_concurrently(app, "parse", requests))):
         choice = completion.choices[0]
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, model)  # validated by pydantic, bounds included
@@ -179,13 +181,6 @@ SAMPLED_SCHEMAS = [
 SAMPLES_PER_SCHEMA = int(os.environ.get("PAGEDSERVE_STRUCTURED_SAMPLES_PER_SCHEMA", "10"))
 
 
-async def _sample_all(app, requests):
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
-        client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
-        return await asyncio.gather(*(client.chat.completions.create(**r) for r in requests))
-
-
 def _request(seed: int, **fields) -> dict:
     request = dict(
         model=MODEL,
@@ -212,7 +207,7 @@ def test_sampled_outputs_validate_and_regex_and_choice_hold(app):
     expected.append(("regex", regex))
     requests.append(_request(8, extra_body={"guided_choice": choices}, max_tokens=10))
     expected.append(("choice", choices))
-    responses = asyncio.run(_sample_all(app, requests))
+    responses = asyncio.run(_concurrently(app, "create", requests))
     counts = {"json": 0, "regex": 0, "choice": 0}
     for response, (kind, constraint) in zip(responses, expected):
         for choice in response.choices:
@@ -268,7 +263,9 @@ def _round_trip(client, stream: bool):
         {"role": "assistant", "content": None, "tool_calls": calls[:1]},
         {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'},
     ]
-    answer = _complete(client, stream, messages=messages, tool_choice="none", **common)
+    answer = _complete(
+        client, stream, messages=messages, tool_choice="none", **{**common, "max_tokens": 24}
+    )
     assert answer["content"] and answer["finish_reason"] in ("stop", "length")
     return call["function"], answer["content"]
 
@@ -301,13 +298,6 @@ def test_tool_round_trip_streamed_and_not_agree(client):
     assert _round_trip(client, stream=False) == _round_trip(client, stream=True)
 
 
-async def _chat_all(app, requests):
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
-        client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
-        return await asyncio.gather(*(client.chat.completions.create(**r) for r in requests))
-
-
 @pytest.mark.slow
 def test_greedy_is_unchanged_where_it_already_satisfies_the_constraint(app):
     """The free greedy answer as one of the choices, or inside a character class that covers
@@ -324,7 +314,7 @@ def test_greedy_is_unchanged_where_it_already_satisfies_the_constraint(app):
         )
         for a in asks
     ]
-    free = [r.choices[0] for r in asyncio.run(_chat_all(app, base))]
+    free = [r.choices[0] for r in asyncio.run(_concurrently(app, "create", base))]
     assert all(c.finish_reason == "stop" for c in free)  # whole answers, ended by EOS
     word, sentence = (c.message.content for c in free)
     charset = "".join(sorted({re.escape(ch) for ch in sentence}))
@@ -332,7 +322,7 @@ def test_greedy_is_unchanged_where_it_already_satisfies_the_constraint(app):
         {**base[0], "extra_body": {"guided_choice": ["London", word, word + "!"]}},
         {**base[1], "extra_body": {"guided_regex": f"[{charset}]+"}},
     ]
-    constrained = [r.choices[0] for r in asyncio.run(_chat_all(app, held))]
+    constrained = [r.choices[0] for r in asyncio.run(_concurrently(app, "create", held))]
     assert [c.message.content for c in constrained] == [word, sentence]
     for a, b in zip(free, constrained):
         assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
