@@ -52,7 +52,7 @@ BLOCK_SIZES = [16, 32]
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
-    "rejection_sample",
+    "rejection_sample", "token_bitmask",
 )  # fmt: skip
 
 
@@ -154,13 +154,17 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
 
 
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
-    """Penalties, token sampling and speculative decoding's rejection sampling over fp32
-    logits of the model's vocabulary."""
+    """Penalties, the structured-output mask (every row, and some rows by index), token
+    sampling and speculative decoding's rejection sampling over fp32 logits of the model's
+    vocabulary."""
     mods = _wrappers()
     logits = torch.randn(rows, m.vocab)
     counts = torch.zeros(rows, m.vocab, dtype=torch.int32)
     per_row = [torch.ones(rows) for _ in range(3)]
     mods["penalties"].apply_penalties_triton(logits, counts > 0, counts, *per_row)
+    bitmask = torch.full((rows, (m.vocab + 31) // 32), -1, dtype=torch.int32)
+    mods["token_bitmask"].apply_token_bitmask_triton(logits, bitmask)
+    mods["token_bitmask"].apply_token_bitmask_triton(logits, bitmask, torch.tensor([rows - 1]))
     noise = torch.ones(rows, m.vocab)
     temperature = torch.tensor([0.0, 0.8]).repeat(rows)[:rows]
     top_k = torch.tensor([0, 20], dtype=torch.int32).repeat(rows)[:rows]

@@ -33,6 +33,8 @@ from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.spec_decode.speculator import Speculator
+from pagedserve.engine.structured_output.manager import StructuredOutputManager
+from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
 from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
@@ -78,6 +80,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = StatsCollector()
+        self.structured_output = StructuredOutputManager(self._grammar_backend)
+        self._request_errors: list[tuple[str, BaseException]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -87,6 +91,12 @@ class LLMEngine:
         """SamplingParams with the model's generation_config defaults (vLLM's
         ``get_default_sampling_params``): what a request that sets nothing gets."""
         return SamplingParams(**self.model_config.generation_defaults.sampling)
+
+    def _grammar_backend(self) -> XgrammarBackend:
+        """Built in the compile pool, with a tokenizer of its own (the engine thread's is busy
+        detokenizing)."""
+        tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+        return XgrammarBackend(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -149,6 +159,28 @@ class LLMEngine:
         request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
+        if params.structured_outputs is not None:
+            self.structured_output.hold(request, params.structured_outputs)
+
+    def take_request_errors(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed since the last call, with their error (a constraint that did
+        not compile: ``InvalidRequestError``). They have left the engine; the caller answers
+        them with the error (AsyncLLM raises it in the request's stream)."""
+        errors, self._request_errors = self._request_errors, []
+        return errors
+
+    def _release_grammars(self, timeout: float = 0.0) -> None:
+        """Give each request whose grammar compiled its matcher (the scheduler may admit it
+        now); fail each whose grammar did not, and only it."""
+        ready, failed = self.structured_output.release(timeout)
+        for request, grammar in ready:
+            group = request.payload.group
+            group.compiled_grammar = grammar
+            request.payload.grammar_matcher = grammar.matcher()
+        for request, error in failed:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            self.groups.pop(request.request_id, None)
+            self._request_errors.append((request.request_id, error))
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
         seed = (
@@ -177,6 +209,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes."""
+        self.structured_output.shutdown()
         stop_workers = getattr(self.runner, "shutdown", None)
         if stop_workers is not None:
             stop_workers()
@@ -214,8 +247,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> decide -> update -> outputs."""
+        if self.structured_output.num_held:
+            self._release_grammars()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.structured_output.num_held:  # only compiles to wait for: wait, not spin
+                self._release_grammars(timeout=0.05)
             return []
         logits, seq_ids = self._execute(scheduled)
         decisions = self._decide(scheduled, logits, seq_ids)

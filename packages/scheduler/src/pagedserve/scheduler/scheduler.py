@@ -336,7 +336,9 @@ class Scheduler:
             and len(self.running) < max_seqs
             and len(output.scheduled) < max_seqs
         ):
-            request = self.waiting.peek()
+            request = self.waiting.first_ready()
+            if request is None:
+                break  # every waiting request is held for its grammar
             hits, num_cached = self.kv.get_computed_blocks(
                 request.all_token_ids, request.cache_salt
             )
@@ -352,7 +354,7 @@ class Scheduler:
                 cache_salt=request.cache_salt,
             ):
                 break  # the head waits for blocks; nothing behind it jumps the queue
-            self.waiting.pop()
+            self.waiting.take(request)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached

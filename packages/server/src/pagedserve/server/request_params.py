@@ -12,6 +12,7 @@ the API's where they differ, so that a 400 names the field the client sent.
 from __future__ import annotations
 
 from pagedserve.engine import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import APIError, bad_request, from_invalid_request
 from pagedserve.server.protocol import SamplingRequest
 from pagedserve.server.state import ServerState
@@ -72,12 +73,14 @@ def build_sampling_params(
     aliases: dict[str, str],
     defaults: dict | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The SamplingParams of each prompt's engine request (with the request's ``n``).
 
     A field the request leaves out takes ``defaults`` (the model's generation_config, as the
     engine's ``model_config.generation_defaults.sampling``), else SamplingParams' default.
     ``max_tokens=None`` with no default asks for as many tokens as ``max_model_len`` leaves.
+    ``structured_outputs``: the request's constraint (structured.py reads it from the body).
     """
     defaults = defaults or {}
 
@@ -108,6 +111,7 @@ def build_sampling_params(
             logprobs=logprobs,
             logit_bias=parse_logit_bias(body.logit_bias),
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=structured_outputs,
             **kwargs,
         )
     except ValueError as e:  # InvalidRequestError, naming the field
