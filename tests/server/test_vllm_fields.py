@@ -143,6 +143,32 @@ def test_beam_search_equals_transformers(oai, engine, hf_model):
     assert len({c.message.content for c in chat.choices}) == 2  # two distinct beams
 
 
+def test_beam_search_early_stopping_equals_transformers(oai, engine, hf_model):
+    """A stop token ends hypotheses early, where the two early_stopping rules part ways."""
+    ids, stops = engine.tokenizer.encode("Blocks are paged"), [449]
+    answers = {}
+    for early_stopping in (False, True):
+        with torch.inference_mode():
+            hf = hf_model.generate(
+                torch.tensor([ids]),
+                num_beams=3,
+                num_return_sequences=3,
+                do_sample=False,
+                max_new_tokens=8,
+                early_stopping=early_stopping,
+                eos_token_id=stops,
+                pad_token_id=0,
+            )
+        want = [row[len(ids) :].tolist() for row in hf]
+        want = [w[: w.index(449) + 1] if 449 in w else w for w in want]
+        extra = {"use_beam_search": True, "early_stopping": early_stopping, "ignore_eos": True}
+        extra.update(stop_token_ids=stops, return_token_ids=True)
+        out = oai.completions.create(model=MODEL, prompt=ids, n=3, max_tokens=8, extra_body=extra)
+        assert [c.model_extra["token_ids"] for c in out.choices] == want
+        answers[early_stopping] = want
+    assert answers[False] != answers[True]  # the flag changed the search
+
+
 def test_return_token_ids_and_tokens_as_ids(oai, engine):
     tok = engine.tokenizer
     extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
