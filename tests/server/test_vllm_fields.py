@@ -111,21 +111,27 @@ def test_max_logprobs_minus_one_allows_the_whole_vocabulary(tiny_path):
         asyncio.run(engine.shutdown())
 
 
-def test_beam_search_equals_transformers(oai, engine, hf_model):
-    ids = engine.tokenizer.encode("Blocks are")
+def hf_beams(hf_model, ids, num_return, max_new, early_stopping=False, stops=(EOS,)):
+    """transformers' beam search (3 beams), each answer cut after its first stop token."""
     with torch.inference_mode():
-        hf = hf_model.generate(
+        out = hf_model.generate(
             torch.tensor([ids]),
             num_beams=3,
-            num_return_sequences=2,
+            num_return_sequences=num_return,
             do_sample=False,
-            max_new_tokens=5,
-            early_stopping=False,
+            max_new_tokens=max_new,
+            early_stopping=early_stopping,
+            eos_token_id=list(stops),
             length_penalty=1.0,
             pad_token_id=0,
         )
-    want = [row[len(ids) :].tolist() for row in hf]
-    want = [w[: w.index(EOS) + 1] if EOS in w else w for w in want]
+    answers = [row[len(ids) :].tolist() for row in out]
+    return [next((a[: i + 1] for i, t in enumerate(a) if t in stops), a) for a in answers]
+
+
+def test_beam_search_equals_transformers(oai, engine, hf_model):
+    ids = engine.tokenizer.encode("Blocks are")
+    want = hf_beams(hf_model, ids, 2, 5)
     extra = {"use_beam_search": True, "best_of": 3, "return_token_ids": True}
     out = oai.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=5, extra_body=extra)
     assert [c.model_extra["token_ids"] for c in out.choices] == want
@@ -148,19 +154,7 @@ def test_beam_search_early_stopping_equals_transformers(oai, engine, hf_model):
     ids, stops = engine.tokenizer.encode("Blocks are paged"), [449]
     answers = {}
     for early_stopping in (False, True):
-        with torch.inference_mode():
-            hf = hf_model.generate(
-                torch.tensor([ids]),
-                num_beams=3,
-                num_return_sequences=3,
-                do_sample=False,
-                max_new_tokens=8,
-                early_stopping=early_stopping,
-                eos_token_id=stops,
-                pad_token_id=0,
-            )
-        want = [row[len(ids) :].tolist() for row in hf]
-        want = [w[: w.index(449) + 1] if 449 in w else w for w in want]
+        want = hf_beams(hf_model, ids, 3, 8, early_stopping, stops)
         extra = {"use_beam_search": True, "early_stopping": early_stopping, "ignore_eos": True}
         extra.update(stop_token_ids=stops, return_token_ids=True)
         out = oai.completions.create(model=MODEL, prompt=ids, n=3, max_tokens=8, extra_body=extra)
