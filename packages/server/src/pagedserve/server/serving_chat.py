@@ -88,9 +88,7 @@ def plan_prompt(
     max_tokens, param = max_tokens_of(body)
     was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
     max_model_len = state.engine.scheduler_config.max_model_len
-    max_tokens = default_max_tokens(
-        body, max_tokens, was_sent, len(prompt_ids), max_model_len, None
-    )
+    max_tokens = default_max_tokens(max_tokens, was_sent, len(prompt_ids), max_model_len, None)
     aliases = {**CHAT_ALIASES, "max_tokens": param}
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = build_sampling_params(

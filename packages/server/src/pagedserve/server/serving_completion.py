@@ -70,7 +70,7 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
     plans = []
     for p, (text, ids) in enumerate(prompts_of(state, body)):
         max_tokens = default_max_tokens(
-            body, body.max_tokens, was_sent, len(ids), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
+            body.max_tokens, was_sent, len(ids), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
         )
         params = build_sampling_params(
             body,
