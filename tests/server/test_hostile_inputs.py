@@ -195,9 +195,9 @@ JSON_CASES = [
         "max_completion_tokens",
     ),
     (
-        "tools",
+        "tool without a name",
         CHAT,
-        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": USER, "tools": [{"type": "function", "function": {"description": "f"}}]},
         400,
         "tools",
     ),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, select_rows
+from pagedserve.engine.structured_output.manager import grammar_bitmask
 from pagedserve.scheduler import Request, Scheduler
 
 if TYPE_CHECKING:
@@ -100,6 +101,13 @@ class SamplingBatch:
             output_token_ids=[r.output_token_ids if r else [] for r in requests],
             masked_token_ids=[masked_tokens(r or g.sequences[0]) for r, g in zip(requests, groups)],
         )
+        matchers = [s.grammar_matcher for s in states]
+        if any(
+            m is not None for m in matchers
+        ):  # structured outputs: one bitmask for the constrained rows
+            meta.allowed_token_mask, meta.allowed_token_rows = grammar_bitmask(
+                matchers, self.logits.shape[-1]
+            )
         self._output = sampler(select_rows(self.logits, self._rows), meta)
         self._token_ids = self._output.token_ids.tolist()
 

@@ -53,6 +53,25 @@ class EngineStats:
     iteration_tokens: list[int] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
 
+    # speculative decoding (vLLM's names): verify steps' sequences, proposals, accepted ones
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted proposals / proposals verified (0 before any)."""
+        proposed = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / proposed if proposed else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verify step emits per sequence on average: accepted proposals + 1."""
+        drafts = self.spec_decode_num_drafts
+        return self.spec_decode_num_emitted_tokens / drafts if drafts else 0.0
+
 
 def finished_request_stats(
     request_id: str,
@@ -129,6 +148,20 @@ class StatsCollector:
             if inter_token_latencies and len(s.inter_token_latencies) < MAX_PENDING_SAMPLES:
                 s.inter_token_latencies.extend(inter_token_latencies)
 
+    def record_spec_decode(self, counts) -> None:
+        """One verify step's ``VerifyCounts`` (spec_decode/verify.py) into the totals."""
+        with self._lock:
+            s = self._stats
+            s.spec_decode_num_drafts += counts.num_drafts
+            s.spec_decode_num_draft_tokens += counts.num_draft_tokens
+            s.spec_decode_num_accepted_tokens += counts.num_accepted_tokens
+            s.spec_decode_num_emitted_tokens += counts.num_accepted_tokens + counts.num_drafts
+            per_position = s.spec_decode_accepted_per_position
+            for j, n in enumerate(counts.accepted_per_position):
+                if j == len(per_position):
+                    per_position.append(0)
+                per_position[j] += n
+
     def record_finished(self, finished: FinishedRequestStats) -> None:
         with self._lock:
             self._stats.num_requests_finished += 1
@@ -143,6 +176,7 @@ class StatsCollector:
                 finished_requests=list(s.finished_requests),
                 iteration_tokens=list(s.iteration_tokens),
                 inter_token_latencies=list(s.inter_token_latencies),
+                spec_decode_accepted_per_position=list(s.spec_decode_accepted_per_position),
             )
             if drain:
                 s.finished_requests.clear()

@@ -115,6 +115,7 @@ def _model_card(state: ServerState) -> ModelCard:
         created=state.created,
         root=str(engine.model_config.model),
         max_model_len=engine.scheduler_config.max_model_len,
+        default_sampling_params=dict(engine.model_config.generation_defaults.sampling),
     )
 
 

@@ -104,6 +104,8 @@ def parse_list(text: str) -> tuple[str, ...]:
 def _flag_type(name: str, hint, metadata) -> type | Callable[[str], object]:
     if metadata.get("unit") == "bytes":
         return parse_size
+    if metadata.get("unit") == "json":  # a config dict given as JSON text (vLLM's spelling)
+        return json.loads
     if metadata.get("unit") == "list":
         return parse_list
     kind = hint
@@ -181,6 +183,14 @@ def _generate(args: argparse.Namespace) -> int:
     print(
         f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)"
     )
+    stats = llm.engine.get_stats()
+    if stats.spec_decode_num_drafts:
+        print(
+            f"speculative decoding: {stats.spec_decode_num_accepted_tokens} of "
+            f"{stats.spec_decode_num_draft_tokens} proposed tokens accepted "
+            f"({stats.spec_decode_acceptance_rate:.1%}), "
+            f"{stats.spec_decode_mean_acceptance_length:.2f} tokens per verify step"
+        )
     return 0
 
 

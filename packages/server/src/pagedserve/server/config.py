@@ -6,6 +6,7 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.engine.config import option
 
@@ -60,8 +61,20 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = option(
         False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)"
     )
+    chat_template: str | None = option(
+        None, "a chat template (a Jinja file, or the template itself) instead of the model's"
+    )
+    tool_call_parser: str = option(
+        "hermes", "how tool calls are read from a reply under tool_choice auto: hermes, llama3_json"
+    )
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise ValueError(
+                f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}"
+            )
+        if self.chat_template and Path(self.chat_template).is_file():
+            self.chat_template = Path(self.chat_template).read_text()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:

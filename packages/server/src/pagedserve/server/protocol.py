@@ -13,6 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from pagedserve.server.structured_protocol import (
+    DeltaToolCall,
+    StructuredOutputFields,
+    ToolCall,
+    ToolFields,
+)
+
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
@@ -37,8 +44,9 @@ class VLLMSamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool = False
 
 
-class SamplingRequest(VLLMSamplingFields):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras;
+    the structured-output ones in structured_protocol.py)."""
 
     model: str | None = None
     n: StrictInt = 1
@@ -61,6 +69,7 @@ class SamplingRequest(VLLMSamplingFields):
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
     user: str | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -96,6 +105,7 @@ class ChatMessage(OpenAIBaseModel):
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -105,11 +115,7 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text"]
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(ToolFields, SamplingRequest):
     """POST /v1/chat/completions. ``max_completion_tokens`` is OpenAI's newer name for
     ``max_tokens``; either may be given (not both with different values)."""
 
@@ -118,10 +124,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -226,6 +230,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # left out of the body when there is none, as OpenAI does
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -252,6 +258,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -282,6 +289,8 @@ class ModelCard(OpenAIBaseModel):
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
+    # the model's generation_config sampling defaults a request inherits (vLLM's names)
+    default_sampling_params: dict[str, Any] = {}
 
 
 class ModelList(OpenAIBaseModel):

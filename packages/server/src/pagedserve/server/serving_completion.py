@@ -28,6 +28,7 @@ from pagedserve.server.sse import (
 )
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
+from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
 from pagedserve.server.vllm_fields import COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens
 
 
@@ -67,17 +68,22 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
         num_prompt_logprobs = max(num_prompt_logprobs or 0, body.logprobs)
     max_model_len = state.engine.scheduler_config.max_model_len
     was_sent = "max_tokens" in body.model_fields_set
+    defaults = state.engine.model_config.generation_defaults.sampling
+    default = defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)  # generation_config's first
+    prompts = prompts_of(state, body)
+    if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens of each
+        prompts = [(text, ids[-body.truncate_prompt_tokens :]) for text, ids in prompts]
     plans = []
-    for p, (text, ids) in enumerate(prompts_of(state, body)):
-        max_tokens = default_max_tokens(
-            body.max_tokens, was_sent, len(ids), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
-        )
+    for p, (text, ids) in enumerate(prompts):
+        max_tokens = default_max_tokens(body.max_tokens, was_sent, len(ids), max_model_len, default)
         params = build_sampling_params(
             body,
             max_tokens=max_tokens,
             logprobs=body.logprobs,
             aliases={},
             prompt_logprobs=num_prompt_logprobs,
+            defaults=defaults,
+            structured_outputs=structured_outputs_of(body),
         )
         plans.append(PromptRequest(p, ids, params, text))
     return plans
@@ -89,7 +95,8 @@ async def create_completion(
     state.check_admitting()
     prompts = plan_prompts(state, body)
     request_id = new_id("cmpl")
-    streams = EngineStreams(state, request_id, prompts, body.priority)
+    aliases = structured_output_aliases(body)
+    streams = EngineStreams(state, request_id, prompts, body.priority, aliases)
     view = _CompletionView(state, body, request_id, prompts)
     try:
         await unless_disconnected(request, streams.admitted())

@@ -83,7 +83,7 @@ def renamed(error: APIError) -> APIError:
 async def create_response(request: Request, state: ServerState, body: ResponsesRequest):
     state.check_admitting()
     try:
-        prompt, aliases = plan_prompt(state, as_chat_request(body))
+        prompt, aliases, _tools = plan_prompt(state, as_chat_request(body))
     except APIError as error:
         raise renamed(error) from error
     aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input"}
