@@ -64,6 +64,23 @@ def test_prompt_logprobs_equal_transformers(oai, engine, hf_model):
     )
     chat_logprobs = chat.model_extra["prompt_logprobs"]
     assert chat_logprobs[0] is None and all(len(e) == 1 for e in chat_logprobs[1:])
+    # streamed, the first chunk carries them (once)
+    stream = oai.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 2}
+    )
+    carried = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert carried[0] == prompt_logprobs and all(p is None for p in carried[1:])
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=2,
+            stream=True,
+            extra_body={"prompt_logprobs": 0},
+        )
+    )
+    assert chunks[0].model_extra["prompt_logprobs"] == chat_logprobs
+    assert all(c.model_extra.get("prompt_logprobs") is None for c in chunks[1:])
 
 
 def test_echo_with_logprobs_scores_the_prompt_then_the_completion(oai, engine, hf_model):
