@@ -64,6 +64,23 @@ def test_prompt_logprobs_equal_transformers(oai, engine, hf_model):
     )
     chat_logprobs = chat.model_extra["prompt_logprobs"]
     assert chat_logprobs[0] is None and all(len(e) == 1 for e in chat_logprobs[1:])
+    # streamed, the first chunk carries them (once)
+    stream = oai.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 2}
+    )
+    carried = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert carried[0] == prompt_logprobs and all(p is None for p in carried[1:])
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=2,
+            stream=True,
+            extra_body={"prompt_logprobs": 0},
+        )
+    )
+    assert chunks[0].model_extra["prompt_logprobs"] == chat_logprobs
+    assert all(c.model_extra.get("prompt_logprobs") is None for c in chunks[1:])
 
 
 def test_echo_with_logprobs_scores_the_prompt_then_the_completion(oai, engine, hf_model):
@@ -111,21 +128,27 @@ def test_max_logprobs_minus_one_allows_the_whole_vocabulary(tiny_path):
         asyncio.run(engine.shutdown())
 
 
-def test_beam_search_equals_transformers(oai, engine, hf_model):
-    ids = engine.tokenizer.encode("Blocks are")
+def hf_beams(hf_model, ids, num_return, max_new, early_stopping=False, stops=(EOS,)):
+    """transformers' beam search (3 beams), each answer cut after its first stop token."""
     with torch.inference_mode():
-        hf = hf_model.generate(
+        out = hf_model.generate(
             torch.tensor([ids]),
             num_beams=3,
-            num_return_sequences=2,
+            num_return_sequences=num_return,
             do_sample=False,
-            max_new_tokens=5,
-            early_stopping=False,
+            max_new_tokens=max_new,
+            early_stopping=early_stopping,
+            eos_token_id=list(stops),
             length_penalty=1.0,
             pad_token_id=0,
         )
-    want = [row[len(ids) :].tolist() for row in hf]
-    want = [w[: w.index(EOS) + 1] if EOS in w else w for w in want]
+    answers = [row[len(ids) :].tolist() for row in out]
+    return [next((a[: i + 1] for i, t in enumerate(a) if t in stops), a) for a in answers]
+
+
+def test_beam_search_equals_transformers(oai, engine, hf_model):
+    ids = engine.tokenizer.encode("Blocks are")
+    want = hf_beams(hf_model, ids, 2, 5)
     extra = {"use_beam_search": True, "best_of": 3, "return_token_ids": True}
     out = oai.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=5, extra_body=extra)
     assert [c.model_extra["token_ids"] for c in out.choices] == want
@@ -141,6 +164,20 @@ def test_beam_search_equals_transformers(oai, engine, hf_model):
         model=MODEL, messages=USER, n=2, max_tokens=4, extra_body={"use_beam_search": True}
     )
     assert len({c.message.content for c in chat.choices}) == 2  # two distinct beams
+
+
+def test_beam_search_early_stopping_equals_transformers(oai, engine, hf_model):
+    """A stop token ends hypotheses early, where the two early_stopping rules part ways."""
+    ids, stops = engine.tokenizer.encode("Blocks are paged"), [449]
+    answers = {}
+    for early_stopping in (False, True):
+        want = hf_beams(hf_model, ids, 3, 8, early_stopping, stops)
+        extra = {"use_beam_search": True, "early_stopping": early_stopping, "ignore_eos": True}
+        extra.update(stop_token_ids=stops, return_token_ids=True)
+        out = oai.completions.create(model=MODEL, prompt=ids, n=3, max_tokens=8, extra_body=extra)
+        assert [c.model_extra["token_ids"] for c in out.choices] == want
+        answers[early_stopping] = want
+    assert answers[False] != answers[True]  # the flag changed the search
 
 
 def test_return_token_ids_and_tokens_as_ids(oai, engine):

@@ -41,6 +41,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 TPOT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
 LATENCY_BUCKETS += (60.0, 120.0, 240.0, 480.0, 960.0)
+DEFAULT_MAX_MODEL_LEN = 8192
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -129,9 +130,16 @@ _COUNTERS = {
 
 
 class EngineMetrics(Collector):
-    """Reads ``engine.get_stats()``; ``render()`` is the /metrics body."""
+    """Reads ``engine.get_stats()``; ``render()`` is the /metrics body. ``max_model_len`` tops
+    the token-count buckets (default: the engine's, else 8192 for an engine without one)."""
 
-    def __init__(self, engine, model_name: str, in_flight: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        engine,
+        model_name: str,
+        in_flight: Callable[[], int] = lambda: 0,
+        max_model_len: int | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.in_flight = in_flight
@@ -139,7 +147,10 @@ class EngineMetrics(Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._stats = None
-        token_buckets = buckets_1_2_5(engine.scheduler_config.max_model_len)
+        if max_model_len is None:
+            scheduler_config = getattr(engine, "scheduler_config", None)
+            max_model_len = getattr(scheduler_config, "max_model_len", DEFAULT_MAX_MODEL_LEN)
+        token_buckets = buckets_1_2_5(max_model_len)
         request_histograms = {
             **_HISTOGRAMS,
             **{a: (n, h, token_buckets) for a, (n, h) in _TOKEN_HISTOGRAMS.items()},

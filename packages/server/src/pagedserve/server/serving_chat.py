@@ -124,7 +124,7 @@ def plan_prompt(
     max_model_len = state.engine.scheduler_config.max_model_len
     defaults = state.engine.model_config.generation_defaults.sampling
     max_tokens = default_max_tokens(  # generation_config's max_new_tokens, else all the room
-        body, max_tokens, was_sent, len(prompt_ids), max_model_len, defaults.get("max_tokens")
+        max_tokens, was_sent, len(prompt_ids), max_model_len, defaults.get("max_tokens")
     )
     aliases = {**CHAT_ALIASES, "max_tokens": param, **structured_output_aliases(body)}
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

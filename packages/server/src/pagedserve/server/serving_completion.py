@@ -75,9 +75,7 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
         prompts = [(text, ids[-body.truncate_prompt_tokens :]) for text, ids in prompts]
     plans = []
     for p, (text, ids) in enumerate(prompts):
-        max_tokens = default_max_tokens(
-            body, body.max_tokens, was_sent, len(ids), max_model_len, default
-        )
+        max_tokens = default_max_tokens(body.max_tokens, was_sent, len(ids), max_model_len, default)
         params = build_sampling_params(
             body,
             max_tokens=max_tokens,

@@ -26,7 +26,6 @@ def check_stream_options(body: SamplingRequest) -> None:
 
 
 def default_max_tokens(
-    body: SamplingRequest,
     sent: int | None,
     was_sent: bool,
     num_prompt_tokens: int,
