@@ -238,3 +238,27 @@ def test_continue_final_message_continues_the_assistant_turn(client, engine):
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
     new_turn = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
     assert new_turn > len(expected)  # a new turn closes the message and opens another
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] or '' }}{% endfor %}<assistant>"
+)
+
+
+def test_a_chat_template_that_takes_tools_renders_them_itself(engine):
+    from starlette.testclient import TestClient
+
+    from pagedserve.server.app import build_app
+    from pagedserve.server.config import ServerConfig
+
+    app = build_app(engine, ServerConfig(chat_template=TOOL_TEMPLATE), MODEL)
+    client = TestClient(app, raise_server_exceptions=False)
+    body = {**BASE, "n": 1, "messages": MESSAGES, "tools": TOOLS[:1], "max_tokens": 2}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    tools = [{"type": "function", "function": TOOLS[0]["function"]}]
+    expected = engine.tokenizer.apply_chat_template(
+        MESSAGES, chat_template=TOOL_TEMPLATE, tools=tools, tokenize=True
+    )
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert usage["prompt_tokens"] == len(expected)  # the template's own rendering, no default
