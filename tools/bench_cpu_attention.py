@@ -27,12 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.paged_attention import _gather_kv, paged_attention_ref
 from pagedserve.kernels.paged_attention_numba import (
     NUMBA_MAX_Q_LEN,
     paged_attention_numba,
     warm_up,
 )
+from pagedserve.kernels.paged_attention_ref import _gather_kv, paged_attention_ref
 from pagedserve.kernels.testing import make_paged_batch
 
 HEADS = (9, 3, 64)  # SmolLM2-135M: Hq, Hkv, head dim

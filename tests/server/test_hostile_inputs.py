@@ -100,7 +100,22 @@ JSON_CASES = [
     ("string seed", COMP, {"prompt": "x", "seed": "abc"}, 400, "seed"),
     ("suffix", COMP, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("best_of > n", COMP, {"prompt": "x", "best_of": 5}, 400, "best_of"),
-    ("echo with logprobs", COMP, {"prompt": "x", "echo": True, "logprobs": 2}, 400, "echo"),
+    (
+        "stream_options without stream",
+        COMP,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    ("logprobs over --max-logprobs", COMP, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("prompt_logprobs = 21", COMP, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (
+        "beam search with temperature",
+        COMP,
+        {"prompt": "x", "use_beam_search": True, "n": 2, "temperature": 0.5},
+        400,
+        "temperature",
+    ),
     (
         "bad stream_options",
         COMP,

@@ -14,6 +14,13 @@ Invariants (held by the tests' state machine):
 - every sequence's block table holds exactly its computed tokens' keys and values, once the
   step's copies and writes have run;
 - a block a sequence writes into is held by that sequence alone.
+
+Sliding windows: with ``sliding_window`` W (every layer of the model windowed), the blocks
+wholly before ``num_computed - W + 1`` (the horizon of the next token to compute) are read by
+no layer again. They are released as the sequence grows; their table entries become
+``OUT_OF_WINDOW``, a placeholder no pool owns, so tables keep one entry per logical block (the
+slot arithmetic is unchanged) and attention never reads those entries. A released block keeps
+its prefix hash: another request with the same prefix can still hit it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ from dataclasses import dataclass
 
 from pagedserve.blockmgr.block_pool import BlockPool, KVBlock
 from pagedserve.blockmgr.prefix_hash import extend_block_hashes
+
+# The table entry of a block released behind the sliding window: never read, owned by no pool.
+OUT_OF_WINDOW = KVBlock(block_id=0, ref_count=-1)
 
 
 class StalePrefixHitError(ValueError):
@@ -60,9 +70,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -76,6 +90,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # Per sequence: its block ids, kept between steps until its table changes (block_ids).
         self._block_ids: dict[str, list[int]] = {}
+        # Per sequence: how many of its leading blocks were released behind the window.
+        self._num_out_of_window: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -153,6 +169,7 @@ class KVCacheManager:
         table = self.block_tables.get(seq_id)
         if table is not None and not computed_blocks and num_new_tokens == 1 <= num_computed_tokens:
             if self._decodes_in_place(seq_id, table, num_computed_tokens):
+                self._free_out_of_window(seq_id, table, num_computed_tokens)
                 return True
         if num_new_tokens < 0 or num_computed_tokens < 0:
             raise ValueError("token counts must be non-negative")
@@ -188,6 +205,7 @@ class KVCacheManager:
         if is_new and self.enable_prefix_caching:
             self.prefix_cache_stats.record(len(token_ids), len(computed_blocks) * self.block_size)
         self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt)
+        self._free_out_of_window(seq_id, table, num_computed_tokens)
         return True
 
     def free(self, seq_id: str) -> None:
@@ -196,8 +214,25 @@ class KVCacheManager:
         self._block_ids.pop(seq_id, None)
         self._block_hashes.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
+        self._num_out_of_window.pop(seq_id, None)
         for block in reversed(table or []):
-            self.pool.release(block)
+            if block is not OUT_OF_WINDOW:
+                self.pool.release(block)
+
+    def free_blocks_beyond(self, seq_id: str, num_tokens: int) -> None:
+        """Release the blocks past those that hold the first ``num_tokens`` tokens, tail first.
+
+        After a speculative decode the slots of rejected proposals hold garbage; a block that
+        only they used is given back (the next step allocates again as it needs). Such a block
+        was never registered in the prefix cache: only full blocks of known tokens are.
+        """
+        table = self.block_tables.get(seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        self._block_ids.pop(seq_id, None)
+        while len(table) > keep:
+            self.pool.release(table.pop())
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (refcount + 1 each), for n > 1 and beams.
@@ -211,11 +246,13 @@ class KVCacheManager:
             raise ValueError(f"sequence {child_id!r} already has blocks")
         parent = self.block_tables[parent_id]
         for block in parent:
-            self.pool.touch(block)
+            if block is not OUT_OF_WINDOW:
+                self.pool.touch(block)
         self.block_tables[child_id] = list(parent)
         self._block_ids.pop(child_id, None)
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+        self._num_out_of_window[child_id] = self._num_out_of_window.get(parent_id, 0)
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies decided since the last call; the engine runs them."""
@@ -230,6 +267,27 @@ class KVCacheManager:
         return True
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _free_out_of_window(self, seq_id: str, table: list[KVBlock], num_computed: int) -> None:
+        """Release the blocks wholly before the next token's window (none without a window).
+
+        Only blocks behind ``num_computed - W + 1`` go: every token still to be computed (this
+        step's, and any later one) sits at ``num_computed`` or after, so none of them sees
+        those positions. A rewind (speculative decoding) only takes back tokens computed after
+        the ``num_computed`` this ran with, so it never needs a released block back. O(1) when
+        nothing is due (a decode step between block boundaries)."""
+        if self.sliding_window is None:
+            return
+        horizon = num_computed - self.sliding_window + 1
+        n_out = min(len(table), max(0, horizon) // self.block_size)
+        first = self._num_out_of_window.get(seq_id, 0)
+        if n_out <= first:
+            return
+        for i in range(first, n_out):
+            self.pool.release(table[i])
+            table[i] = OUT_OF_WINDOW
+        self._num_out_of_window[seq_id] = n_out
+        self._block_ids.pop(seq_id, None)
 
     def _decodes_in_place(self, seq_id: str, table: list[KVBlock], num_computed: int) -> bool:
         """The decode fast path (O(1)): True when one new token at ``num_computed`` lands in a

@@ -36,6 +36,10 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config defaults; ``generate`` uses them when given none."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -45,7 +49,8 @@ class LLM:
         """One RequestOutput per prompt, in the order given.
 
         ``prompts``: strings, or ``{"prompt_token_ids": [...]}`` dicts. ``sampling_params``: one
-        for all prompts, or one per prompt.
+        for all prompts, or one per prompt; None takes the model's generation_config defaults
+        (an explicit SamplingParams is used as given, as in vLLM).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -94,7 +99,7 @@ class LLM:
 
     def _params_per_prompt(self, count: int, params) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
         if len(params) != count:

@@ -13,6 +13,7 @@ its live beams as sequences that fork and drop each step (beam_search.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 
@@ -31,11 +32,14 @@ from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
+from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
-from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
+from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+logger = logging.getLogger("pagedserve.engine")
 
 
 class LLMEngine:
@@ -43,6 +47,12 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        spec_config = args.create_speculative_config()  # checked before the model is loaded
+        self.speculator = (
+            Speculator(spec_config, self.model_config, self.tokenizer)
+            if spec_config is not None
+            else None
+        )
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(
                 self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
@@ -56,10 +66,16 @@ class LLMEngine:
             self.cache_config.block_size,
             self.cache_config.enable_prefix_caching,
             self.cache_config.watermark,
+            sliding_window=self.model_config.kv_cache_window,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
+        logger.info(
+            "stop ids %s; %s",
+            sorted(self.eos_token_ids),
+            self.model_config.generation_defaults.describe(),
+        )
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -70,6 +86,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (vLLM's
+        ``get_default_sampling_params``): what a request that sets nothing gets."""
+        return SamplingParams(**self.model_config.generation_defaults.sampling)
 
     def _grammar_backend(self) -> XgrammarBackend:
         """Built in the compile pool, with a tokenizer of its own (the engine thread's is busy
@@ -103,6 +124,13 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        if params.use_beam_search and self.speculator is not None:
+            raise InvalidRequestError(
+                "beam search cannot run with speculative decoding (its beams fork and drop "
+                "every step); start an engine without speculative_config for it",
+                "use_beam_search",
+            )
+        check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
@@ -229,7 +257,10 @@ class LLMEngine:
         logits, seq_ids = self._execute(scheduled)
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
-        return self._apply(decisions, updated)
+        outputs = self._apply(decisions, updated, scheduled.num_scheduled_tokens)
+        if self.speculator is not None:  # proposals for the next step's decodes
+            self.speculator.propose(self.scheduler.running)
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         now = time.monotonic()
@@ -242,13 +273,23 @@ class LLMEngine:
     def _decide(
         self, scheduled: SchedulerOutput, logits: torch.Tensor, seq_ids: list[str]
     ) -> list[StepDecision]:
-        """Each group decides from its rows; every sampling row is drawn in one sampler call."""
+        """Each group decides from its rows; every sampling row is drawn in one sampler call,
+        every speculative decode's rows are verified in one pass (spec_decode/verify.py)."""
+        verify, proposals, spec_decisions = None, {}, []
+        num_spec = scheduled.num_spec_tokens if self.speculator is not None else 0
+        if num_spec:
+            verify, proposals = self.speculator.verification_batch(scheduled, logits, num_spec)
+            logits = logits[: len(logits) - num_spec]
         if len(logits) > len(seq_ids):
             record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
         rows: dict[SequenceGroup, list[tuple[Request, int]]] = {}
         requests = self.scheduler.requests
         for row, seq_id in enumerate(seq_ids):
             request = requests[seq_id]
+            if seq_id in proposals:
+                drafts, draft_rows = proposals[seq_id]
+                spec_decisions.append(verify.add(request, drafts, [*draft_rows, row]))
+                continue
             group = request.payload.group
             if group in rows:
                 rows[group].append((request, row))
@@ -257,9 +298,13 @@ class LLMEngine:
         batch = SamplingBatch(logits)
         decisions = [group.decide(group_rows, batch) for group, group_rows in rows.items()]
         batch.sample(self.sampler)
-        return decisions
+        if verify is not None:
+            self.stats.record_spec_decode(verify.verify())
+        return spec_decisions + decisions
 
-    def _apply(self, decisions: list[StepDecision], updated: list[Request]) -> list[RequestOutput]:
+    def _apply(
+        self, decisions: list[StepDecision], updated: list[Request], num_scheduled_tokens: int = 0
+    ) -> list[RequestOutput]:
         """Apply each decision after the update; one output per group that has news."""
         ctx = StepContext(
             self.scheduler, self.tokenizer, self.runner.device, {r.request_id for r in updated}
@@ -270,7 +315,12 @@ class LLMEngine:
                 touched.setdefault(decision.group)
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched]
-        self._record_step(ctx.num_generation_tokens, ctx.num_prompt_tokens)
+        self._record_step(
+            ctx.num_generation_tokens,
+            ctx.num_prompt_tokens,
+            iteration_tokens=num_scheduled_tokens,
+            inter_token_latencies=ctx.inter_token_latencies,
+        )
         return outputs
 
     # ---- outputs and metrics -------------------------------------------------------------
@@ -290,7 +340,9 @@ class LLMEngine:
             )
         return output
 
-    def _record_step(self, num_new_tokens: int, num_new_prompt_tokens: int = 0) -> None:
+    def _record_step(
+        self, num_new_tokens: int, num_new_prompt_tokens: int = 0, **per_step_samples
+    ) -> None:
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
@@ -302,11 +354,12 @@ class LLMEngine:
             num_preemptions=stats.num_preemptions,
             new_prompt_tokens=num_new_prompt_tokens,
             new_generation_tokens=num_new_tokens,
+            **per_step_samples,
         )
 
 
-def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int]:
-    sampled: dict[str, int] = {}
+def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int | list[int]]:
+    sampled: dict[str, int | list[int]] = {}
     for decision in decisions:
         sampled.update(decision.sampled_tokens())
     return sampled

@@ -62,22 +62,33 @@ class SequenceState:
             self.cumulative_logprob += token_logprobs[token]
 
     def process_new_token(
-        self, request: Request, logprobs: dict[int, float] | None, ctx: StepContext
+        self,
+        request: Request,
+        logprobs: dict[int, float] | None,
+        ctx: StepContext,
+        token_index: int = -1,
     ) -> None:
-        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings."""
+        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings.
+
+        ``token_index``: which output token, when a step appended several (speculative
+        decoding's accepted run, processed in order); only the last one can have ended it."""
         ctx.record_token(self.group)
         ctx.num_generation_tokens += 1
-        token = request.output_token_ids[-1]
+        output = request.output_token_ids
+        token = output[token_index]
+        last = token_index == -1 or token_index == len(output) - 1
         if logprobs is not None:
             self.record_logprobs(logprobs, token)
         if self.grammar_matcher is not None:
             self._advance_grammar(request, token, ctx)
         hidden_stop = (
-            request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
+            last
+            and request.status is RequestStatus.FINISHED_STOPPED
+            and request.stop_reason == token
         )
         if not hidden_stop:
             self.detokenizer.add_token(token)
-        if request.is_finished:
+        if last and request.is_finished:
             self.detokenizer.flush()
         if self.group.params.stop_strings:
             self._check_stop_strings(request, ctx)
@@ -93,6 +104,9 @@ class SequenceState:
         stops = self.params.stop_strings
         text = self.detokenizer.text
         if not stops or self.stop_string_hit is not None:
+            return
+        if request.num_output_tokens < self.params.min_tokens:
+            self.text_checked = len(text)  # as EOS: no stop string counts before min_tokens
             return
         hit = find_stop_string(text, len(text) - self.text_checked, stops)
         self.text_checked = len(text)
@@ -230,8 +244,16 @@ class SequenceGroup:
             None if logprobs is None else state.cumulative_logprob,
             None if logprobs is None else logprobs.copy(),
             request.status.finish_reason,
-            request.stop_reason,
+            self.stop_reason(request),
         )
+
+    def stop_reason(self, request: Request) -> int | str | None:
+        """The stop string or stop token id that ended ``request``; None when it ended on EOS
+        (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
+        reason = request.stop_reason
+        if isinstance(reason, int) and reason not in self.params.stop_token_ids:
+            return None
+        return reason
 
     def make_output(self) -> RequestOutput:
         """A cumulative snapshot: every sequence's whole text and tokens so far."""

@@ -6,6 +6,8 @@ These are the wrapper's choices, kept apart from the kernel so that the warm-up
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -43,3 +45,10 @@ def decode_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> 
     if not is_cuda(query):
         return 1
     return kv_split_count(query.shape[0], n_kv_heads, max_context, multi_processor_count(query))
+
+
+def score_scales(scale: float, logits_soft_cap: float | None) -> tuple[float, float, float]:
+    """The kernel's three score scalars: ``scale * log2(e)`` (scores in exp2 units),
+    ``scale / cap`` and ``cap * log2(e)`` (soft-capping; 0 for the last when uncapped)."""
+    cap = logits_soft_cap or 0.0
+    return scale * math.log2(math.e), scale / (cap or 1.0), cap * math.log2(math.e)

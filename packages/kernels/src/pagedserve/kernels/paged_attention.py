@@ -8,6 +8,13 @@ position <= its own (causal with an offset). Key position p lives in slot
 ``block_tables[b, p // block_size] * block_size + p % block_size``. Query head h reads KV
 head ``h // (Hq // Hkv)`` (GQA; MQA when Hkv == 1).
 
+A layer with a ``sliding_window`` W (Mistral, Qwen2's window layers, Gemma's local layers)
+lets token i see positions ``i - W < p <= i`` only: W positions, its own included, as
+transformers' sliding-window mask and vLLM's ``window_size = (W - 1, 0)``. Positions before
+the first new token's horizon are never read, so their blocks may be freed (a block-table
+entry there may point anywhere). ``logits_soft_cap`` c (Gemma 2) maps each scaled score s
+to ``c * tanh(s / c)`` before the softmax.
+
 Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
 ``seq_len`` may hold anything, NaN included, and never reach an output; softmax runs in
@@ -16,15 +23,15 @@ fp32; the output has the query's dtype.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_launch import decode_kv_splits, tile_shape
+from pagedserve.kernels.attention_launch import decode_kv_splits, score_scales, tile_shape
 from pagedserve.kernels.dispatch import is_cuda, kernel_path
+from pagedserve.kernels.paged_attention_ref import _check, paged_attention_ref
+
+__all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton"]
 
 
 @triton.jit
@@ -52,23 +59,30 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 # unspecialised they cost up to 60 more registers a thread (docs/kernel-suite.md).
 @triton.jit(
     do_not_specialize=[
-        "n_seqs", "kv_positions_per_split", "lse_token_stride", "lse_head_stride",
+        "n_seqs", "kv_positions_per_split", "window", "lse_token_stride", "lse_head_stride",
         "block_table_stride",
     ]
 )  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr, scale_log2, n_seqs, head_dim, kv_positions_per_split,
+    out_ptr, lse_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim, kv_positions_per_split,
+    window,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, out_split_stride,
     lse_token_stride, lse_head_stride, cache_block_stride, cache_slot_stride,
     cache_head_stride, block_table_stride,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
-    tile are (token, head-in-group) pairs, so each K/V tile is loaded once per group."""
+    tile are (token, head-in-group) pairs, so each K/V tile is loaded once per group.
+    SLIDING: each row sees its last ``window`` positions only, and the walk starts at the
+    tile's first row's horizon. SOFT_CAP: scores soft-capped (``cap_inv`` is scale / cap,
+    ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. Both are constexpr so that a
+    global, uncapped layer compiles exactly the kernel it did without them (their masks in
+    the loop cost registers: 8-12 bytes of spills on sm80 at head_dim 128 as runtime
+    branches)."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,6 +110,8 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
         kv_start = split * kv_positions_per_split
         kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
+        if SLIDING:  # nothing before the first row's horizon is read
+            kv_start = tl.maximum(kv_start, n_cached + q_tile * BLOCK_Q - window + 1)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -118,7 +134,13 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
-            s = tl.where(visible, s * scale_log2, float("-inf"))
+            if SLIDING:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
+                s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * cap_inv) + 1.0))
+            else:
+                s = s * scale_log2
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -183,11 +205,16 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     num_kv_splits: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
-    flash-decoding path (partials + merge); by default it is chosen from shapes."""
+    flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
+    window: splits cut absolute positions). A windowed or capped layer is a variant of its
+    own (constexpr flags); the window's width is a runtime scalar."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
@@ -198,9 +225,8 @@ def paged_attention_triton(
     group = n_q_heads // n_kv_heads
     decode_like = n_tokens == n_seqs
     max_context = block_tables.shape[1] * block_size
-    splits = num_kv_splits or (
-        decode_kv_splits(query, n_kv_heads, max_context) if decode_like else 1
-    )
+    may_split = decode_like and sliding_window is None
+    splits = num_kv_splits or (decode_kv_splits(query, n_kv_heads, max_context) if may_split else 1)
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
     block_m, tile_n, num_warps = tile_shape(group, head_dim, decode_like, dot_fp32)
     block_q = block_m // group
@@ -216,135 +242,29 @@ def paged_attention_triton(
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        scale * math.log2(math.e), n_seqs, head_dim, per_split,
+        *score_scales(scale, logits_soft_cap), n_seqs, head_dim, per_split, sliding_window or 0,
         query.stride(0), query.stride(1), target.stride(0), target.stride(1),
         target.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
-        DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, num_warps=num_warps,
+        DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
-            partial, lse, out, splits, head_dim, partial.stride(0), partial.stride(1),
-            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
-        )  # fmt: skip
+        _merge_kv_splits(partial, lse, out)
     return out
 
 
-def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
-    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"paged_attention: query {tuple(query.shape)} must be [T, Hq, D] and caches "
-            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} [num_blocks, block_size, Hkv, D]"
-        )
-    n_q_heads, head_dim = query.shape[1:]
-    n_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or n_q_heads % n_kv_heads:
-        raise ValueError(
-            f"paged_attention: Hq={n_q_heads}, D={head_dim} incompatible with cache "
-            f"Hkv={n_kv_heads}, D={k_cache.shape[3]} (need same D and Hq % Hkv == 0)"
-        )
-    n_seqs = seq_lens.shape[0]
-    if query_start_loc.shape != (n_seqs + 1,) or block_tables.dim() != 2:
-        raise ValueError(
-            f"paged_attention: {n_seqs} seq_lens need query_start_loc [{n_seqs + 1}] and "
-            f"block_tables [{n_seqs}, max_blocks]; got {tuple(query_start_loc.shape)}, "
-            f"{tuple(block_tables.shape)}"
-        )
-
-
-def _gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
-) -> torch.Tensor:
-    """The cached tokens of n sequences, heads first, in fp32: ``[Hkv, n, max_len, D]``.
-
-    Positions past a sequence's end are clamped to its last token, so only the sequence's
-    own blocks and only slots < seq_len are read: stale slots (NaN included) never enter,
-    and the padding holds finite values that the -inf mask on the scores turns into exact
-    zeros. Two passes over the gathered tokens only: a row gather from the contiguous cache
-    (an index_select on a transposed view would copy the whole cache first), then one
-    transposing copy into the layout the batched matmuls read.
-    """
-    block_size, n_kv_heads, head_dim = cache.shape[1:]
-    n_seqs, max_len = seq_lens.shape[0], int(seq_lens.max())
-    pos = torch.arange(max_len, device=cache.device)
-    pos = torch.minimum(pos[None, :], (seq_lens.long() - 1)[:, None])  # [n, max_len]
-    slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-    rows = cache.view(-1, n_kv_heads * head_dim).index_select(0, slots.flatten())
-    kv = torch.empty(n_kv_heads, n_seqs, max_len, head_dim, device=cache.device)
-    return kv.copy_(rows.view(n_seqs, max_len, n_kv_heads, head_dim).permute(2, 0, 1, 3))
-
-
-def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-    """All q_len == 1 rows at once: one gather per cache, two batched matmuls, fp32 softmax."""
-    n_seqs, n_q_heads, head_dim = query.shape
-    n_kv_heads = k_cache.shape[2]
-    k = _gather_kv(k_cache, block_tables, seq_lens)  # [Hkv, n, L, D]
-    v = _gather_kv(v_cache, block_tables, seq_lens)
-    q = query.float().view(n_seqs, n_kv_heads, n_q_heads // n_kv_heads, head_dim).transpose(0, 1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, n, G, L]
-    past_end = torch.arange(k.shape[2], device=k.device) >= seq_lens[:, None]
-    scores.masked_fill_(past_end[None, :, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, n, G, D]
-    return out.transpose(0, 1).reshape(n_seqs, n_q_heads, head_dim).to(query.dtype)
-
-
-def _prefill_ref(query, k_cache, v_cache, block_table, seq_len, scale) -> torch.Tensor:
-    """One sequence with q_len > 1: SDPA over exactly its seq_len cached tokens.
-
-    The inputs are 4-D ([1, H, L, D]) with the KV heads repeated to the query heads: that is
-    what sends CPU SDPA to its flash kernel. 3-D inputs, or ``enable_gqa`` on older torch,
-    fall back to the "math" path, which materialises the scores (several times slower)."""
-    q_len, n_q_heads, _ = query.shape
-    group = n_q_heads // k_cache.shape[2]
-    k = _gather_kv(k_cache, block_table[None], seq_len[None]).transpose(0, 1)  # [1, Hkv, S, D]
-    v = _gather_kv(v_cache, block_table[None], seq_len[None]).transpose(0, 1)
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    q = query.float().transpose(0, 1)[None]  # [1, Hq, q_len, D]
-    n_kv = k.shape[2]
-    n_cached = n_kv - q_len
-    mask = None
-    if n_cached:
-        q_pos = torch.arange(n_cached, n_kv, device=query.device)
-        mask = torch.arange(n_kv, device=query.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=not n_cached, scale=scale
-    )
-    return out[0].transpose(0, 1).to(query.dtype)
-
-
-def paged_attention_ref(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Reference and CPU hot path: decode rows batched, one SDPA per longer sequence."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    out = torch.zeros_like(query)
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
-    decode = (q_lens == 1).nonzero().flatten()
-    if decode.numel():
-        rows = starts[decode]
-        out[rows] = _decode_ref(
-            query[rows], k_cache, v_cache, block_tables[decode], seq_lens[decode], scale
-        )
-    prefill = (q_lens > 1).nonzero().flatten().tolist()
-    bounds = starts.tolist()
-    for b in prefill:
-        start, end = bounds[b], bounds[b + 1]
-        out[start:end] = _prefill_ref(
-            query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale
-        )
-    return out
+def _merge_kv_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch the merge of ``partial [T, Hq, splits, D]`` into ``out [T, Hq, D]``."""
+    n_tokens, n_q_heads, splits, head_dim = partial.shape
+    _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
+        partial, lse, out, splits, head_dim, partial.stride(0), partial.stride(1),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
 
 
 def paged_attention(
@@ -355,17 +275,21 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
-    and short chunks with SDPA for long prefill chunks; the reference when asked for."""
+    and short chunks with SDPA for long prefill chunks; the reference when asked for.
+    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     path = kernel_path(query, has_numba=True)
     if path == "triton":
-        return paged_attention_triton(*args)
+        return paged_attention_triton(*args, **extra)
     if path == "numba":
         from pagedserve.kernels.paged_attention_numba import paged_attention_cpu
 
-        return paged_attention_cpu(*args)
-    return paged_attention_ref(*args)
+        return paged_attention_cpu(*args, **extra)
+    return paged_attention_ref(*args, **extra)

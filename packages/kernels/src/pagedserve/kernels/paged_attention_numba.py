@@ -33,12 +33,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic, overload
+from numba import prange
 
 from pagedserve.kernels.dispatch import kernel_path
-from pagedserve.kernels.paged_attention import _check, _prefill_ref
+from pagedserve.kernels.numba_half import _to_float32
+from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 
 TILE_N = 32  # KV positions scored per online-softmax step
 # paged_attention_cpu sends a sequence with more new tokens than this to SDPA's flash kernel
@@ -50,49 +49,6 @@ PREFILL_TILE_Q = 8  # new tokens per work item in a prefill chunk (x the query h
 # Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
 # NaN/inf are left out: -inf is the running max before a row has seen anything.
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
-
-
-@intrinsic
-def _bits_as_float32(typingctx, bits):
-    """Reinterpret a uint32 bit pattern as a float32 (numba cannot view a scalar)."""
-    if bits != types.uint32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-def _to_float32(x):
-    """A cache element as fp32: fp32 as is, int16 as bf16 bits, uint16 as fp16 bits."""
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
-@overload(_to_float32, inline="always")
-def _to_float32_impl(x):
-    if x == types.float32:
-        return lambda x: x
-    if x == types.int16:  # bf16: the high half of an fp32
-
-        def bf16(x):
-            return _bits_as_float32(np.uint32(np.uint32(np.uint16(x)) << np.uint32(16)))
-
-        return bf16
-    if x == types.uint16:  # fp16: move exponent/mantissa into place, rescale by 2**112
-
-        def fp16(x):
-            h = np.uint32(x)
-            magnitude = np.uint32(h & np.uint32(0x7FFF))
-            shifted = np.uint32(magnitude << np.uint32(13))
-            # One multiply rebiases the exponent and renormalises subnormals exactly.
-            f = _bits_as_float32(shifted) * np.float32(2.0**112)
-            if magnitude >= np.uint32(0x7C00):  # inf / NaN keep an all-ones exponent
-                f = _bits_as_float32(np.uint32(shifted | np.uint32(0x7F800000)))
-            return -f if h & np.uint32(0x8000) else f
-
-        return fp16
-    return None
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
@@ -141,20 +97,22 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def _online_softmax(s, n_visible, m, row_sum, acc, r):
-    """Row r's scores over its first n_visible positions become probabilities (0 past them),
-    rescaled to the row's running max; the row's sum and accumulator follow the new max.
-    A row that sees none of the tile (n_visible 0) has seen position 0 already, so its max
-    is finite and it keeps its state."""
-    if n_visible == 0:
+def _online_softmax(s, first, n_visible, m, row_sum, acc, r):
+    """Row r's scores over positions ``first .. n_visible - 1`` of the tile become
+    probabilities (0 outside: past its own position, or before its sliding window), rescaled
+    to the row's running max; the row's sum and accumulator follow the new max. A row that
+    sees none of the tile keeps its state."""
+    if n_visible <= first:
         s[r, :] = 0
         return
     m_new = m[r]
-    for j in range(n_visible):
+    for j in range(first, n_visible):
         m_new = max(m_new, s[r, j])
     alpha = np.exp(m[r] - m_new)  # 0 on the row's first tile (m = -inf)
     total = np.float32(0.0)
-    for j in range(n_visible):
+    for j in range(first):
+        s[r, j] = 0
+    for j in range(first, n_visible):
         p = np.exp(s[r, j] - m_new)
         s[r, j] = p
         total += p
@@ -168,9 +126,10 @@ def _online_softmax(s, n_visible, m, row_sum, acc, r):
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1, kv_lo,
-                 kv_hi, scale, acc, m, row_sum):  # fmt: skip
+                 kv_hi, scale, window, cap, acc, m, row_sum):  # fmt: skip
     """Fold KV positions ``kv_lo .. kv_hi`` (clipped to what the tile sees) into the online
-    softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads."""
+    softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads. ``window``
+    > 0: a token sees its last ``window`` positions only; ``cap`` > 0: scores soft-capped."""
     n_q_heads, head_dim = query.shape[1], query.shape[2]
     group = n_q_heads // k_cache.shape[2]
     n_rows = (q1 - q0) * n_q_heads
@@ -183,16 +142,22 @@ def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1
     for start in range(kv_lo, kv_end, TILE_N):
         n = min(TILE_N, kv_end - start)
         _score_tile(q, k_cache, block_table, start, n, group, s)
+        if cap > 0:
+            for r in range(n_rows):
+                for j in range(n):
+                    s[r, j] = cap * np.tanh(s[r, j] / cap)
         for t in range(q1 - q0):
             n_visible = max(0, min(n, n_cached + q0 + t + 1 - start))
+            first = max(0, n_cached + q0 + t + 1 - window - start) if window > 0 else 0
             for r in range(t * n_q_heads, (t + 1) * n_q_heads):
-                _online_softmax(s, n_visible, m, row_sum, acc, r)
+                _online_softmax(s, first, n_visible, m, row_sum, acc, r)
         _accumulate_tile(s, v_cache, block_table, start, n, group, acc)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            work, scale, out, part_acc, part_max, part_sum):  # fmt: skip
+                            work, scale, window, cap, out, part_acc, part_max,
+                            part_sum):  # fmt: skip
     """``work [W, 6]``: (sequence, first new token, last + 1, first KV position, last + 1,
     partial slot). Slot -1: the item covers all positions, its rows go to ``out``; else it
     is one KV split of a one-token tile and leaves its unnormalised state in the partials."""
@@ -207,7 +172,7 @@ def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, que
         row_sum = np.zeros(n_rows, np.float32)
         _attend_tile(
             query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
-            work[item, 3], work[item, 4], scale, acc, m, row_sum,
+            work[item, 3], work[item, 4], scale, window, cap, acc, m, row_sum,
         )  # fmt: skip
         if slot >= 0:
             part_acc[slot] = acc
@@ -264,15 +229,18 @@ def _num_kv_splits(n_tiles: int, max_kv_end: int, threads: int) -> int:
     return max(1, min(-(-2 * threads // max(n_tiles, 1)), max_kv_end // MIN_SPLIT_POSITIONS))
 
 
-def _plan(tiles, starts, seq_lens, splits: int) -> tuple[np.ndarray, np.ndarray]:
+def _plan(tiles, starts, seq_lens, splits: int, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Work items, most KV positions first: the tiles, with each one-token tile of >=
     2 * MIN_SPLIT_POSITIONS positions cut into ``splits`` KV ranges; and the merges of the
-    split ones. ``(work [W, 6], merges [G, 3])`` as the two kernels read them."""
+    split ones. ``(work [W, 6], merges [G, 3])`` as the two kernels read them. Under a
+    ``window`` (> 0; never split) a tile starts at its first token's horizon."""
     seq, q0, q1 = tiles[:, 0], tiles[:, 1], tiles[:, 2]
-    kv_end = seq_lens[seq] - (starts[seq + 1] - starts[seq]) + q1
+    n_cached = seq_lens[seq] - (starts[seq + 1] - starts[seq])
+    kv_end = n_cached + q1
     split = (q1 - q0 == 1) & (kv_end >= 2 * MIN_SPLIT_POSITIONS) & (splits > 1)
     zeros = np.zeros_like(seq)
-    parts = [np.stack([seq, q0, q1, zeros, kv_end, zeros - 1], axis=1)[~split]]
+    kv_lo = np.maximum(n_cached + q0 - window + 1, 0) if window > 0 else zeros
+    parts = [np.stack([seq, q0, q1, kv_lo, kv_end, zeros - 1], axis=1)[~split]]
     merges = np.zeros((0, 3), np.int64)
     if split.any():
         s_seq, s_q0, s_end = seq[split], q0[split], kv_end[split]
@@ -317,6 +285,8 @@ def paged_attention_numba(
     scale: float,
     max_q_len: int | None = None,
     num_kv_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
 
@@ -338,7 +308,8 @@ def paged_attention_numba(
         return out.to(query.dtype)
     threads = _set_threads()
     splits = num_kv_splits or _num_kv_splits(len(tiles), int(lens.max()), threads)
-    work, merges = _plan(tiles, starts, lens, splits)
+    window = sliding_window or 0
+    work, merges = _plan(tiles, starts, lens, 1 if window else splits, window)
     n_parts, n_q_heads, head_dim = int((work[:, 5] >= 0).sum()), query.shape[1], query.shape[2]
     part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
     part_max = np.empty((n_parts, n_q_heads), np.float32)
@@ -348,7 +319,7 @@ def paged_attention_numba(
         query.detach().to(torch.float32).contiguous().numpy(),
         _cache_as_numpy(k_cache.detach()), _cache_as_numpy(v_cache.detach()),
         block_tables.to(torch.int32).numpy(), lens, starts, work, np.float32(scale),
-        out.numpy(), part_acc, part_max, part_sum,
+        window, np.float32(logits_soft_cap or 0.0), out.numpy(), part_acc, part_max, part_sum,
     )  # fmt: skip
     if len(merges):
         _merge_kv_splits(part_acc, part_max, part_sum, merges, out.numpy())
@@ -364,20 +335,24 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
     SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens."""
     out = paged_attention_numba(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_q_len=NUMBA_MAX_Q_LEN,
+        max_q_len=NUMBA_MAX_Q_LEN, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )  # fmt: skip
     bounds = query_start_loc.tolist()
     for b in range(len(bounds) - 1):
         start, end = bounds[b], bounds[b + 1]
         if end - start > NUMBA_MAX_Q_LEN:
             out[start:end] = _prefill_ref(
-                query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale
-            )
+                query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale,
+                sliding_window, logits_soft_cap,
+            )  # fmt: skip
     return out
 
 

@@ -4,7 +4,8 @@ Not a fast path and not used by the engine: :func:`paged_attention_ref` (the CPU
 vectorised path) and the Triton kernel are both compared against this in the kernel suite.
 Each line is one clause of the contract (``paged_attention``'s docstring): for each sequence,
 gather its keys and values through its block table, let each new token see the cached
-positions up to its own, softmax in fp32, weighted sum, cast to the query's dtype.
+positions up to its own (and, with a sliding window, no further back than the window),
+cap the scores (``logits_soft_cap``), softmax in fp32, weighted sum, cast to the query's dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def paged_attention_spec(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``paged_attention``; one sequence at a time."""
     out = torch.zeros_like(query)  # rows no sequence owns stay zero
@@ -30,8 +33,11 @@ def paged_attention_spec(
         seq_len, q_len = int(seq_lens[b]), end - start
         if q_len == 0:
             continue
+        # With a window, token j sees positions > its own - window: none before the first
+        # new token's horizon is read (their blocks may have been freed).
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
         # Key position p of sequence b lives in slot block_tables[b, p // bs] * bs + p % bs.
-        pos = torch.arange(seq_len, device=query.device)
+        pos = torch.arange(first, seq_len, device=query.device)
         blocks = block_tables[b, pos // block_size].long()
         keys = k_cache[blocks, pos % block_size].float()  # [seq_len, Hkv, D]
         values = v_cache[blocks, pos % block_size].float()
@@ -40,7 +46,12 @@ def paged_attention_spec(
         # New token j sits at position seq_len - q_len + j and sees positions <= its own.
         q_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if sliding_window is not None:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out

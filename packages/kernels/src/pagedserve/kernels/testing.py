@@ -46,12 +46,15 @@ def make_paged_batch(
     seed: int = 0,
     pad_value: int = -1,
     spare_blocks: int = 3,
+    sliding_window: int | None = None,
 ) -> PagedBatch:
     """A batch of sequences given as ``(seq_len, q_len)``: q_len new tokens at the end.
 
     ``(n, n)`` is a whole prompt, ``(n, 1)`` a decode, ``(n, k)`` with 1 < k < n a prefill
     chunk or a prompt over a cached prefix. Block tables are padded with ``pad_value`` to
-    the longest sequence plus one, so every table has at least one padding entry.
+    the longest sequence plus one, so every table has at least one padding entry. With
+    ``sliding_window``, blocks wholly before the first new token's window are "freed" as the
+    block manager frees them: their entries point at a spare all-NaN block.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
@@ -68,6 +71,9 @@ def make_paged_batch(
         blocks = order[next_block : next_block + blocks_per_seq[b]]
         next_block += blocks_per_seq[b]
         block_tables[b, : len(blocks)] = blocks
+        if sliding_window is not None:  # positions < horizon are out of every window
+            horizon = max(0, seq_len - q_len - sliding_window + 1)
+            block_tables[b, : horizon // block_size] = order[-1]
         k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
         pos = torch.arange(seq_len)

@@ -20,11 +20,17 @@ The query, output and cache strides stay specialised (they vectorise the tile lo
 warm-up's query is contiguous, the models' may be a view of the fused qkv output; for head_dim
 a multiple of 16 (every model here) both strides divide by 16 and give one variant.
 
+A model with sliding-window layers (or soft-capped scores) adds the windowed variants: a decode
+step and a prefill step (a windowed decode never splits its KV axis); the window's width is a
+runtime scalar, so one window compiles for all.
+
 Every other kernel has one variant per model and dtype and is compiled by the first forward
 (the profiling step, on a GPU).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -49,10 +55,14 @@ def paged_attention_warmup(
     block_size: int,
     max_model_len: int,
     device: torch.device | str,
+    layer_windows: Sequence[int | None] = (None,),
+    logits_soft_cap: float | None = None,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
     returns the number of launches. Does nothing off a GPU (CPU tensors outside
-    ``taken_as_cuda``) or where dispatch would not pick Triton (``PAGEDSERVE_KERNELS=ref``)."""
+    ``taken_as_cuda``) or where dispatch would not pick Triton (``PAGEDSERVE_KERNELS=ref``).
+    ``layer_windows``: every layer's window (None: global), as ``ModelConfig.sliding_windows``
+    gives them; ``logits_soft_cap``: the model's attention soft cap, if any."""
     probe = torch.empty(0, device=device)
     if not (is_cuda(probe) and use_triton(probe)):
         return 0
@@ -64,12 +74,16 @@ def paged_attention_warmup(
     ]
     block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     seq_lens = torch.full((1,), 2, dtype=torch.int32, device=device)
-    launches = 0
-    for n_tokens, kv_splits in [(1, 1), (2, 1), *((1, s) for s in splits)]:  # decode, prefill
+    windows = {w for w in layer_windows if w is not None}
+    variants = [(None, 1, 1), (None, 2, 1), *((None, 1, s) for s in splits)]  # decode, prefill
+    variants = variants if None in layer_windows else []
+    if windows:
+        variants += [(min(windows), 1, 1), (min(windows), 2, 1)]
+    for window, n_tokens, kv_splits in variants:
         query = torch.zeros(n_tokens, n_q_heads, head_dim, dtype=dtype, device=device)
         query_start_loc = torch.tensor([0, n_tokens], dtype=torch.int32, device=device)
         paged_attention_triton(
-            query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits
-        )
-        launches += 1
-    return launches
+            query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits,
+            sliding_window=window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
+    return len(variants)

@@ -9,6 +9,13 @@ from typing import Any
 
 import torch
 
+from pagedserve.models.generation_config import (
+    GenerationConfigError,
+    GenerationDefaults,
+    load_generation_defaults,
+)
+from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -20,17 +27,54 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "GPT2LMHeadModel": "gpt2",
-}
+
+# Weight-only methods applied at load time (quantization.py); "int8" and "fp8" (e4m3).
+QUANTIZATION_METHODS = ("int8", "fp8")
 
 
 class ModelLoadError(ValueError):
     """The model folder is missing, malformed, or holds an architecture we do not support."""
+
+
+def check_quantization(method: str | None, hf_config: dict) -> None:
+    """Refuse, at load time, what pagedserve would otherwise load wrongly: an unknown method,
+    or a checkpoint that is already quantized (its packed tensors are not a plain weight)."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ModelLoadError(
+            f"quantization {method!r} is not supported; one of {list(QUANTIZATION_METHODS)} "
+            "(weight-only, applied at load time to an unquantized checkpoint)"
+        )
+    stored = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if stored is not None:
+        raise ModelLoadError(
+            f"this checkpoint is already quantized (quantization_config.quant_method = "
+            f"{stored!r}); pagedserve does not load pre-quantized {stored} checkpoints yet. "
+            "Serve the unquantized checkpoint, with --quantization int8 or fp8 to quantize it "
+            "at load time."
+        )
+
+
+MODEL_FOLDER_LAYOUT = (
+    "config.json; model.safetensors (or model-0000k-of-0000n.safetensors shards with "
+    "model.safetensors.index.json, or pytorch_model.bin); tokenizer.json and "
+    "tokenizer_config.json; optionally generation_config.json"
+)
+
+
+def _not_a_model_folder(model: str) -> str:
+    """What to tell a user whose ``model`` is not a folder we can read: for something shaped
+    like a hub id (``org/name``, no such folder here), how to get the folder, since pagedserve
+    never downloads."""
+    parts = model.split("/")
+    looks_like_hub_id = len(parts) == 2 and all(parts) and not Path(model).exists()
+    if looks_like_hub_id and not model.startswith((".", "~")):
+        return (
+            f"{model!r} looks like a Hugging Face hub id, and pagedserve does not download "
+            "models: download it first (e.g. `huggingface-cli download "
+            f"{model} --local-dir ./{parts[1]}`) and pass the folder. It must hold: "
+            f"{MODEL_FOLDER_LAYOUT}"
+        )
+    return f"{model!r} is not a model folder: no config.json in it (a folder holds: {MODEL_FOLDER_LAYOUT})"
 
 
 def resolve_dtype(
@@ -52,7 +96,9 @@ def resolve_dtype(
 class ModelConfig:
     """The model to serve and how: its folder, dtype, device and maximum sequence length.
 
-    ``hf_config`` is the parsed config.json; ``arch`` the family we map it onto.
+    ``hf_config`` is the parsed config.json; ``arch`` the family we map it onto;
+    ``generation_defaults`` what generation_config.json adds (``generation_config``: ``auto``,
+    ``vllm`` or a folder, as vLLM's ``--generation-config``; generation_config.py).
     """
 
     model: str
@@ -60,17 +106,20 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
+    generation_config: str = "auto"
     hf_config: dict[str, Any] = field(init=False)
     architecture: str = field(init=False)
     arch: str = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
+    generation_defaults: GenerationDefaults = field(init=False)
 
     def __post_init__(self) -> None:
         path = Path(self.model)
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise ModelLoadError(f"{self.model!r} is not a model folder: no config.json in it")
+            raise ModelLoadError(_not_a_model_folder(self.model))
         try:
             self.hf_config = json.loads(config_file.read_text())
         except json.JSONDecodeError as e:
@@ -81,17 +130,30 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {archs}; pagedserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        check_quantization(self.quantization, self.hf_config)
         self.architecture = known[0]
         self.arch = SUPPORTED_ARCHITECTURES[self.architecture]
         if self.device == "auto":
             self.torch_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
-            self.torch_device = torch.device(self.device)
+            try:
+                self.torch_device = torch.device(self.device)
+            except RuntimeError as e:
+                raise ModelLoadError(f"device {self.device!r} is not a device: {e}") from e
+            if self.torch_device.type == "cuda" and not torch.cuda.is_available():
+                raise ModelLoadError(
+                    f"device {self.device!r} was asked for, but this machine has no CUDA device "
+                    "usable by torch (use --device cpu, or auto)"
+                )
         self.torch_dtype = resolve_dtype(
             self.dtype,
             self.hf_config.get("torch_dtype") or self.hf_config.get("dtype"),
             self.torch_device,
         )
+        try:
+            self.generation_defaults = load_generation_defaults(path, self.generation_config)
+        except GenerationConfigError as e:
+            raise ModelLoadError(str(e)) from e
         limit = self.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -134,8 +196,49 @@ class ModelConfig:
         return int(self.hf_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
 
     @property
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (positions a token sees, its own included), None for
+        a global layer: transformers' ``layer_types`` where the config lists them, else the
+        family's rule (Qwen2/3: ``use_sliding_window`` from ``max_window_layers`` on; Gemma 2:
+        every other layer; Gemma 3: all but every ``sliding_window_pattern``-th; Mistral and
+        Phi-3: every layer). A window that covers ``max_model_len`` is no window."""
+        c, n = self.hf_config, self.num_layers
+        window = c.get("sliding_window")
+        if not window:
+            return [None] * n
+        if c.get("layer_types"):
+            sliding = [t == "sliding_attention" for t in c["layer_types"]]
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            first = int(c.get("max_window_layers") or 0)
+            sliding = [bool(c.get("use_sliding_window")) and i >= first for i in range(n)]
+        elif self.architecture == "Gemma2ForCausalLM":
+            sliding = [i % 2 == 0 for i in range(n)]
+        elif self.architecture == "Gemma3ForCausalLM":
+            pattern = int(c.get("sliding_window_pattern") or 6)
+            sliding = [(i + 1) % pattern != 0 for i in range(n)]
+        else:
+            sliding = [True] * n
+        if window >= (self.max_model_len or self.max_position_embeddings):
+            return [None] * n
+        return [int(window) if s else None for s in sliding]
+
+    @property
+    def attention_logits_soft_cap(self) -> float | None:
+        """Gemma 2's cap on attention scores (``attn_logit_softcapping``), None elsewhere."""
+        cap = self.hf_config.get("attn_logit_softcapping")
+        return float(cap) if cap else None
+
+    @property
+    def kv_cache_window(self) -> int | None:
+        """The window the block manager may free blocks behind: every layer's, when every
+        layer has one (the widest); None when any layer is global (its cache keeps all)."""
+        windows = self.sliding_windows
+        return None if None in windows else max(windows)
+
+    @property
     def eos_token_ids(self) -> list[int]:
+        """config.json's end ids, then generation_config.json's (its list is the one chat
+        models fill with their end-of-turn ids)."""
         eos = self.hf_config.get("eos_token_id")
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, list) else [int(eos)]
+        ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
+        return ids + [i for i in self.generation_defaults.eos_token_ids if i not in ids]

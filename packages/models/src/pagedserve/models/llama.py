@@ -28,7 +28,7 @@ from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelContext, layer_idx: int) -> None:
         super().__init__()
         c, dtype = config.hf_config, config.torch_dtype
         arch = config.architecture
@@ -62,7 +62,13 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             head_dim, config.max_position_embeddings, rope_parameters(c)
         )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            sliding_window=config.sliding_windows[layer_idx],
+        )
 
     def forward(
         self,
@@ -108,11 +114,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelContext, layer_idx: int) -> None:
         super().__init__()
         eps, dtype = config.hf_config["rms_norm_eps"], config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, par)
+        self.self_attn = LlamaAttention(config, par, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(config, par)
 
@@ -137,7 +143,7 @@ class LlamaModel(nn.Module):
             **par.shard_args(),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, par) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, par, i) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
             config.hidden_size, config.hf_config["rms_norm_eps"], config.torch_dtype

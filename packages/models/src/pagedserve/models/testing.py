@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 TINY_VOCAB = 512
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+TINY_WINDOW = 16  # the sliding window of the tiny Gemmas' local layers (prompts go past it)
 
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -57,10 +58,53 @@ def _llama_family_config(arch: str, overrides: dict[str, Any]):
         cls, common["tie_word_embeddings"] = transformers.Qwen2Config, True
     elif arch == "qwen3":
         cls, common["head_dim"] = transformers.Qwen3Config, 32
+    elif arch in ("gemma2", "gemma3", "phi3"):
+        cls = _gemma_phi3_config(arch, common)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
     common.update(overrides)
     return cls(**common)
+
+
+def _gemma_phi3_config(arch: str, common: dict[str, Any]):
+    """Gemma 2/3: a local (windowed) layer then a global one, soft caps small enough to bend
+    the tiny model's scores, Gemma 3's two rope bases (the global one linearly scaled). Phi-3:
+    a 24-token window on every layer; LongRoPE with an original length of 48: the test prompts fit in it (transformers picks
+    one factor set per forward), and 32 greedy tokens decode past it."""
+    import transformers
+
+    if arch == "phi3":
+        half = 8  # head_dim 16 / 2
+        common.update(
+            pad_token_id=0,
+            sliding_window=24,  # Phi-3-mini-4k's is 2047: every layer windowed
+            original_max_position_embeddings=48,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [1.0 + 0.5 * i for i in range(half)],
+            },
+        )
+        return transformers.Phi3Config
+    common.update(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=TINY_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+        # untied: with the embedding scaled by sqrt(hidden), a tied head mostly echoes the
+        # last token, and greedy decoding would test little beyond the embedding
+        tie_word_embeddings=False,
+    )
+    if arch == "gemma2":
+        common.update(attn_logit_softcapping=3.0, final_logit_softcapping=10.0)
+        return transformers.Gemma2Config
+    common["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+    }
+    return transformers.Gemma3TextConfig
 
 
 def _gpt2_config(overrides: dict[str, Any]):

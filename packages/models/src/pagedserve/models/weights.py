@@ -1,7 +1,9 @@
-"""Reading safetensors checkpoints and copying their tensors into a model's parameters.
+"""Reading checkpoints and copying their tensors into a model's parameters.
 
 A checkpoint is one ``model.safetensors`` or several shards listed in
-``model.safetensors.index.json``. Tensors are yielded as ``CheckpointTensor`` handles that read
+``model.safetensors.index.json``; failing those, PyTorch's ``pytorch_model.bin`` (or its shards
+and ``pytorch_model.bin.index.json``), read with ``torch.load(weights_only=True)`` so that a
+checkpoint can hold tensors only, never code to run, and memory-mapped where the file allows. Tensors are yielded as ``CheckpointTensor`` handles that read
 nothing until asked: a tensor-parallel rank narrows a handle to its rows or columns and reads
 only those bytes (safetensors ``get_slice``), so no rank ever materialises a weight it does not
 hold, and loading never holds two copies of the model.
@@ -20,19 +22,31 @@ from torch import nn
 from pagedserve.models.config import ModelLoadError
 
 
+def _indexed(model_dir: Path, index_name: str) -> list[Path] | None:
+    index = model_dir / index_name
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [model_dir / f for f in sorted(set(weight_map.values()))]
+
+
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of a model folder: safetensors when there are any, else .bin."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no safetensors weights in {model_dir}")
-    return files
+    for index_name, single, pattern in (
+        ("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin"),
+    ):
+        files = _indexed(model_dir, index_name)
+        if files is None:
+            files = [model_dir / single] if (model_dir / single).is_file() else []
+            files = files or sorted(model_dir.glob(pattern))
+        if files:
+            return files
+    raise ModelLoadError(
+        f"no weights in {model_dir}: expected model.safetensors (or shards listed in "
+        "model.safetensors.index.json) or pytorch_model.bin (or pytorch_model.bin.index.json)"
+    )
 
 
 class CheckpointTensor:
@@ -109,9 +123,29 @@ def materialize(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
     return loaded.read() if isinstance(loaded, CheckpointTensor) else loaded
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every tensor of the checkpoint as a lazy handle (read by the loader that consumes it)."""
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint's tensors, memory-mapped when it is in the zip format (torch >=
+    1.6 writes that), so a rank that narrows a tensor touches only those pages."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy format cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle refusing a non-tensor object, a truncated file
+        raise ModelLoadError(f"cannot read {path} as tensors only: {e}") from e
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{path} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def iterate_weights(
+    model_dir: str | Path,
+) -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
+    """Every tensor of the checkpoint: a lazy handle for safetensors (read by the loader that
+    consumes it), a (memory-mapped) tensor for .bin files."""
     for path in checkpoint_files(model_dir):
+        if path.suffix == ".bin":
+            yield from _load_bin(path).items()
+            continue
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, CheckpointTensor.open(f.get_slice(name))

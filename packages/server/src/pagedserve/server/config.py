@@ -27,8 +27,11 @@ class ServerConfig:
     port: int = option(8000, "port to listen on")
     api_key: str | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $PAGEDSERVE_API_KEY, else no key)",
+        "require 'Authorization: Bearer KEY' on every route but /health, /metrics and the API's "
+        "docs (default: $PAGEDSERVE_API_KEY, else no key)",
+    )
+    metrics_require_api_key: bool = option(
+        False, "with --api-key, guard /metrics too (vLLM leaves it open to Prometheus)"
     )
     served_model_name: str | None = option(
         None,
@@ -46,6 +49,18 @@ class ServerConfig:
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
     log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
+    enable_request_id_headers: bool = option(
+        False, "echo the request's X-Request-Id (or a new id) in an X-Request-Id response header"
+    )
+    allowed_origins: tuple[str, ...] = option(
+        ("*",), "CORS: origins allowed to call from a browser (JSON list or a,b)", unit="list"
+    )
+    allowed_methods: tuple[str, ...] = option(("*",), "CORS: allowed methods", unit="list")
+    allowed_headers: tuple[str, ...] = option(("*",), "CORS: allowed request headers", unit="list")
+    allow_credentials: bool = option(False, "CORS: allow credentials (cookies, HTTP auth)")
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)"
+    )
     chat_template: str | None = option(
         None, "a chat template (a Jinja file, or the template itself) instead of the model's"
     )

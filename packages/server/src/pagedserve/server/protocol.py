@@ -29,9 +29,22 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
-class SamplingRequest(StructuredOutputFields, OpenAIBaseModel):
+class VLLMSamplingFields(OpenAIBaseModel):
+    """vLLM's request fields beyond OpenAI's, shared by both generation routes (the server's
+    handling of them is in vllm_fields.py)."""
+
+    prompt_logprobs: StrictInt | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras;
     the structured-output ones in structured_protocol.py)."""
 
@@ -61,6 +74,12 @@ class SamplingRequest(StructuredOutputFields, OpenAIBaseModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: usage in every chunk, with include_usage and continuous_usage_stats."""
+        options = self.stream_options
+        return self.include_usage_in_stream and bool(options and options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):
@@ -114,12 +133,14 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: StrictStr
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -156,12 +177,28 @@ class CompletionLogprobs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob: one candidate at one prompt position (``rank`` 1 is the likeliest;
+    None where the token is outside the top candidates returned)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: PromptLogprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -203,6 +240,7 @@ class ChatCompletionChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -213,6 +251,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -227,6 +267,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -237,6 +278,8 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk
+    prompt_token_ids: list[int] | None = None  # return_token_ids, on the first chunk
 
 
 class ModelCard(OpenAIBaseModel):
@@ -246,6 +289,8 @@ class ModelCard(OpenAIBaseModel):
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
+    # the model's generation_config sampling defaults a request inherits (vLLM's names)
+    default_sampling_params: dict[str, Any] = {}
 
 
 class ModelList(OpenAIBaseModel):
@@ -257,6 +302,14 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # return_token_strs
+
+
+class TokenizerInfoResponse(OpenAIBaseModel):
+    """GET /tokenizer_info: the tokenizer's class and its JSON-safe configuration, as vLLM."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeResponse(OpenAIBaseModel):
@@ -265,3 +318,8 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class VersionResponse(OpenAIBaseModel):
     version: str
+
+
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok", "draining", "dead"]
+    error: str | None = None

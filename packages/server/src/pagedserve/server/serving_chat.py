@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput, apply_chat_template
 from pagedserve.server.errors import APIError, bad_request
-from pagedserve.server.logprobs import chat_logprobs
+from pagedserve.server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -41,6 +41,7 @@ from pagedserve.server.tools import (
     plan_tools,
     template_supports_tools,
 )
+from pagedserve.server.vllm_fields import default_max_tokens
 
 # The engine's names -> the chat API's, so a 400 names the field the client sent.
 CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -95,7 +96,7 @@ def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
 
 def plan_prompt(
     state: ServerState, body: ChatCompletionRequest
-) -> tuple[PromptRequest, dict[str, str]]:
+) -> tuple[PromptRequest, dict[str, str], ToolCallPlan]:
     """The conversation as one engine request with the request's n, and the API's names of the
     engine's fields (for the engine's refusals)."""
     check_caps(state, body)
@@ -120,6 +121,12 @@ def plan_prompt(
     if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
     max_tokens, param = max_tokens_of(body)
+    was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    max_model_len = state.engine.scheduler_config.max_model_len
+    defaults = state.engine.model_config.generation_defaults.sampling
+    max_tokens = default_max_tokens(  # generation_config's max_new_tokens, else all the room
+        body, max_tokens, was_sent, len(prompt_ids), max_model_len, defaults.get("max_tokens")
+    )
     aliases = {**CHAT_ALIASES, "max_tokens": param, **structured_output_aliases(body)}
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = build_sampling_params(
@@ -127,6 +134,8 @@ def plan_prompt(
         max_tokens=max_tokens,
         logprobs=logprobs,
         aliases=aliases,
+        defaults=defaults,
+        prompt_logprobs=body.prompt_logprobs,
         structured_outputs=tools.constraint() or constraint,
     )
     return PromptRequest(0, prompt_ids, params), aliases, tools
@@ -139,7 +148,7 @@ async def create_chat_completion(
     prompt, aliases, tools = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
     streams = EngineStreams(state, request_id, [prompt], body.priority, aliases)
-    view = _ChatView(state, body, request_id, len(prompt.prompt_token_ids), tools)
+    view = _ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
     try:
         await unless_disconnected(request, streams.admitted())
         if body.stream:
@@ -154,12 +163,28 @@ async def create_chat_completion(
 class _ChatView:
     """Turns engine outputs into OpenAI chat bodies and SSE chunks."""
 
-    def __init__(self, state, body, request_id, num_prompt_tokens: int, tools) -> None:
+    def __init__(self, state, body, request_id, prompt_token_ids: list[int], tools) -> None:
         self.state, self.body, self.id, self.tools = state, body, request_id, tools
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
+        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
         self.k = body.top_logprobs or 0
+
+    def _prompt_extras(self, output: RequestOutput) -> dict:
+        """vLLM's prompt fields (response level): ``prompt_logprobs``, ``prompt_token_ids``."""
+        extras = {}
+        if self.body.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = prompt_logprobs(
+                self.name, output.prompt_logprobs, self.body.prompt_logprobs
+            )
+        if self.body.return_token_ids:
+            extras["prompt_token_ids"] = self.prompt_token_ids
+        return extras
+
+    def _token_ids(self, token_ids: list[int]) -> list[int] | None:
+        return token_ids if self.body.return_token_ids else None
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo(
@@ -171,7 +196,7 @@ class _ChatView:
     def _logprobs(self, token_ids, logprobs):
         if not self.body.logprobs:
             return None
-        return chat_logprobs(self.tokenizer, token_ids, logprobs, self.k)
+        return chat_logprobs(self.name, token_ids, logprobs, self.k)
 
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
         choices = []
@@ -184,6 +209,7 @@ class _ChatView:
                     logprobs=self._logprobs(completion.token_ids, completion.logprobs),
                     finish_reason=tool_calls_finish_reason(completion.finish_reason, bool(calls)),
                     stop_reason=completion.stop_reason,
+                    token_ids=self._token_ids(completion.token_ids),
                 )
             )
         tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -193,26 +219,37 @@ class _ChatView:
             model=self.state.model_name,
             choices=choices,
             usage=self.usage(tokens),
+            **self._prompt_extras(final),
         )
 
-    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage=None, **extras) -> str:
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
             model=self.state.model_name,
             choices=choices,
             usage=usage,
+            **extras,
         )
         return sse(chunk.model_dump_json())
 
+    def _running_usage(self, progress: StreamProgress) -> UsageInfo | None:
+        return self.usage(progress.completion_tokens) if self.body.continuous_usage else None
+
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
+        """The role chunks (the first carries the prompt's extras) when the engine's first
+        output arrives, then a chunk per new delta of each choice."""
         progress = StreamProgress()
         named_started: set[int] = set()
+        started = False
         try:
-            for index in range(self.body.n):
-                role = DeltaMessage(role="assistant", content="")
-                yield self._chunk([ChatCompletionStreamChoice(index=index, delta=role)])
             async for _, output in streams:
+                if self.body.use_beam_search and not output.finished:
+                    continue  # beams reorder as they go: only the final ones are text to send
+                if not started:
+                    started = True
+                    for chunk in self._role_chunks(output, progress):
+                        yield chunk
                 for completion in output.outputs:
                     delta = progress.advance(completion.index, completion)
                     if delta is None:
@@ -232,13 +269,24 @@ class _ChatView:
                         logprobs=self._logprobs(delta.token_ids, delta.logprobs),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        token_ids=self._token_ids(delta.token_ids),
                     )
-                    yield self._chunk([choice])
+                    yield self._chunk([choice], self._running_usage(progress))
             if self.body.include_usage_in_stream:
                 yield self._chunk([], self.usage(progress.completion_tokens))
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE
+
+    def _role_chunks(self, output: RequestOutput, progress: StreamProgress) -> list[str]:
+        chunks = []
+        for index in range(self.body.n):
+            role = ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content="")
+            )
+            extras = self._prompt_extras(output) if index == 0 else {}
+            chunks.append(self._chunk([role], self._running_usage(progress), **extras))
+        return chunks
 
 
 def named_call_choice(tools: ToolCallPlan, completion, delta, first: bool):

@@ -33,14 +33,27 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Store this step's K/V into the cache, then attend through the block tables."""
+    """Store this step's K/V into the cache, then attend through the block tables.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    ``sliding_window`` (None: global) is this layer's window, as the model's config gives it
+    per layer; ``logits_soft_cap`` caps its scores (Gemma 2)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(
         self,
@@ -64,5 +77,7 @@ class PagedAttention(nn.Module):
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -26,6 +26,8 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
         params.setdefault(key, value)
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if hf_config.get("original_max_position_embeddings"):  # Phi-3 keeps it outside, and wins
+        params["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
     return params
 
 
@@ -49,8 +51,38 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
+    """Phi-3's LongRoPE ("su"): per-frequency rescaling, ``short_factor`` for positions below
+    ``original_max_position_embeddings`` and ``long_factor`` from there on, cos and sin scaled
+    by ``sqrt(1 + ln(factor) / ln(original))`` (factor: max over original positions).
+
+    Per position, as vLLM does. transformers picks one set per forward from its longest
+    position, so the two agree whenever no single forward straddles the original length (a
+    prompt within it, decoding past it); a prompt that straddles it gets the long factors for
+    all its positions there, here only for those past it."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_position / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    base = float(params["rope_theta"]) ** exponents
+    positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+    caches = []
+    for name, span in (
+        ("short_factor", positions[:original]),
+        ("long_factor", positions[original:]),
+    ):
+        inv_freq = 1.0 / (torch.tensor(params[name], dtype=torch.float32) * base)
+        freqs = torch.outer(span, inv_freq)
+        caches.append(torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1))
+    return torch.cat(caches)
+
+
 def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
     rope_type = params["rope_type"]
+    if rope_type in ("longrope", "su"):
+        return _longrope_cache(rotary_dim, max_position, params)
     inv_freq = _base_inv_freq(rotary_dim, float(params["rope_theta"]))
     positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
     if rope_type == "linear":
@@ -58,7 +90,9 @@ def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, An
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, params)
     elif rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3 are)")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope are)"
+        )
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 

@@ -1,0 +1,56 @@
+"""16-bit cache elements widened to fp32 inside numba-compiled code (numba has no half types).
+
+fp16 and bf16 caches are handed to numba as their 16-bit patterns (uint16 and int16 views);
+:func:`_to_float32` widens one element bit-exactly in registers, so the paged attention kernel
+(paged_attention_numba.py) reads any cache dtype in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+
+@intrinsic
+def _bits_as_float32(typingctx, bits):
+    """Reinterpret a uint32 bit pattern as a float32 (numba cannot view a scalar)."""
+    if bits != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def _to_float32(x):
+    """A cache element as fp32: fp32 as is, int16 as bf16 bits, uint16 as fp16 bits."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_to_float32, inline="always")
+def _to_float32_impl(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.int16:  # bf16: the high half of an fp32
+
+        def bf16(x):
+            return _bits_as_float32(np.uint32(np.uint32(np.uint16(x)) << np.uint32(16)))
+
+        return bf16
+    if x == types.uint16:  # fp16: move exponent/mantissa into place, rescale by 2**112
+
+        def fp16(x):
+            h = np.uint32(x)
+            magnitude = np.uint32(h & np.uint32(0x7FFF))
+            shifted = np.uint32(magnitude << np.uint32(13))
+            # One multiply rebiases the exponent and renormalises subnormals exactly.
+            f = _bits_as_float32(shifted) * np.float32(2.0**112)
+            if magnitude >= np.uint32(0x7C00):  # inf / NaN keep an all-ones exponent
+                f = _bits_as_float32(np.uint32(shifted | np.uint32(0x7F800000)))
+            return -f if h & np.uint32(0x8000) else f
+
+        return fp16
+    return None

@@ -1,0 +1,91 @@
+"""The architectures pagedserve serves: Hugging Face's class name -> our family, and what it is.
+
+The one list: ``ModelConfig`` maps a config.json's ``architectures`` through it (and names it in
+the error for anything else), ``loader.MODEL_CLASSES`` builds each family, and the README's
+table of supported architectures is generated from it (``python -m
+pagedserve.models.registry``; a test holds the README to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    family: str  # the key of loader.MODEL_CLASSES that builds it
+    examples: str  # checkpoints people run under this class name
+    notes: str  # what the implementation covers beyond the family's common layers
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(
+        "llama", "Llama 2/3/3.1/3.2, SmolLM2", "GQA, Llama 3.1 and linear RoPE scaling"
+    ),
+    "MistralForCausalLM": Architecture("llama", "Mistral 7B", "sliding-window attention"),
+    "Qwen2ForCausalLM": Architecture(
+        "llama", "Qwen2, Qwen2.5", "qkv bias; sliding window from max_window_layers on"
+    ),
+    "Qwen3ForCausalLM": Architecture("llama", "Qwen3 (dense)", "per-head q/k RMSNorm"),
+    "Gemma2ForCausalLM": Architecture(
+        "gemma",
+        "Gemma 2",
+        "GeGLU, (1 + w) RMSNorm, alternating local/global layers, attention and final "
+        "logit soft-capping",
+    ),
+    "Gemma3ForCausalLM": Architecture(
+        "gemma",
+        "Gemma 3 (text: 1B, or a text-only export)",
+        "q/k RMSNorm, a rope base per layer type, 5 local : 1 global layers",
+    ),
+    "Phi3ForCausalLM": Architecture(
+        "phi3", "Phi-3, Phi-3.5 mini", "fused qkv and gate_up, LongRoPE, sliding window"
+    ),
+    "GPT2LMHeadModel": Architecture(
+        "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights"
+    ),
+}
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {n: a.family for n, a in ARCHITECTURES.items()}
+
+README_START = (
+    "<!-- supported-architectures:start (generated: python -m pagedserve.models.registry) -->"
+)
+README_END = "<!-- supported-architectures:end -->"
+
+
+def supported_architectures_table() -> str:
+    """The README's table, generated from ``ARCHITECTURES``, between its two markers."""
+    rows = [
+        README_START,
+        "| `architectures` in config.json | Models | Notes |",
+        "|---|---|---|",
+    ]
+    rows += [f"| `{name}` | {a.examples} | {a.notes} |" for name, a in ARCHITECTURES.items()]
+    return "\n".join([*rows, README_END])
+
+
+def replace_readme_table(readme: str) -> str:
+    """``readme`` with its generated block rewritten from the registry."""
+    start, end = readme.index(README_START), readme.index(README_END) + len(README_END)
+    return readme[:start] + supported_architectures_table() + readme[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table, or with ``--write README.md`` rewrite that file's block in place."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="the README's supported-architecture table")
+    parser.add_argument("--write", metavar="README", help="rewrite the table in this file")
+    args = parser.parse_args(argv)
+    if args.write:
+        path = Path(args.write)
+        path.write_text(replace_readme_table(path.read_text()))
+    else:
+        print(supported_architectures_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
