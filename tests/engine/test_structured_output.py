@@ -134,3 +134,27 @@ def test_structured_outputs_params_shape():
         SamplingParams(structured_outputs={"jsn": {}})
     with pytest.raises(InvalidRequestError, match="beam search"):
         SamplingParams(n=2, temperature=0, use_beam_search=True, structured_outputs={"regex": "a"})
+
+
+def test_matcher_rollback_restores_the_mask(llm):
+    """Speculative decoding's hook: rolling back n accepted tokens gives back the mask the
+    matcher had n tokens earlier, and a terminated matcher is live again after a rollback."""
+    import torch
+
+    from pagedserve.engine.structured_output.manager import grammar_bitmask
+
+    backend = llm.engine.structured_output.backend()
+    grammar = backend.compile(StructuredOutputsParams(regex="ab+c"))
+    matcher = grammar.matcher()
+    vocab = llm.engine.model_config.vocab_size
+    tokens = llm.tokenizer.convert_tokens_to_ids(["a", "b", "b", "c"])
+    masks = []
+    for token in tokens:
+        masks.append(grammar_bitmask([matcher], vocab)[0].clone())
+        assert matcher.accept_token(token)
+    assert not matcher.accept_token(tokens[0])  # "ab" then "a": refused, nothing changes
+    eos = llm.tokenizer.eos_token_id
+    assert matcher.accept_token(eos) and matcher.is_terminated()
+    matcher.rollback(3)  # EOS, "c", the second "b"
+    assert not matcher.is_terminated()
+    assert torch.equal(grammar_bitmask([matcher], vocab)[0], masks[2])

@@ -238,3 +238,49 @@ def test_continue_final_message_continues_the_assistant_turn(client, engine):
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
     new_turn = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
     assert new_turn > len(expected)  # a new turn closes the message and opens another
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] or '' }}{% endfor %}<assistant>"
+)
+
+
+def test_a_chat_template_that_takes_tools_renders_them_itself(engine):
+    from starlette.testclient import TestClient
+
+    from pagedserve.server.app import build_app
+    from pagedserve.server.config import ServerConfig
+
+    app = build_app(engine, ServerConfig(chat_template=TOOL_TEMPLATE), MODEL)
+    client = TestClient(app, raise_server_exceptions=False)
+    body = {**BASE, "n": 1, "messages": MESSAGES, "tools": TOOLS[:1], "max_tokens": 2}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    tools = [{"type": "function", "function": TOOLS[0]["function"]}]
+    expected = engine.tokenizer.apply_chat_template(
+        MESSAGES, chat_template=TOOL_TEMPLATE, tools=tools, tokenize=True
+    )
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert usage["prompt_tokens"] == len(expected)  # the template's own rendering, no default
+
+
+def test_a_named_call_streams_its_arguments_as_they_are_written(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {**BASE, "n": 1, "messages": MESSAGES, "tools": TOOLS, "tool_choice": named}
+    body.update(stream=True, max_tokens=60, seed=3)
+    chunks = []
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: ") :]))
+    parts = [c["choices"][0]["delta"].get("tool_calls") for c in chunks if c["choices"]]
+    parts = [p[0] for p in parts if p]
+    assert len(parts) > 2  # the arguments come in pieces, not in one chunk at the end
+    assert parts[0]["id"].startswith("call_") and parts[0]["function"]["name"] == "get_weather"
+    assert all(p.get("id") is None for p in parts[1:])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+    if finish == "tool_calls":
+        arguments = json.loads("".join(p["function"]["arguments"] or "" for p in parts))
+        jsonschema.validate(arguments, TOOLS[0]["function"]["parameters"])
+    else:
+        assert finish == "length"

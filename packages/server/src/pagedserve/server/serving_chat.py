@@ -37,6 +37,7 @@ from pagedserve.server.structured_protocol import DeltaFunctionCall, DeltaToolCa
 from pagedserve.server.tools import (
     ToolCallPlan,
     conversation_with_tools,
+    new_tool_call_id,
     plan_tools,
     template_supports_tools,
 )
@@ -206,7 +207,7 @@ class _ChatView:
                     index=completion.index,
                     message=AssistantMessage(content=content, tool_calls=calls),
                     logprobs=self._logprobs(completion.token_ids, completion.logprobs),
-                    finish_reason="tool_calls" if calls else completion.finish_reason,
+                    finish_reason=tool_calls_finish_reason(completion.finish_reason, bool(calls)),
                     stop_reason=completion.stop_reason,
                     token_ids=self._token_ids(completion.token_ids),
                 )
@@ -239,6 +240,7 @@ class _ChatView:
         """The role chunks (the first carries the prompt's extras) when the engine's first
         output arrives, then a chunk per new delta of each choice."""
         progress = StreamProgress()
+        named_started: set[int] = set()
         started = False
         try:
             async for _, output in streams:
@@ -251,6 +253,11 @@ class _ChatView:
                 for completion in output.outputs:
                     delta = progress.advance(completion.index, completion)
                     if delta is None:
+                        continue
+                    if self.tools.mode == "named":  # the arguments stream as they are written
+                        first = completion.index not in named_started
+                        named_started.add(completion.index)
+                        yield self._chunk([named_call_choice(self.tools, completion, delta, first)])
                         continue
                     if self.tools.active:  # the reply is parsed whole, at its end
                         if completion.finish_reason is not None:
@@ -282,6 +289,20 @@ class _ChatView:
         return chunks
 
 
+def named_call_choice(tools: ToolCallPlan, completion, delta, first: bool):
+    """A chunk of a named tool call, as OpenAI streams one: the first carries the call's id and
+    name, every chunk the arguments' new text."""
+    call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta.text))
+    if first:
+        call.id, call.type, call.function.name = new_tool_call_id(), "function", tools.named
+    return ChatCompletionStreamChoice(
+        index=completion.index,
+        delta=DeltaMessage(tool_calls=[call]),
+        finish_reason=tool_calls_finish_reason(completion.finish_reason, True),
+        stop_reason=completion.stop_reason,
+    )
+
+
 def tool_call_choice(tools: ToolCallPlan, completion) -> ChatCompletionStreamChoice:
     """The last chunk of a choice whose reply is read for tool calls: its content, or one
     ``tool_calls`` delta per call (id, name and the whole arguments)."""
@@ -298,6 +319,11 @@ def tool_call_choice(tools: ToolCallPlan, completion) -> ChatCompletionStreamCho
     return ChatCompletionStreamChoice(
         index=completion.index,
         delta=DeltaMessage(content=content, tool_calls=deltas or None),
-        finish_reason="tool_calls" if calls else completion.finish_reason,
+        finish_reason=tool_calls_finish_reason(completion.finish_reason, bool(calls)),
         stop_reason=completion.stop_reason,
     )
+
+
+def tool_calls_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    """ "tool_calls" for a reply that ended (not cut by max_tokens) with calls in it."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
