@@ -256,3 +256,26 @@ def test_streaming_and_abort_with_speculation(tiny_checkpoint):
     assert lengths == sorted(lengths) and len(lengths) < lengths[-1]  # several tokens a step
     kv = llm.engine.kv_cache_manager
     assert not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
+
+
+def test_structured_output_requests_get_no_proposals_beside_speculating_ones(tiny_checkpoint):
+    """A grammar's mask is not applied at proposal positions, so a constrained sequence is not
+    speculated on; it still obeys its constraint, beside a greedy request that speculates."""
+    import re
+
+    from pagedserve.engine.structured_output import StructuredOutputsParams
+
+    path = tiny_checkpoint("llama")
+    constrained = SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        structured_outputs=StructuredOutputsParams(regex=r"(ab){3,8}c"),
+    )
+    prompts = repetitive_prompts(4)
+    params = [GREEDY] * 3 + [constrained]
+    final, chunks, engine = run(path, prompts, params, speculative=True)
+    base, _, _ = run(path, prompts[:3], GREEDY, speculative=False)
+    assert token_ids(final) == {**token_ids(base), "3": token_ids(final)["3"]}
+    assert re.fullmatch(r"(ab){3,8}c", final["3"].outputs[0].text)
+    assert max(chunks["3"]) == 1  # one token a step: never a verified run
+    assert_accepted(engine)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from pagedserve.engine import EngineStats
 from pagedserve.server.metrics import EngineMetrics
 
 
 class _Engine:
+    scheduler_config = SimpleNamespace(max_model_len=64)
+
     def get_stats(self, drain: bool = True) -> EngineStats:
         return EngineStats(
             spec_decode_num_drafts=10,

@@ -91,7 +91,7 @@ class SequenceState:
         if last and request.is_finished:
             self.detokenizer.flush()
         if self.group.params.stop_strings:
-            self._check_stop_strings(request, ctx)
+            self._check_stop_strings(request, ctx, len(output) if last else token_index + 1)
 
     def _advance_grammar(self, request: Request, token: int, ctx: StepContext) -> None:
         """Accept the token; a grammar that has ended (its stop token taken) ends the request
@@ -100,12 +100,13 @@ class SequenceState:
         if self.grammar_matcher.is_terminated() and not request.is_finished:
             ctx.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=token)
 
-    def _check_stop_strings(self, request: Request, ctx: StepContext) -> None:
+    def _check_stop_strings(self, request: Request, ctx: StepContext, num_output: int) -> None:
+        """``num_output``: output tokens up to the one just processed."""
         stops = self.params.stop_strings
         text = self.detokenizer.text
         if not stops or self.stop_string_hit is not None:
             return
-        if request.num_output_tokens < self.params.min_tokens:
+        if num_output < self.params.min_tokens:
             self.text_checked = len(text)  # as EOS: no stop string counts before min_tokens
             return
         hit = find_stop_string(text, len(text) - self.text_checked, stops)

@@ -64,11 +64,15 @@ class Speculator:
         )
 
     def propose(self, running: list[Request]) -> None:
-        """Proposals for every running sequence whose next step is a decode."""
+        """Proposals for every running sequence whose next step is a decode. A sequence under
+        a structured-output grammar gets none: its proposals would be verified without the
+        grammar's mask at each position."""
         propose = self.proposer.propose
         for request in running:
             num_tokens = request.num_tokens
             if request.num_computed_tokens + 1 != num_tokens or request.spec_token_ids:
+                continue
+            if request.payload.params.structured_outputs is not None:
                 continue
             room = request.max_tokens - request.num_output_tokens - 1
             if room > 0:
