@@ -8,6 +8,12 @@ answer is one assistant message with one ``output_text`` part; a response cut by
 response.in_progress, response.output_item.added, response.content_part.added,
 response.output_text.delta (one per new text), response.output_text.done,
 response.content_part.done, response.output_item.done, response.completed.
+
+Function tools are the chat route's (tools.py): the flat Responses tools and tool_choice become
+chat's, ``function_call`` / ``function_call_output`` input items become assistant tool_calls and
+``tool`` messages, and the calls found in the reply are ``function_call`` output items. A named
+call streams its arguments as ``response.function_call_arguments.delta`` while they are written;
+under "auto"/"required" the reply is parsed whole at its end and its items are sent then.
 """
 
 from __future__ import annotations
