@@ -10,7 +10,6 @@ items."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
@@ -18,7 +17,6 @@ import openai
 import pytest
 
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
-from pagedserve.server.testing import make_engine
 
 HISTORY = [
     {"role": "user", "content": "Name a cache."},
@@ -34,12 +32,8 @@ CHAT_HISTORY = [
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    """Room for the tool-listing system prompt (the tiny tokenizer spends many tokens on it)."""
-    path = tiny_checkpoint("llama", max_position_embeddings=1024)
-    engine = make_engine(path, max_model_len=1024, num_gpu_blocks_override=512)
-    yield engine
-    asyncio.run(engine.shutdown())
+def engine(roomy_engine):
+    return roomy_engine
 
 
 @pytest.fixture(scope="module")
