@@ -129,6 +129,9 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
     },
 ]
+CHAT_TOOLS = [
+    {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS
+]
 NAMED = {"type": "function", "name": "get_weather"}
 BASE = dict(model=MODEL, input="Weather in Oslo?", tools=TOOLS, max_output_tokens=60)
 
@@ -181,10 +184,7 @@ def test_a_round_trip_is_the_chat_conversation_and_gets_a_text_answer(oai):
             {"role": "assistant", "content": None, "tool_calls": [chat_call]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
         ],
-        tools=[
-            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-            for t in TOOLS
-        ],
+        tools=CHAT_TOOLS,
         max_tokens=6,
         temperature=0,
     )
@@ -193,6 +193,35 @@ def test_a_round_trip_is_the_chat_conversation_and_gets_a_text_answer(oai):
     assert answer.output_text == chat.choices[0].message.content
     without = oai.responses.create(model=MODEL, input=history[:1], tools=TOOLS, max_output_tokens=1)
     assert answer.usage.input_tokens > without.usage.input_tokens  # the call and its output
+
+
+def test_an_assistant_text_and_its_calls_are_one_chat_turn(oai):
+    def call(n):
+        return {"id": f"call_{n}", "type": "function", "function": {"name": "get_time"}}
+
+    calls = [call(1), call(2)]
+    for c in calls:
+        c["function"]["arguments"] = "{}"
+    items = [{"type": "function_call", "call_id": c["id"], "name": "get_time"} for c in calls]
+    outputs = [
+        {"type": "function_call_output", "call_id": c["id"], "output": "12:00"} for c in calls
+    ]
+    for item in items:
+        item["arguments"] = "{}"
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]}
+    asked = {"role": "user", "content": "What time is it here and there?"}
+    answer = oai.responses.create(
+        model=MODEL, input=[asked, said, *items, *outputs], tools=TOOLS, max_output_tokens=1
+    )
+    turn = {"role": "assistant", "content": "Let me look.", "tool_calls": calls}
+    tool_messages = [{"role": "tool", "tool_call_id": c["id"], "content": "12:00"} for c in calls]
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[asked, turn, *tool_messages],
+        tools=CHAT_TOOLS,
+        max_tokens=1,
+    )
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])

@@ -92,8 +92,9 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def chat_messages(items: list) -> list[ChatMessage]:
-    """Input items as chat messages: a run of ``function_call`` items is one assistant turn's
-    ``tool_calls``, a ``function_call_output`` is a ``tool`` message."""
+    """Input items as chat messages: ``function_call`` items join the assistant turn before
+    them (its text, or the calls before them: one turn's ``tool_calls``), a
+    ``function_call_output`` is a ``tool`` message."""
     messages: list[ChatMessage] = []
     for item in items:
         if isinstance(item, FunctionCallInput):
@@ -101,8 +102,8 @@ def chat_messages(items: list) -> list[ChatMessage]:
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
             )
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_calls:
-                last.tool_calls.append(call)
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputInput):
