@@ -249,6 +249,21 @@ def test_streamed_function_call_events_add_up_to_the_response(oai, choice):
         assert len([e for e in events if e.type.endswith("arguments.delta")]) > 2
 
 
+def test_an_auto_reply_without_calls_streams_as_one_message_at_its_end(oai):
+    params = dict(BASE, tool_choice="auto", temperature=0, max_output_tokens=8)
+    whole = oai.responses.create(**params)
+    events = list(oai.responses.create(stream=True, **params))
+    kinds = [e.type for e in events]
+    assert [item.type for item in whole.output] == ["message"]  # random weights write no call
+    assert kinds[2:5] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert events[4].delta == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.output[0].id == events[2].item.id
+
+
 def test_stream_helper_parses_the_function_call_events(oai):
     with oai.responses.stream(tool_choice=NAMED, temperature=0, **BASE) as stream:
         done = [e for e in stream if e.type == "response.function_call_arguments.done"]
