@@ -31,6 +31,16 @@ def engine(tiny_path):
 
 
 @pytest.fixture(scope="module")
+def roomy_engine(tiny_checkpoint):
+    """Room for the tool-listing system prompt (the tiny tokenizer spends many tokens on it):
+    a module that calls tools overrides ``engine`` with this one."""
+    path = tiny_checkpoint("llama", max_position_embeddings=1024)
+    engine = make_engine(path, max_model_len=1024, num_gpu_blocks_override=512)
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+@pytest.fixture(scope="module")
 def app(engine):
     return build_app(engine, ServerConfig(), MODEL_NAME)
 

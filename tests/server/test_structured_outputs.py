@@ -6,7 +6,6 @@ output that holds, holds because the constraint was applied."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import threading
@@ -15,16 +14,11 @@ import jsonschema
 import pytest
 
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
-from pagedserve.server.testing import make_engine
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    """Room for the tool-listing system prompt (the tiny tokenizer spends many tokens on it)."""
-    path = tiny_checkpoint("llama", max_position_embeddings=1024)
-    engine = make_engine(path, max_model_len=1024, num_gpu_blocks_override=512)
-    yield engine
-    asyncio.run(engine.shutdown())
+def engine(roomy_engine):
+    return roomy_engine
 
 
 SCHEMA = {

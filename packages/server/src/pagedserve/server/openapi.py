@@ -51,7 +51,7 @@ OPERATIONS = [
     Operation(
         "post",
         "/v1/responses",
-        "OpenAI's Responses API: text or messages in, one assistant message out",
+        "OpenAI's Responses API: text, messages and tool results in; a message and tool calls out",
         (r.ResponsesRequest,),
         r.ResponseObject,
         streams=True,

@@ -1,8 +1,12 @@
 """The bodies of OpenAI's Responses API (POST /v1/responses), as pydantic models.
 
-Only what pagedserve serves: text in (a string, or a list of messages whose content is text),
-text out (one assistant message with one ``output_text`` part), and the sampling knobs
-``max_output_tokens``, ``temperature``, ``top_p``. Nothing is stored (``store`` is answered
+Only what pagedserve serves: text in (a string, or a list of messages whose content is text,
+and of ``function_call`` / ``function_call_output`` items that carry a tool round trip), out
+one assistant message with one ``output_text`` part and/or ``function_call`` items, the
+sampling knobs ``max_output_tokens``, ``temperature``, ``top_p``, and function ``tools``
+(flat: ``{"type": "function", "name", "parameters"}``; what they mean is tools.py's). ``tools``
+stays a list of objects here so that another tool type is a 400 naming it (serving_responses).
+Nothing is stored (``store`` is answered
 false, as vLLM does without its store), so ``previous_response_id`` cannot be followed.
 """
 
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Discriminator, Field, StrictInt, StrictStr, Tag
 
 from pagedserve.server.protocol import OpenAIBaseModel
 
@@ -38,6 +42,50 @@ class InputMessage(OpenAIBaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionCallInput(OpenAIBaseModel):
+    """A call the model made earlier (an assistant turn's tool call), sent back as history."""
+
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputInput(OpenAIBaseModel):
+    """What the client's tool returned for ``call_id`` (a ``tool`` message in chat)."""
+
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[InputTextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+def _input_kind(item: Any) -> str:
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if kind in ("function_call", "function_call_output") else "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallInput, Tag("function_call")]
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    Discriminator(_input_kind),
+]
+
+
+class FunctionToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: StrictStr
+
+
 class TextFormat(OpenAIBaseModel):
     type: Literal["text"]
 
@@ -48,7 +96,7 @@ class TextConfig(OpenAIBaseModel):
 
 class ResponsesRequest(OpenAIBaseModel):
     model: str | None = None
-    input: StrictStr | Annotated[list[InputMessage], Field(min_length=1)]
+    input: StrictStr | Annotated[list[InputItem], Field(min_length=1)]
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = None
     temperature: float | None = None
@@ -58,7 +106,7 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     user: str | None = None
@@ -77,6 +125,17 @@ class OutputMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class OutputFunctionCall(OpenAIBaseModel):
+    """A call the model makes: the client runs it and sends back a ``function_call_output``."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -105,7 +164,7 @@ class ResponseObject(OpenAIBaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | OutputFunctionCall]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
@@ -115,7 +174,7 @@ class ResponseObject(OpenAIBaseModel):
     top_p: float | None = None
     metadata: dict[str, str] | None = None
     store: bool = False
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+    tool_choice: str | FunctionToolChoice = "none"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
