@@ -27,6 +27,7 @@ DEFAULTS = {
     "copy_blocks": "pagedserve.kernels.copy_blocks:copy_blocks_triton",
     "sample_tokens": "pagedserve.kernels.sampling:sample_tokens_triton",
     "apply_penalties": "pagedserve.kernels.penalties:apply_penalties_triton",
+    "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 
