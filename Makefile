@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test test-fast test-kernels test-compile-all demo serve docs bench lint clean
+.PHONY: setup model browser test test-fast test-kernels test-compile-all demo serve docs bench lint clean
 
 setup: $(SETUP_STAMP)
 
@@ -26,10 +26,18 @@ model: setup
 serve: setup model
 	$(BIN)/pagedserve serve $(SERVE_ARGS)
 
+# The playground's browser test drives Debian's chromium through its chromedriver; installed here
+# for the tests only (as root, with apt-get), else that one test skips.
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver) >/dev/null 2>&1; } \
+	  || echo "browser: no chromium installed; the playground's browser test will skip"
+
 # The kernel suite runs in its own process: TRITON_INTERPRET is read when @triton.jit runs.
 # It includes the ahead-of-time compile check for sm80 and sm90 (kernels/compile_check.py,
 # run compiled in a subprocess; its table is printed at the end of the suite's output).
-test: setup model
+test: setup model browser
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest kernels -q
 	$(BIN)/python -m pytest tests -q
 

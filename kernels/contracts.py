@@ -27,6 +27,9 @@ DEFAULTS = {
     "copy_blocks": "pagedserve.kernels.copy_blocks:copy_blocks_triton",
     "sample_tokens": "pagedserve.kernels.sampling:sample_tokens_triton",
     "apply_penalties": "pagedserve.kernels.penalties:apply_penalties_triton",
+    "weight_only_linear": "pagedserve.kernels.weight_only_linear:weight_only_linear_triton",
+    "rejection_sample": "pagedserve.kernels.rejection_sample:rejection_sample_triton",
+    "apply_token_bitmask": "pagedserve.kernels.token_bitmask:apply_token_bitmask_triton",
     "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection

@@ -51,7 +51,8 @@ BLOCK_SIZES = [16, 32]
 
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
-    "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "fused_moe",
+    "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
+    "rejection_sample", "token_bitmask", "fused_moe",
 )  # fmt: skip
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
@@ -130,18 +131,65 @@ def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens:
     mods["copy_blocks"].copy_blocks_triton(caches[:1], caches[1:], pairs)
 
 
+def projection_shapes(m: ModelShape) -> dict[str, tuple[int, int]]:
+    """(out, in) features of a decoder layer's four linear layers, fused as the models fuse them."""
+    q, kv = m.n_q_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    return {
+        "qkv": (q + 2 * kv, m.hidden),
+        "o": (m.hidden, q),
+        "gate_up": ((1 if m.gpt2 else 2) * m.intermediate, m.hidden),
+        "down": (m.hidden, m.intermediate),
+    }
+
+
+def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str):
+    """A layer's projections with int8 and fp8 weights (``--quantization int8|fp8``), for a
+    decode step's few rows and a prefill's many (the two tiles the wrapper picks). Kept out of
+    layer_launches: its tile follows the token count, which the warm-up check forbids there."""
+    mods = _wrappers()
+    for fmt in ("int8", "fp8"):
+        for n, k in projection_shapes(m).values():
+            qweight, scale = mods["weight_only_linear"].quantize_per_channel(torch.randn(n, k), fmt)
+            bias = torch.randn(n).to(dtype) if m.gpt2 else None
+            for n_tokens in (1, 64):
+                x = torch.randn(n_tokens, k).to(dtype)
+                mods["weight_only_linear"].weight_only_linear_triton(x, qweight, scale, bias)
+        record(f"{label} {fmt}")
+
+
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
-    """Penalties and token sampling over fp32 logits of the model's vocabulary."""
+    """Penalties, the structured-output mask (every row, and some rows by index), token
+    sampling and speculative decoding's rejection sampling over fp32 logits of the model's
+    vocabulary."""
     mods = _wrappers()
     logits = torch.randn(rows, m.vocab)
     counts = torch.zeros(rows, m.vocab, dtype=torch.int32)
     per_row = [torch.ones(rows) for _ in range(3)]
     mods["penalties"].apply_penalties_triton(logits, counts > 0, counts, *per_row)
+    bitmask = torch.full((rows, (m.vocab + 31) // 32), -1, dtype=torch.int32)
+    mods["token_bitmask"].apply_token_bitmask_triton(logits, bitmask)
+    mods["token_bitmask"].apply_token_bitmask_triton(logits, bitmask, torch.tensor([rows - 1]))
     noise = torch.ones(rows, m.vocab)
     temperature = torch.tensor([0.0, 0.8]).repeat(rows)[:rows]
     top_k = torch.tensor([0, 20], dtype=torch.int32).repeat(rows)[:rows]
     top_p, min_p = torch.full((rows,), 0.9), torch.full((rows,), 0.05)
     mods["sampling"].sample_tokens_triton(logits, temperature, top_k, top_p, min_p, noise)
+    spec_decode_launches(m, rows)
+
+
+def spec_decode_launches(m: ModelShape, rows: int, k: int = 3) -> None:
+    """The verify step's rejection sampling, with (draft model) and without (n-gram) draft
+    probabilities, as the engine calls it over the model's vocabulary."""
+    mods = _wrappers()
+    probs = torch.softmax(torch.randn(rows, k, m.vocab), dim=-1)
+    draft = torch.randint(m.vocab, (rows, k))
+    num_draft = torch.full((rows,), k, dtype=torch.int32)
+    bonus = torch.randint(m.vocab, (rows,))
+    uniform, noise = torch.rand(rows, k), torch.ones(rows, k, m.vocab)
+    for draft_probs in (None, probs.clone()):
+        mods["rejection_sample"].rejection_sample_triton(
+            draft, num_draft, draft_probs, probs, bonus, uniform, noise
+        )
 
 
 def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
@@ -171,6 +219,7 @@ def engine_launches(
                 attention_launches(m, DTYPES[dtype_name], block_size, record, label)
             layer_launches(m, DTYPES[dtype_name], sizes[0])
             record(f"{m.name} {dtype_name}")
+            quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
     for dtype_name in block_sizes:

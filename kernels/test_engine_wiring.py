@@ -100,3 +100,34 @@ def test_triton_path_generates_the_reference_tokens(arch, tmp_path, monkeypatch)
     assert set(calls) == EXPECTED[arch]
     assert len(reference) == 3  # one greedy completion, two seeded children
     assert triton == reference
+
+
+@pytest.mark.slow
+def test_structured_outputs_mask_through_the_triton_kernel(tmp_path, monkeypatch):
+    """A constrained request beside an unconstrained one: the Triton path masks (the bitmask
+    kernel is reached) and draws the same tokens as the reference path."""
+    import re
+
+    path = str(make_tiny_checkpoint("llama", tmp_path / "llama"))
+    module = importlib.import_module("pagedserve.kernels.token_bitmask")
+    calls: Counter = Counter()
+    original = module.apply_token_bitmask_triton
+
+    def spy(*args, **kwargs):
+        calls["apply_token_bitmask_triton"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "apply_token_bitmask_triton", spy)
+    constrained = SamplingParams(
+        temperature=1.0, seed=5, max_tokens=4, structured_outputs={"regex": "[0-9]{2,6}"}
+    )
+    plain = SamplingParams(temperature=1.0, seed=6, max_tokens=3, ignore_eos=True)
+    runs = {}
+    for kernels in ("ref", "triton"):
+        monkeypatch.setenv("PAGEDSERVE_KERNELS", kernels)
+        llm = LLM(model=path, block_size=8)
+        outputs = llm.generate(PROMPTS, [constrained, plain], use_tqdm=False)
+        runs[kernels] = [out.outputs[0].token_ids for out in outputs]
+        assert re.fullmatch("[0-9]{2,6}", outputs[0].outputs[0].text)
+        assert bool(calls) == (kernels == "triton")
+    assert runs["triton"] == runs["ref"]

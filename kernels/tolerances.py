@@ -1,7 +1,8 @@
 """The suite's one tolerance table (PyTorch's allclose defaults, as vLLM uses them).
 
 Attention in fp32 gets atol 1e-4: its online softmax sums in a different order than the
-reference. Exact kernels (store_kv, copy_blocks, sampling tokens) are compared exactly.
+reference; so do GEMMs (weight-only linear layers), which get the same. Exact kernels
+(store_kv, copy_blocks, sampling tokens) are compared exactly.
 """
 
 from __future__ import annotations
@@ -14,26 +15,33 @@ TOLERANCES = {  # dtype: (atol, rtol)
     torch.bfloat16: (1e-2, 1.6e-2),
 }
 ATTENTION_FP32_ATOL = 1e-4
+GEMM_FP32_ATOL = 1e-4  # a K-long dot product summed in tiles, against one BLAS call
 
 
-def tolerance(dtype: torch.dtype, attention: bool = False) -> tuple[float, float]:
+def tolerance(
+    dtype: torch.dtype, attention: bool = False, gemm: bool = False
+) -> tuple[float, float]:
     atol, rtol = TOLERANCES[dtype]
     if attention and dtype == torch.float32:
         atol = ATTENTION_FP32_ATOL
+    if gemm and dtype == torch.float32:
+        atol = GEMM_FP32_ATOL
     return atol, rtol
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, attention: bool = False) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, attention: bool = False, gemm: bool = False
+) -> None:
     """Same dtype, NaN nowhere, values within the table's tolerance for that dtype."""
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert not actual.isnan().any(), "NaN in the kernel's output"
-    atol, rtol = tolerance(expected.dtype, attention)
+    atol, rtol = tolerance(expected.dtype, attention, gemm)
     torch.testing.assert_close(actual.cpu(), expected.cpu(), atol=atol, rtol=rtol)
 
 
 def table_lines() -> list[str]:
     lines = ["tolerances (atol, rtol):"]
     for dtype, (atol, rtol) in TOLERANCES.items():
-        extra = f"; attention atol {ATTENTION_FP32_ATOL}" if dtype == torch.float32 else ""
+        extra = f"; attention and GEMM atol {ATTENTION_FP32_ATOL}" if dtype == torch.float32 else ""
         lines.append(f"  {str(dtype).removeprefix('torch.'):>8}: {atol:g}, {rtol:g}{extra}")
     return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -32,6 +33,20 @@ def test_mkdocs_build_strict(tmp_path):
         assert page.is_file(), f"{path.name} was not rendered into the site"
     config_page = (tmp_path / "configuration" / "index.html").read_text()
     assert "pagedserve generate" in config_page and "--max-num-seqs" in config_page
+    assert_works_offline(tmp_path)
+
+
+def assert_works_offline(site: Path) -> None:
+    """No page loads a script, a stylesheet or a font from elsewhere (no CDN: many deployments
+    reach none), and the pages with diagrams load mermaid's bundle from the site itself."""
+    external = re.compile(r'<(?:script[^>]*\ssrc|link[^>]*\shref)="(?:https?:)?//[^"]*"')
+    for page in site.rglob("*.html"):
+        html = page.read_text(encoding="utf-8")
+        links = [m for m in external.findall(html) if "stylesheet" in m or "<script" in m]
+        assert not links, f"{page.relative_to(site)} loads {links}"
+        assert "fonts.googleapis.com" not in html, page
+        if 'class="mermaid"' in html:
+            assert "javascripts/mermaid.min.js" in html, page
 
 
 def test_every_engine_and_server_option_is_in_the_configuration_reference():

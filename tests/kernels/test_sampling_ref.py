@@ -121,3 +121,20 @@ def test_penalties_match_a_per_token_loop(seed):
                 expect[b, v] = x / repetition[b] if x > 0 else x * repetition[b]
             expect[b, v] -= frequency[b] * c + presence[b] * (c > 0)
     torch.testing.assert_close(out, expect)
+
+
+def test_sampling_probs_is_the_softmax_renormalised_over_the_naive_kept_set():
+    from pagedserve.kernels.sampling import sampling_probs
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(ROWS) + 1, 64, generator=gen) * 2
+    temperature, top_k, top_p, min_p = _params([*ROWS, (0.0, 0, 1.0, 0.0)])  # + one greedy row
+    probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
+    for b, (t, k, p, m) in enumerate(ROWS):
+        kept = sorted(naive_kept(logits[b], t, k, p, m))
+        expected = torch.zeros(64, dtype=torch.float64)
+        expected[kept] = torch.softmax(logits[b, kept].double() / t, dim=-1)
+        assert torch.allclose(probs[b].double(), expected, atol=1e-6), ROWS[b]
+    greedy = torch.zeros(64)
+    greedy[logits[-1].argmax()] = 1.0
+    assert torch.equal(probs[-1], greedy)

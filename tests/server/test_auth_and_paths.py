@@ -1,4 +1,4 @@
-"""--api-key: every route but /health needs the key, whatever the path's spelling; and the
+"""--api-key: every route but /health and /metrics needs the key, whatever the path's spelling; and the
 pure helpers of the gate (path normalisation, bearer parsing) and of the CLI (sizes)."""
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ PROTECTED = [
     ("GET", "/v1/%6Dodels"),
     ("GET", "/health/../v1/models"),
     ("GET", "/health/%2E%2E/v1/models"),
-    ("GET", "/./metrics"),
-    ("GET", "/metrics/"),
     ("GET", "/version"),
     ("GET", "/HEALTH"),
     ("GET", "/no/such/route"),
@@ -103,6 +101,18 @@ def test_protected_routes_need_the_key(keyed_client, method, path, auth):
     error = response.json()["error"]
     assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/./metrics", "/metrics/", "//metrics"])
+def test_metrics_are_open_unless_configured(keyed_client, engine, path):
+    """As vLLM's: the key guards the API, Prometheus scrapes without it; a flag guards it."""
+    response = keyed_client.get(BASE + path)
+    assert response.status_code == 200 and "pagedserve:num_requests_running" in response.text
+    config = ServerConfig(api_key=KEY, metrics_require_api_key=True)
+    guarded = TestClient(build_app(engine, config, MODEL_NAME))
+    assert guarded.get(BASE + path).status_code == 401
+    good = {"authorization": f"Bearer {KEY}"}
+    assert guarded.get(BASE + path, headers=good).status_code == 200
 
 
 def test_health_is_open_and_the_key_opens_the_rest(keyed_client):

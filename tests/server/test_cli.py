@@ -72,3 +72,15 @@ def test_a_field_of_a_type_without_a_flag_is_refused():
 
     with pytest.raises(TypeError, match="names: no command-line flag"):
         add_config_args(argparse.ArgumentParser(), Odd)
+
+
+def test_list_flags_take_json_lists_or_commas(tiny_path):
+    args = build_parser().parse_args(
+        ["serve", tiny_path, "--allowed-origins", '["https://a.example", "https://b.example"]']
+        + ["--allowed-methods", "GET, POST"]
+    )
+    config = ServerConfig(**config_kwargs(args, ServerConfig))
+    assert config.allowed_origins == ("https://a.example", "https://b.example")
+    assert config.allowed_methods == ("GET", "POST") and config.allowed_headers == ("*",)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "[1, 2]"])

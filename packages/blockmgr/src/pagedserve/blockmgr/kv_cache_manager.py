@@ -219,6 +219,21 @@ class KVCacheManager:
             if block is not OUT_OF_WINDOW:
                 self.pool.release(block)
 
+    def free_blocks_beyond(self, seq_id: str, num_tokens: int) -> None:
+        """Release the blocks past those that hold the first ``num_tokens`` tokens, tail first.
+
+        After a speculative decode the slots of rejected proposals hold garbage; a block that
+        only they used is given back (the next step allocates again as it needs). Such a block
+        was never registered in the prefix cache: only full blocks of known tokens are.
+        """
+        table = self.block_tables.get(seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        self._block_ids.pop(seq_id, None)
+        while len(table) > keep:
+            self.pool.release(table.pop())
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (refcount + 1 each), for n > 1 and beams.
 

@@ -217,6 +217,7 @@ class AsyncLLM:
             while self._apply_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    self._fail_requests(self.engine.take_request_errors())
             self._deliver(self.engine.abort_request(self.engine.unfinished_request_ids()))
         except BaseException as error:  # noqa: BLE001 - any failure kills the loop, loudly
             self._die(error)
@@ -260,6 +261,15 @@ class AsyncLLM:
                 if output.finished:
                     del self._streams[output.request_id]
                 stream.put(output)
+
+    def _fail_requests(self, errors: list[tuple[str, BaseException]]) -> None:
+        """Requests the engine failed on their own (a grammar that did not compile): each
+        stream raises its error, before it has yielded anything."""
+        with self._lock:
+            streams = [(self._streams.pop(rid, None), error) for rid, error in errors]
+        for stream, error in streams:
+            if stream is not None:
+                stream.put(error)
 
     def _die(self, error: BaseException) -> None:
         dead = EngineDeadError(f"the engine loop died: {error!r}")

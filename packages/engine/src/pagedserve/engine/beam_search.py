@@ -127,6 +127,8 @@ class BeamSearchGroup(SequenceGroup):
                 continuing.append(Continuation(beam, token, score))
         if not continuing:
             self.done = True
+        elif len(self.hypotheses) == k and self.params.early_stopping:
+            self.done = True  # early_stopping=True: k finished hypotheses end the search
         elif len(self.hypotheses) == k:
             best = continuing[0].cumulative_logprob / new_length**self.params.length_penalty
             self.may_improve = self.may_improve and best > self.hypotheses[-1].score
@@ -204,8 +206,14 @@ class BeamSearchGroup(SequenceGroup):
             token_ids=list(hypothesis.token_ids),
             cumulative_logprob=hypothesis.cumulative_logprob,
             finish_reason="stop" if hypothesis.ended_by_eos else "length",
-            stop_reason=hypothesis.token_ids[-1] if hypothesis.ended_by_eos else None,
+            stop_reason=_stop_token(hypothesis, self.params.stop_token_ids),
         )
+
+
+def _stop_token(hypothesis: Hypothesis, stop_token_ids: list[int]) -> int | None:
+    """A hypothesis ended by a token of ``stop_token_ids`` names it; one ended by EOS does not."""
+    last = hypothesis.token_ids[-1]
+    return last if hypothesis.ended_by_eos and last in stop_token_ids else None
 
 
 @dataclass

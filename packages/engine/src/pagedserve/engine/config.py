@@ -6,17 +6,21 @@ fields' type hints, defaults and help, so a new knob needs no CLI code.
 ``EngineArgs(...).create_configs()`` splits them into one dataclass per concern: the model
 (pagedserve.models.ModelConfig), the KV cache (pagedserve.blockmgr.CacheConfig) and the scheduler
 (pagedserve.scheduler.SchedulerConfig); ``cuda_graph_config()`` gives the model runner's
-decode-graph settings.
+decode-graph settings; ``create_speculative_config()`` the proposer's (spec_decode/config.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.engine.cuda_graph import CUDAGraphConfig
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from pagedserve.engine.spec_decode.config import SpeculativeConfig
 
 
 def option(default, help: str, **metadata):
@@ -30,6 +34,9 @@ class EngineArgs:
     model: str = field(metadata={"help": "Hugging Face model folder"})
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     dtype: str = option("auto", "weights and activations: auto, float32, float16, bfloat16")
+    quantization: str | None = option(
+        None, "weight-only quantization at load time: int8 or fp8 (per-channel scales)"
+    )
     device: str = option("auto", "auto (CUDA if present, else CPU), cuda or cpu")
     seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
     max_model_len: int | None = option(
@@ -68,10 +75,30 @@ class EngineArgs:
     )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
+    max_logprobs: int = option(
+        20, "most logprobs (and prompt logprobs) a request may ask for (-1: the whole vocabulary)"
+    )
+    speculative_config: dict | None = option(
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        unit="json",
+    )
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # a bad config fails here, before any loading
+            self.create_speculative_config()
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        from pagedserve.engine.spec_decode.config import SpeculativeConfig
+
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def cuda_graph_config(self) -> CUDAGraphConfig:
         return CUDAGraphConfig(max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager)
@@ -83,6 +110,7 @@ class EngineArgs:
             device=self.device,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            quantization=self.quantization,
             generation_config=self.generation_config,
         )
         max_len = model_config.max_model_len

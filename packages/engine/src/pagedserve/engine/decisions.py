@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pagedserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, select_rows
+from pagedserve.engine.structured_output.manager import grammar_bitmask
 from pagedserve.scheduler import Request, Scheduler
 
 if TYPE_CHECKING:
@@ -49,14 +50,20 @@ class StepContext:
     num_prompt_tokens: int = 0  # prompts of the requests that produced their first token now
     num_generation_tokens: int = 0
     now: float = field(default_factory=time.monotonic)  # every token of a step: one time
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     def record_token(self, group: SequenceGroup) -> None:
-        """Stamp the group's token times; its prompt counts once, with its first token."""
+        """Stamp the group's token times; its prompt counts once, with its first token. The
+        time since the group's previous token is an inter-token latency (a sibling's token in
+        the same step is not a new interval)."""
         now = self.now
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
+        metrics = group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
             self.num_prompt_tokens += len(group.prompt_token_ids)
-        group.metrics.last_token_time = now
+        elif now > metrics.last_token_time:
+            self.inter_token_latencies.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
 
 
 @dataclass
@@ -94,6 +101,13 @@ class SamplingBatch:
             output_token_ids=[r.output_token_ids if r else [] for r in requests],
             masked_token_ids=[masked_tokens(r or g.sequences[0]) for r, g in zip(requests, groups)],
         )
+        matchers = [s.grammar_matcher for s in states]
+        if any(
+            m is not None for m in matchers
+        ):  # structured outputs: one bitmask for the constrained rows
+            meta.allowed_token_mask, meta.allowed_token_rows = grammar_bitmask(
+                matchers, self.logits.shape[-1]
+            )
         self._output = sampler(select_rows(self.logits, self._rows), meta)
         self._token_ids = self._output.token_ids.tolist()
 

@@ -123,7 +123,13 @@ class LLM:
         start, generated = time.perf_counter(), 0
         seen: dict[str, int] = {}
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            outputs = self.engine.step()
+            errors = self.engine.take_request_errors()
+            if errors:  # a constraint that does not compile: the whole call fails, as vLLM's
+                self.engine.abort_request(self.engine.unfinished_request_ids())
+                bar.close()
+                raise errors[0][1]
+            for output in outputs:
                 count = sum(len(o.token_ids) for o in output.outputs)
                 generated += max(0, count - seen.get(output.request_id, 0))
                 seen[output.request_id] = count

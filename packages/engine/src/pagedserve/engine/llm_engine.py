@@ -32,7 +32,10 @@ from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
-from pagedserve.engine.validation import check_token_ids, resolve_max_tokens
+from pagedserve.engine.spec_decode.speculator import Speculator
+from pagedserve.engine.structured_output.manager import StructuredOutputManager
+from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
+from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -44,6 +47,12 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        spec_config = args.create_speculative_config()  # checked before the model is loaded
+        self.speculator = (
+            Speculator(spec_config, self.model_config, self.tokenizer)
+            if spec_config is not None
+            else None
+        )
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(
                 self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
@@ -71,6 +80,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = StatsCollector()
+        self.structured_output = StructuredOutputManager(self._grammar_backend)
+        self._request_errors: list[tuple[str, BaseException]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -80,6 +91,12 @@ class LLMEngine:
         """SamplingParams with the model's generation_config defaults (vLLM's
         ``get_default_sampling_params``): what a request that sets nothing gets."""
         return SamplingParams(**self.model_config.generation_defaults.sampling)
+
+    def _grammar_backend(self) -> XgrammarBackend:
+        """Built in the compile pool, with a tokenizer of its own (the engine thread's is busy
+        detokenizing)."""
+        tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+        return XgrammarBackend(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -107,6 +124,13 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        if params.use_beam_search and self.speculator is not None:
+            raise InvalidRequestError(
+                "beam search cannot run with speculative decoding (its beams fork and drop "
+                "every step); start an engine without speculative_config for it",
+                "use_beam_search",
+            )
+        check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
@@ -135,6 +159,28 @@ class LLMEngine:
         request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
+        if params.structured_outputs is not None:
+            self.structured_output.hold(request, params.structured_outputs)
+
+    def take_request_errors(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed since the last call, with their error (a constraint that did
+        not compile: ``InvalidRequestError``). They have left the engine; the caller answers
+        them with the error (AsyncLLM raises it in the request's stream)."""
+        errors, self._request_errors = self._request_errors, []
+        return errors
+
+    def _release_grammars(self, timeout: float = 0.0) -> None:
+        """Give each request whose grammar compiled its matcher (the scheduler may admit it
+        now); fail each whose grammar did not, and only it."""
+        ready, failed = self.structured_output.release(timeout)
+        for request, grammar in ready:
+            group = request.payload.group
+            group.compiled_grammar = grammar
+            request.payload.grammar_matcher = grammar.matcher()
+        for request, error in failed:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            self.groups.pop(request.request_id, None)
+            self._request_errors.append((request.request_id, error))
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
         seed = (
@@ -163,6 +209,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes."""
+        self.structured_output.shutdown()
         stop_workers = getattr(self.runner, "shutdown", None)
         if stop_workers is not None:
             stop_workers()
@@ -200,13 +247,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> decide -> update -> outputs."""
+        if self.structured_output.num_held:
+            self._release_grammars()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.structured_output.num_held:  # only compiles to wait for: wait, not spin
+                self._release_grammars(timeout=0.05)
             return []
         logits, seq_ids = self._execute(scheduled)
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
-        return self._apply(decisions, updated)
+        outputs = self._apply(decisions, updated, scheduled.num_scheduled_tokens)
+        if self.speculator is not None:  # proposals for the next step's decodes
+            self.speculator.propose(self.scheduler.running)
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         now = time.monotonic()
@@ -219,13 +273,23 @@ class LLMEngine:
     def _decide(
         self, scheduled: SchedulerOutput, logits: torch.Tensor, seq_ids: list[str]
     ) -> list[StepDecision]:
-        """Each group decides from its rows; every sampling row is drawn in one sampler call."""
+        """Each group decides from its rows; every sampling row is drawn in one sampler call,
+        every speculative decode's rows are verified in one pass (spec_decode/verify.py)."""
+        verify, proposals, spec_decisions = None, {}, []
+        num_spec = scheduled.num_spec_tokens if self.speculator is not None else 0
+        if num_spec:
+            verify, proposals = self.speculator.verification_batch(scheduled, logits, num_spec)
+            logits = logits[: len(logits) - num_spec]
         if len(logits) > len(seq_ids):
             record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
         rows: dict[SequenceGroup, list[tuple[Request, int]]] = {}
         requests = self.scheduler.requests
         for row, seq_id in enumerate(seq_ids):
             request = requests[seq_id]
+            if seq_id in proposals:
+                drafts, draft_rows = proposals[seq_id]
+                spec_decisions.append(verify.add(request, drafts, [*draft_rows, row]))
+                continue
             group = request.payload.group
             if group in rows:
                 rows[group].append((request, row))
@@ -234,9 +298,13 @@ class LLMEngine:
         batch = SamplingBatch(logits)
         decisions = [group.decide(group_rows, batch) for group, group_rows in rows.items()]
         batch.sample(self.sampler)
-        return decisions
+        if verify is not None:
+            self.stats.record_spec_decode(verify.verify())
+        return spec_decisions + decisions
 
-    def _apply(self, decisions: list[StepDecision], updated: list[Request]) -> list[RequestOutput]:
+    def _apply(
+        self, decisions: list[StepDecision], updated: list[Request], num_scheduled_tokens: int = 0
+    ) -> list[RequestOutput]:
         """Apply each decision after the update; one output per group that has news."""
         ctx = StepContext(
             self.scheduler, self.tokenizer, self.runner.device, {r.request_id for r in updated}
@@ -247,7 +315,12 @@ class LLMEngine:
                 touched.setdefault(decision.group)
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched]
-        self._record_step(ctx.num_generation_tokens, ctx.num_prompt_tokens)
+        self._record_step(
+            ctx.num_generation_tokens,
+            ctx.num_prompt_tokens,
+            iteration_tokens=num_scheduled_tokens,
+            inter_token_latencies=ctx.inter_token_latencies,
+        )
         return outputs
 
     # ---- outputs and metrics -------------------------------------------------------------
@@ -267,7 +340,9 @@ class LLMEngine:
             )
         return output
 
-    def _record_step(self, num_new_tokens: int, num_new_prompt_tokens: int = 0) -> None:
+    def _record_step(
+        self, num_new_tokens: int, num_new_prompt_tokens: int = 0, **per_step_samples
+    ) -> None:
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
@@ -279,11 +354,12 @@ class LLMEngine:
             num_preemptions=stats.num_preemptions,
             new_prompt_tokens=num_new_prompt_tokens,
             new_generation_tokens=num_new_tokens,
+            **per_step_samples,
         )
 
 
-def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int]:
-    sampled: dict[str, int] = {}
+def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int | list[int]]:
+    sampled: dict[str, int | list[int]] = {}
     for decision in decisions:
         sampled.update(decision.sampled_tokens())
     return sampled

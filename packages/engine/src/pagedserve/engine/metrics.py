@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from pagedserve.engine.outputs import RequestMetrics
 
+MAX_PENDING_SAMPLES = 1 << 16  # per-step samples kept between two drains
+
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
@@ -27,6 +29,9 @@ class FinishedRequestStats:
     time_to_first_token: float | None
     time_per_output_token: float | None
     e2e_latency: float | None
+    prefill_time: float | None = None  # first scheduled -> first token
+    decode_time: float | None = None  # first token -> last token
+    inference_time: float | None = None  # first scheduled -> last token
 
 
 @dataclass
@@ -43,6 +48,29 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_requests_finished: int = 0
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # per-step samples since the last drain, for histograms: tokens computed by each step, and
+    # the intervals between a request's consecutive tokens
+    iteration_tokens: list[int] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    # speculative decoding (vLLM's names): verify steps' sequences, proposals, accepted ones
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted proposals / proposals verified (0 before any)."""
+        proposed = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / proposed if proposed else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verify step emits per sequence on average: accepted proposals + 1."""
+        drafts = self.spec_decode_num_drafts
+        return self.spec_decode_num_emitted_tokens / drafts if drafts else 0.0
 
 
 def finished_request_stats(
@@ -61,6 +89,11 @@ def finished_request_stats(
     ):
         tpot = (metrics.last_token_time - metrics.first_token_time) / (num_generation_tokens - 1)
     e2e = None if metrics.finished_time is None else metrics.finished_time - metrics.arrival_time
+    scheduled, first, last = (
+        metrics.first_scheduled_time,
+        metrics.first_token_time,
+        metrics.last_token_time,
+    )
     return FinishedRequestStats(
         request_id=request_id,
         finish_reason=finish_reason,
@@ -70,6 +103,9 @@ def finished_request_stats(
         time_to_first_token=metrics.time_to_first_token,
         time_per_output_token=tpot,
         e2e_latency=e2e,
+        prefill_time=None if scheduled is None or first is None else first - scheduled,
+        decode_time=None if first is None or last is None else last - first,
+        inference_time=None if scheduled is None or last is None else last - scheduled,
     )
 
 
@@ -91,6 +127,8 @@ class StatsCollector:
         num_preemptions: int,
         new_prompt_tokens: int,
         new_generation_tokens: int,
+        iteration_tokens: int = 0,
+        inter_token_latencies: list[float] | None = None,
     ) -> None:
         """Gauges and cumulative totals (as read from the scheduler/KV manager) + this step's tokens."""
         with self._lock:
@@ -104,6 +142,25 @@ class StatsCollector:
             s.num_preemptions = num_preemptions
             s.prompt_tokens_total += new_prompt_tokens
             s.generation_tokens_total += new_generation_tokens
+            # bounded: with nobody draining (offline use), samples must not pile up forever
+            if iteration_tokens and len(s.iteration_tokens) < MAX_PENDING_SAMPLES:
+                s.iteration_tokens.append(iteration_tokens)
+            if inter_token_latencies and len(s.inter_token_latencies) < MAX_PENDING_SAMPLES:
+                s.inter_token_latencies.extend(inter_token_latencies)
+
+    def record_spec_decode(self, counts) -> None:
+        """One verify step's ``VerifyCounts`` (spec_decode/verify.py) into the totals."""
+        with self._lock:
+            s = self._stats
+            s.spec_decode_num_drafts += counts.num_drafts
+            s.spec_decode_num_draft_tokens += counts.num_draft_tokens
+            s.spec_decode_num_accepted_tokens += counts.num_accepted_tokens
+            s.spec_decode_num_emitted_tokens += counts.num_accepted_tokens + counts.num_drafts
+            per_position = s.spec_decode_accepted_per_position
+            for j, n in enumerate(counts.accepted_per_position):
+                if j == len(per_position):
+                    per_position.append(0)
+                per_position[j] += n
 
     def record_finished(self, finished: FinishedRequestStats) -> None:
         with self._lock:
@@ -113,7 +170,16 @@ class StatsCollector:
     def snapshot(self, drain: bool = True) -> EngineStats:
         """A copy of the current stats; with ``drain`` the finished-request list starts over."""
         with self._lock:
-            snap = replace(self._stats, finished_requests=list(self._stats.finished_requests))
+            s = self._stats
+            snap = replace(
+                s,
+                finished_requests=list(s.finished_requests),
+                iteration_tokens=list(s.iteration_tokens),
+                inter_token_latencies=list(s.inter_token_latencies),
+                spec_decode_accepted_per_position=list(s.spec_decode_accepted_per_position),
+            )
             if drain:
-                self._stats.finished_requests.clear()
+                s.finished_requests.clear()
+                s.iteration_tokens.clear()
+                s.inter_token_latencies.clear()
             return snap

@@ -199,6 +199,7 @@ class ModelRunner:
         decode (one new token, an output token) takes its token without slicing."""
         tokens, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
         prompt_rows: list[int] = []
+        spec_rows: list[int] = []
         offset = 0
         for item in output.scheduled:
             request = item.request
@@ -206,6 +207,17 @@ class ModelRunner:
             if request.needs_prompt_logits:
                 prompt_rows.extend(offset + p - start for p in prompt_logit_positions(item))
             num_prompt = len(request.prompt_token_ids)
+            if item.spec_token_ids:  # the last known token, then the proposals to verify
+                tokens.extend(_token_slice(request, start, 1))
+                tokens.extend(item.spec_token_ids)
+                spec_rows.extend(range(offset, offset + count - 1))
+                starts.append(start)
+                counts.append(count)
+                tables.append(item.block_table)
+                offset += count
+                sample_ids.append(request.request_id)
+                logits_rows.append(offset - 1)
+                continue
             if count == 1 and start >= num_prompt:
                 tokens.append(request.output_token_ids[start - num_prompt])
             else:
@@ -220,7 +232,8 @@ class ModelRunner:
         batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
         token_ids = np.array(tokens, dtype=np.int64)
         dev = self.device
-        logits_indices = torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev)
+        rows = logits_rows + prompt_rows + spec_rows if spec_rows else logits_rows + prompt_rows
+        logits_indices = torch.tensor(rows, dtype=torch.long, device=dev)
         bucket = self._decode_bucket(offset, len(counts))
         if bucket is not None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
@@ -245,7 +258,9 @@ class ModelRunner:
         """Run one step; returns float32 logits and the request ids of their first rows.
 
         Row i < len(ids) gives request ids[i]'s next token; the rows after them are the
-        prompt-logprobs rows (``prompt_logit_positions``, in scheduled order).
+        prompt-logprobs rows (``prompt_logit_positions``, in scheduled order), then the rows
+        that score a speculative decode's proposals (``num_spec_tokens`` of them: proposal j
+        of each such request, in scheduled order; its row in ids scores the bonus token).
         """
         model_input = self.prepare_input(output)
         logits = self.execute_model(model_input, output.blocks_to_copy)

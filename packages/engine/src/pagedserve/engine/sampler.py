@@ -36,6 +36,8 @@ import torch
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels.penalties import apply_penalties
 from pagedserve.kernels.sampling import GREEDY_TEMPERATURE, sample_tokens
+from pagedserve.kernels.token_bitmask import apply_token_bitmask
+from pagedserve.kernels.token_bitmask import unpack_token_bitmask as unpack_token_bitmask
 
 
 @dataclass
@@ -46,6 +48,7 @@ class SamplingMetadata:
     ``allowed_token_mask``: when given, what each row may pick at all (structured outputs): a
     bool ``[rows, vocab]`` (True = allowed), or the packed int32 bitmask ``[rows, ceil(vocab /
     32)]`` that grammar backends (xgrammar) fill, bit ``t % 32`` of word ``t // 32`` = token t.
+    ``allowed_token_rows``: the rows a packed mask constrains (None: every row).
     """
 
     params: list[SamplingParams]
@@ -54,6 +57,7 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     masked_token_ids: list[frozenset[int] | set[int]]
     allowed_token_mask: torch.Tensor | None = None
+    allowed_token_rows: list[int] | None = None
 
 
 @dataclass
@@ -121,21 +125,30 @@ def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, index)
 
 
-def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A packed int32 bitmask ``[rows, ceil(V / 32)]`` as bool ``[rows, V]`` (True = allowed)."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.to(torch.int32)[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def apply_token_mask(
+    logits: torch.Tensor, mask: torch.Tensor, rows: list[int] | None = None
+) -> torch.Tensor:
+    """Tokens outside each row's allowed set to -inf, on a copy (``mask``: see SamplingMetadata).
 
-
-def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Tokens outside each row's allowed set to -inf, on a copy (``mask``: see SamplingMetadata)."""
-    rows, vocab = logits.shape
-    if mask.dtype != torch.bool:
-        mask = unpack_token_bitmask(mask, vocab)
-    if mask.shape != (rows, vocab):
-        raise ValueError(f"allowed_token_mask must be [{rows}, {vocab}], got {tuple(mask.shape)}")
-    return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+    A packed bitmask goes through the ``apply_token_bitmask`` kernel, on ``rows`` only when
+    given (the constrained rows; the others share the batch untouched)."""
+    num_rows, vocab = logits.shape
+    if mask.dtype == torch.bool:
+        if mask.shape != (num_rows, vocab):
+            raise ValueError(
+                f"allowed_token_mask must be [{num_rows}, {vocab}], got {tuple(mask.shape)}"
+            )
+        return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+    if mask.shape != (num_rows, -(-vocab // 32)):
+        raise ValueError(
+            f"allowed_token_mask (packed) must be [{num_rows}, {-(-vocab // 32)}], "
+            f"got {tuple(mask.shape)}"
+        )
+    logits = logits.clone()
+    device = logits.device
+    indices = None if rows is None else torch.tensor(rows, dtype=torch.int32, device=device)
+    apply_token_bitmask(logits, mask.to(device=device, dtype=torch.int32), indices)
+    return logits
 
 
 def apply_logit_processors(
@@ -146,7 +159,7 @@ def apply_logit_processors(
     settings = settings or BatchSettings(meta.params)
     masked = [(row, t) for row, ids in enumerate(meta.masked_token_ids) if ids for t in ids]
     if meta.allowed_token_mask is not None:
-        logits = apply_token_mask(logits, meta.allowed_token_mask)
+        logits = apply_token_mask(logits, meta.allowed_token_mask, meta.allowed_token_rows)
     elif settings.any_bias or masked:
         logits = logits.clone()
     if settings.any_bias:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the engine's default cap (EngineArgs.max_logprobs), checked at add_request
 
 
 @dataclass
@@ -40,6 +41,8 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None
     length_penalty: float = 1.0
+    early_stopping: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +50,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k in (-1, None):
             self.top_k = 0
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
 
     @property
@@ -107,11 +111,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                check(
-                    isinstance(value, int) and 0 <= value <= MAX_LOGPROBS,
-                    name,
-                    f"must be in [0, {MAX_LOGPROBS}]",
-                )
+                check(isinstance(value, int) and value >= 0, name, "must be an integer >= 0")
         if self.seed is not None:
             check(isinstance(self.seed, int), "seed", "must be an integer")
         check(
@@ -151,6 +151,7 @@ class SamplingParams:
             "min_tokens": self.min_tokens != 0,
             "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
         }
         for name, used in unsupported.items():
             if used:
@@ -161,3 +162,19 @@ class SamplingParams:
     @property
     def beam_width(self) -> int:
         return self.best_of or self.n
+
+
+def _structured_outputs(value) -> StructuredOutputsParams | None:
+    """``structured_outputs`` as given, or built from a dict of its fields."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = set(value) - set(StructuredOutputsParams.__dataclass_fields__)
+        if unknown:
+            raise InvalidRequestError(
+                f"structured_outputs has no field {sorted(unknown)[0]!r}", "structured_outputs"
+            )
+        return StructuredOutputsParams(**value)
+    raise InvalidRequestError(
+        f"structured_outputs must be a StructuredOutputsParams, got {value!r}", "structured_outputs"
+    )

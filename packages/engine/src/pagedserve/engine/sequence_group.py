@@ -23,6 +23,7 @@ from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output.backend import CompiledGrammar, GrammarMatcher
 from pagedserve.scheduler import (
     Request,
     RequestRejectedError,
@@ -33,7 +34,13 @@ from pagedserve.scheduler import (
 
 @dataclass(eq=False)
 class SequenceState:
-    """What the engine keeps per sequence beyond the scheduler's view (``Request.payload``)."""
+    """What the engine keeps per sequence beyond the scheduler's view (``Request.payload``).
+
+    ``grammar_matcher``: the sequence's place in its structured-output grammar (None when
+    unconstrained, or while the grammar compiles); it fills the sequence's row of each step's
+    bitmask and accepts each new token. Speculative decoding rolls it back with the scheduler's
+    ``rewind`` (``grammar_matcher.rollback(n)``).
+    """
 
     group: SequenceGroup
     index: int
@@ -43,6 +50,7 @@ class SequenceState:
     cumulative_logprob: float = 0.0
     text_checked: int = 0  # characters of text already searched for stop strings
     stop_string_hit: str | None = None
+    grammar_matcher: GrammarMatcher | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -54,28 +62,52 @@ class SequenceState:
             self.cumulative_logprob += token_logprobs[token]
 
     def process_new_token(
-        self, request: Request, logprobs: dict[int, float] | None, ctx: StepContext
+        self,
+        request: Request,
+        logprobs: dict[int, float] | None,
+        ctx: StepContext,
+        token_index: int = -1,
     ) -> None:
-        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings."""
+        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings.
+
+        ``token_index``: which output token, when a step appended several (speculative
+        decoding's accepted run, processed in order); only the last one can have ended it."""
         ctx.record_token(self.group)
         ctx.num_generation_tokens += 1
-        token = request.output_token_ids[-1]
+        output = request.output_token_ids
+        token = output[token_index]
+        last = token_index == -1 or token_index == len(output) - 1
         if logprobs is not None:
             self.record_logprobs(logprobs, token)
+        if self.grammar_matcher is not None:
+            self._advance_grammar(request, token, ctx)
         hidden_stop = (
-            request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
+            last
+            and request.status is RequestStatus.FINISHED_STOPPED
+            and request.stop_reason == token
         )
         if not hidden_stop:
             self.detokenizer.add_token(token)
-        if request.is_finished:
+        if last and request.is_finished:
             self.detokenizer.flush()
         if self.group.params.stop_strings:
-            self._check_stop_strings(request, ctx)
+            self._check_stop_strings(request, ctx, len(output) if last else token_index + 1)
 
-    def _check_stop_strings(self, request: Request, ctx: StepContext) -> None:
+    def _advance_grammar(self, request: Request, token: int, ctx: StepContext) -> None:
+        """Accept the token; a grammar that has ended (its stop token taken) ends the request
+        even where the stop token does not (``ignore_eos``)."""
+        self.grammar_matcher.accept_token(token)
+        if self.grammar_matcher.is_terminated() and not request.is_finished:
+            ctx.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=token)
+
+    def _check_stop_strings(self, request: Request, ctx: StepContext, num_output: int) -> None:
+        """``num_output``: output tokens up to the one just processed."""
         stops = self.params.stop_strings
         text = self.detokenizer.text
         if not stops or self.stop_string_hit is not None:
+            return
+        if num_output < self.params.min_tokens:
+            self.text_checked = len(text)  # as EOS: no stop string counts before min_tokens
             return
         hit = find_stop_string(text, len(text) - self.text_checked, stops)
         self.text_checked = len(text)
@@ -101,6 +133,7 @@ class SequenceGroup:
     sequences: list[Request[SequenceState]] = field(default_factory=list)
     forked: bool = False
     aborted: bool = False
+    compiled_grammar: CompiledGrammar | None = None  # set once a structured output compiled
     # [None, {token 1: logprob, top-N...}, ...]: the first prompt token has no logprob
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
@@ -135,6 +168,9 @@ class SequenceGroup:
                 tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
             ),
             logprobs=[] if self.params.logprobs is not None else None,
+            grammar_matcher=None
+            if self.compiled_grammar is None
+            else self.compiled_grammar.matcher(),
         )
 
     # ---- one step ------------------------------------------------------------------------
@@ -209,8 +245,16 @@ class SequenceGroup:
             None if logprobs is None else state.cumulative_logprob,
             None if logprobs is None else logprobs.copy(),
             request.status.finish_reason,
-            request.stop_reason,
+            self.stop_reason(request),
         )
+
+    def stop_reason(self, request: Request) -> int | str | None:
+        """The stop string or stop token id that ended ``request``; None when it ended on EOS
+        (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
+        reason = request.stop_reason
+        if isinstance(reason, int) and reason not in self.params.stop_token_ids:
+            return None
+        return reason
 
     def make_output(self) -> RequestOutput:
         """A cumulative snapshot: every sequence's whole text and tokens so far."""

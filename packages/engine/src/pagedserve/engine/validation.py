@@ -30,6 +30,18 @@ def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_s
             )
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """``logprobs`` and ``prompt_logprobs`` within the engine's cap (``max_logprobs``, -1 for
+    the whole vocabulary), as vLLM bounds them: each costs a top-k over the vocabulary."""
+    cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > cap:
+            raise InvalidRequestError(
+                f"{name} must be in [0, {cap}] (the server's --max-logprobs), got {value}", name
+            )
+
+
 def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
     """``params.max_tokens``, or all the room ``max_model_len`` leaves after the prompt.
 

@@ -17,11 +17,14 @@ from pagedserve.kernels.rotary_embedding import rotary_embedding, rotary_embeddi
 from pagedserve.kernels.sampling import sample_tokens, sample_tokens_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv, store_kv_ref
+from pagedserve.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from pagedserve.kernels.warmup import paged_attention_warmup
 
 __all__ = [
     "apply_penalties",
     "apply_penalties_ref",
+    "apply_token_bitmask",
+    "apply_token_bitmask_ref",
     "copy_blocks",
     "copy_blocks_ref",
     "fused_moe",

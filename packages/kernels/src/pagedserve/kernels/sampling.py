@@ -205,6 +205,14 @@ def _top_p_floor(scaled, x_max, k_floor, top_p) -> torch.Tensor:
     return floor
 
 
+def _kept(scaled, top_k, top_p, log_min_p) -> torch.Tensor:
+    """``[B, V]`` bool: the tokens top-k, top-p and min-p keep (the module docstring's sets)."""
+    x_max = scaled.max(dim=-1, keepdim=True).values
+    k_floor = _top_k_floor(scaled, top_k)
+    floor = torch.maximum(k_floor, _top_p_floor(scaled, x_max, k_floor, top_p))
+    return (scaled >= floor) & (scaled - x_max >= log_min_p[:, None])
+
+
 def sample_tokens_ref(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -216,10 +224,7 @@ def sample_tokens_ref(
     """Reference: whole-batch masks (one topk, one sort for top-p rows), one argmax."""
     _check(logits, temperature, top_k, top_p, min_p, exponential_noise)
     greedy, scaled, log_noise, log_min_p = _prepare(logits, temperature, min_p, exponential_noise)
-    x_max = scaled.max(dim=-1, keepdim=True).values
-    k_floor = _top_k_floor(scaled, top_k)
-    floor = torch.maximum(k_floor, _top_p_floor(scaled, x_max, k_floor, top_p))
-    kept = (scaled >= floor) & (scaled - x_max >= log_min_p[:, None])
+    kept = _kept(scaled, top_k, top_p, log_min_p)
     sampled = torch.where(kept, scaled - log_noise, float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -237,3 +242,25 @@ def sample_tokens(
     if use_triton(logits):
         return sample_tokens_triton(*args)
     return sample_tokens_ref(*args)
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, V]`` fp32: the distribution ``sample_tokens`` draws each row from, written out.
+
+    ``softmax(logits / temperature)`` renormalised over the kept set (the same top-k, top-p
+    and min-p sets as the reference's); a greedy row is one-hot at its argmax. Speculative
+    decoding's rejection sampler compares proposals with it.
+    """
+    noise = torch.ones_like(logits)
+    _check(logits, temperature, top_k, top_p, min_p, noise)
+    greedy, scaled, _, log_min_p = _prepare(logits, temperature, min_p, noise)
+    kept = _kept(scaled, top_k, top_p, log_min_p)
+    probs = torch.softmax(torch.where(kept, scaled, float("-inf")), dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(probs.dtype)
+    return torch.where(greedy[:, None], one_hot, probs)

@@ -28,8 +28,30 @@ _DTYPES = {
 }
 
 
+# Weight-only methods applied at load time (quantization.py); "int8" and "fp8" (e4m3).
+QUANTIZATION_METHODS = ("int8", "fp8")
+
+
 class ModelLoadError(ValueError):
     """The model folder is missing, malformed, or holds an architecture we do not support."""
+
+
+def check_quantization(method: str | None, hf_config: dict) -> None:
+    """Refuse, at load time, what pagedserve would otherwise load wrongly: an unknown method,
+    or a checkpoint that is already quantized (its packed tensors are not a plain weight)."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ModelLoadError(
+            f"quantization {method!r} is not supported; one of {list(QUANTIZATION_METHODS)} "
+            "(weight-only, applied at load time to an unquantized checkpoint)"
+        )
+    stored = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if stored is not None:
+        raise ModelLoadError(
+            f"this checkpoint is already quantized (quantization_config.quant_method = "
+            f"{stored!r}); pagedserve does not load pre-quantized {stored} checkpoints yet. "
+            "Serve the unquantized checkpoint, with --quantization int8 or fp8 to quantize it "
+            "at load time."
+        )
 
 
 MODEL_FOLDER_LAYOUT = (
@@ -84,6 +106,7 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
     generation_config: str = "auto"
     hf_config: dict[str, Any] = field(init=False)
     architecture: str = field(init=False)
@@ -107,12 +130,21 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {archs}; pagedserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        check_quantization(self.quantization, self.hf_config)
         self.architecture = known[0]
         self.arch = SUPPORTED_ARCHITECTURES[self.architecture]
         if self.device == "auto":
             self.torch_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
-            self.torch_device = torch.device(self.device)
+            try:
+                self.torch_device = torch.device(self.device)
+            except RuntimeError as e:
+                raise ModelLoadError(f"device {self.device!r} is not a device: {e}") from e
+            if self.torch_device.type == "cuda" and not torch.cuda.is_available():
+                raise ModelLoadError(
+                    f"device {self.device!r} was asked for, but this machine has no CUDA device "
+                    "usable by torch (use --device cpu, or auto)"
+                )
         self.torch_dtype = resolve_dtype(
             self.dtype,
             self.hf_config.get("torch_dtype") or self.hf_config.get("dtype"),

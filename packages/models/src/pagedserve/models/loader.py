@@ -14,6 +14,7 @@ from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
+from pagedserve.models.quantization import quantize_linear_layers
 from pagedserve.models.weights import iterate_weights
 
 MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
@@ -34,4 +35,8 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
     model.load_weights(
         (name, tensor.to(config.torch_dtype)) for name, tensor in iterate_weights(config.model)
     )
+    if config.quantization is not None:
+        quantize_linear_layers(model, config.quantization)
+        if config.torch_device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed full-precision weights count for the KV cache
     return model.eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.request import Request
@@ -9,17 +10,23 @@ from pagedserve.scheduler.request import Request
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on.
+
+    A speculative decode runs its last known token and then ``spec_token_ids``, the proposals
+    to verify (``num_new_tokens == 1 + len(spec_token_ids)``); their slots are allocated too.
+    """
 
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
     block_table: list[int]
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def needs_sample(self) -> bool:
         """True when this chunk reaches the last known token, whose logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        end = self.num_computed_tokens + self.num_new_tokens
+        return end == self.request.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -30,6 +37,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens scheduled for verification in this step."""
+        return sum(len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -45,6 +45,21 @@ class WaitingQueue:
     def peek(self) -> Request:
         return self._queue[0]
 
+    def first_ready(self) -> Request | None:
+        """The first request, in policy order, that is not held (``waiting_for_grammar``):
+        a held request lets the ones behind it pass (vLLM's rule for grammars compiling)."""
+        head = self._queue[0]
+        if not head.waiting_for_grammar:
+            return head
+        return next((r for r in self._queue if not r.waiting_for_grammar), None)
+
+    def take(self, request: Request) -> None:
+        """Remove ``request`` (the head, in the common case) as it is admitted."""
+        if request is self._queue[0]:
+            self.pop()
+        else:
+            self.remove(request)
+
     def pop(self) -> Request:
         request = self._pop_head()
         self.num_tokens -= request.num_tokens

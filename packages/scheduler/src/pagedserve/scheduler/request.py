@@ -101,6 +101,10 @@ class Request(Generic[PayloadT]):
     whose type is the engine's (``Request[SequenceState]``): the scheduler never reads it.
     ``needs_prompt_logits`` is the engine's word to the model runner: while it is set, the
     runner also computes the logits of the prompt positions it runs (prompt logprobs).
+    ``spec_token_ids`` are the engine's proposals for the tokens after the last one (speculative
+    decoding): the next decode step verifies them with it, and takes them off the request.
+    ``waiting_for_grammar`` is another: while it is set (structured outputs, the grammar still
+    compiling) the request stays in the waiting queue, and requests behind it may pass.
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -117,6 +121,7 @@ class Request(Generic[PayloadT]):
     cache_salt: str | None = None
     payload: PayloadT | None = None
     needs_prompt_logits: bool = False
+    waiting_for_grammar: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -125,6 +130,7 @@ class Request(Generic[PayloadT]):
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> TokenIds:

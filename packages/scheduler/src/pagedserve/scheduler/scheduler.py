@@ -28,8 +28,8 @@ import itertools
 from collections.abc import Iterable
 
 from pagedserve.blockmgr import KVCacheManager
+from pagedserve.scheduler.admission import check_fits, check_not_overloaded
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
 from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import Request, RequestStatus
@@ -64,61 +64,13 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self._check_fits(request)
-        self._check_not_overloaded(request)
+        check_fits(request, self.config, self.kv)
+        check_not_overloaded(request, self.config, self.waiting)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.add(request)
-
-    def _check_fits(self, request: Request) -> None:
-        num_prompt = request.num_prompt_tokens
-        max_len = self.config.max_model_len
-        if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty: give at least one token", "prompt")
-        if num_prompt >= max_len:
-            raise RequestRejectedError(
-                f"the prompt has {num_prompt} tokens; max_model_len is {max_len}, which leaves "
-                "no room for a new token: shorten the prompt",
-                "prompt",
-            )
-        if request.max_tokens < 1:
-            raise RequestRejectedError(
-                f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens"
-            )
-        if num_prompt + request.max_tokens > max_len:
-            raise RequestRejectedError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_model_len ({max_len}): shorten the prompt or lower max_tokens",
-                "max_tokens",
-            )
-        # The last sampled token is never fed back, so it needs no slot. The watermark is kept
-        # free on admission, so one request may hold at most num_blocks - watermark blocks (a
-        # request that needed more could wait at the head of the queue forever).
-        max_kv_tokens = num_prompt + request.max_tokens - 1
-        blocks_needed = -(-max_kv_tokens // self.kv.block_size)
-        blocks_usable = self.kv.num_blocks - self.kv.watermark_blocks
-        if blocks_needed > blocks_usable:
-            raise RequestRejectedError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) needs "
-                f"{blocks_needed} KV blocks of {self.kv.block_size} tokens, but the KV cache can "
-                f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache",
-                "max_tokens",
-            )
-
-    def _check_not_overloaded(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_num_waiting:
-            raise SchedulerOverloadedError(
-                f"the waiting queue is full ({len(self.waiting)} requests, max_num_waiting = "
-                f"{self.config.max_num_waiting}): retry later"
-            )
-        cap = self.config.max_num_waiting_tokens
-        if cap and self.waiting.num_tokens + request.num_tokens > cap:
-            raise SchedulerOverloadedError(
-                f"the waiting queue is full ({self.waiting.num_tokens} tokens waiting, "
-                f"max_num_waiting_tokens = {cap}): retry later"
-            )
 
     def add_forked_request(self, parent_request_id: str, child: Request) -> None:
         """Run ``child`` beside a running parent whose tokens it extends (n > 1, beam search).
@@ -252,19 +204,25 @@ class Scheduler:
         self._total_scheduled_tokens += num_tokens
         return output
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, and finish requests that stop.
 
         ``sampled`` maps request id -> next token for the requests whose chunk reached their
-        last known token (``needs_sample``). A request finished between ``schedule`` and here
-        (an abort, a stop string) is skipped. Returns the requests that got a new token,
-        finished ones included; finished requests have already freed their blocks.
+        last known token (``needs_sample``); for a speculative decode, the list of its accepted
+        proposals and then the target's own token (``_update_verified``). A request finished
+        between ``schedule`` and here (an abort, a stop string) is skipped. Returns the requests
+        that got new tokens, finished ones included; finished requests have already freed their
+        blocks.
         """
         updated = []
         stopped = False
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
+                continue
+            if item.spec_token_ids:
+                stopped |= self._update_verified(item, sampled[request.request_id])
+                updated.append(request)
                 continue
             request.num_computed_tokens += item.num_new_tokens
             if request.num_computed_tokens < request.num_tokens:
@@ -281,6 +239,28 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
+
+    def _update_verified(self, item: ScheduledRequest, tokens: list[int]) -> bool:
+        """A speculative decode's outcome: ``tokens`` are the accepted proposals, then one token
+        of the target's own (the first rejection's resample, or the bonus token).
+
+        They are appended in order and each meets the stop rules (EOS, stop ids, max_tokens):
+        a stop inside the run ends the output there. Otherwise the request is rewound past the
+        rejected proposals (their keys and values are garbage) and the blocks that only they
+        used go back to the pool. True when the request finished.
+        """
+        request = item.request
+        request.num_computed_tokens += item.num_new_tokens
+        for token in tokens:
+            request.append_output_token(token)
+            stop = request.check_stop()
+            if stop is not None:
+                self._finish(request, stop)
+                return True
+        num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
+        self.rewind(request.request_id, num_rejected)
+        self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
+        return False
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -305,15 +285,27 @@ class Scheduler:
         while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
             request = running[index]
             num_computed = request.num_computed_tokens
+            spec: list[int] = []
             if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
                 num_new = 1  # what _num_new_tokens gives a decode under any budget left (> 0)
+                if request.spec_token_ids:  # verify the proposals too, as far as the budget goes
+                    spec, request.spec_token_ids = request.spec_token_ids[: budget - 1], []
+                    num_new += len(spec)
             else:
                 num_new = self._num_new_tokens(request, num_computed, budget)
-            if not self._allocate_or_preempt(request, num_new, output):
+            if spec and not kv.allocate_slots(
+                request.request_id,
+                request.all_token_ids,
+                num_computed,
+                num_new,
+                cache_salt=request.cache_salt,
+            ):
+                spec, num_new = [], 1  # proposals never cost another request its place
+            if not spec and not self._allocate_or_preempt(request, num_new, output):
                 break  # the request was the last one running, and preempted itself
             request_id = request.request_id
             scheduled.append(
-                ScheduledRequest(request, num_computed, num_new, kv.block_ids(request_id))
+                ScheduledRequest(request, num_computed, num_new, kv.block_ids(request_id), spec)
             )
             budget -= num_new
             index += 1
@@ -344,7 +336,9 @@ class Scheduler:
             and len(self.running) < max_seqs
             and len(output.scheduled) < max_seqs
         ):
-            request = self.waiting.peek()
+            request = self.waiting.first_ready()
+            if request is None:
+                break  # every waiting request is held for its grammar
             hits, num_cached = self.kv.get_computed_blocks(
                 request.all_token_ids, request.cache_salt
             )
@@ -360,7 +354,7 @@ class Scheduler:
                 cache_salt=request.cache_salt,
             ):
                 break  # the head waits for blocks; nothing behind it jumps the queue
-            self.waiting.pop()
+            self.waiting.take(request)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -383,6 +377,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and send it back to wait, ahead of later arrivals."""
         self.kv.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -4,8 +4,10 @@
 ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
 Starlette's TestClient). Routes:
 
-    POST /v1/completions        POST /v1/chat/completions     GET /v1/models[/{id}]
-    POST /tokenize              POST /detokenize              GET /health  GET /metrics  GET /version
+    POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
+    GET /v1/models[/{id}]
+    POST /tokenize              POST /detokenize              GET /tokenizer_info
+    GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import asyncio
 import contextlib
 import logging
 from importlib import metadata
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from pagedserve.engine import EngineClient, EngineDeadError
 from pagedserve.server.config import ServerConfig
@@ -31,7 +36,12 @@ from pagedserve.server.errors import (
     parse_json_body,
 )
 from pagedserve.server.metrics import EngineMetrics
-from pagedserve.server.middleware import GateMiddleware
+from pagedserve.server.middleware import (
+    GateMiddleware,
+    InternalErrorMiddleware,
+    RequestIdMiddleware,
+)
+from pagedserve.server.openapi import openapi_document
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,10 +54,13 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
+from pagedserve.server.serving_responses import create_response
 from pagedserve.server.state import ServerState, now_s
+from pagedserve.server.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
@@ -90,6 +103,11 @@ async def chat_completions(request: Request) -> Response:
     return await create_chat_completion(request, state_of(request), body)
 
 
+async def responses(request: Request) -> Response:
+    body = await read_body(request, ResponsesRequest)
+    return await create_response(request, state_of(request), body)
+
+
 def _model_card(state: ServerState) -> ModelCard:
     engine = state.engine
     return ModelCard(
@@ -121,16 +139,24 @@ async def tokenize(request: Request) -> Response:
     except ValidationError as e:
         raise from_validation_error(e) from e
     check_model(state, body.model)
+    tokenizer = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
         tokens = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     else:
-        tokens = state.engine.tokenizer.encode(
-            body.prompt, add_special_tokens=body.add_special_tokens
-        )
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     max_len = state.engine.scheduler_config.max_model_len
-    return JSONResponse(
-        TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len).model_dump()
-    )
+    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    response = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len)
+    response.token_strs = strs
+    return JSONResponse(response.model_dump())
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's /tokenizer_info (behind --enable-tokenizer-info-endpoint, as there)."""
+    state = state_of(request)
+    if not state.config.enable_tokenizer_info_endpoint:
+        raise APIError("no route GET /tokenizer_info (see --enable-tokenizer-info-endpoint)", 404)
+    return JSONResponse(tokenizer_info_of(state.engine.tokenizer).model_dump())
 
 
 async def detokenize(request: Request) -> Response:
@@ -164,24 +190,53 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-async def version(request: Request) -> Response:
+def server_version() -> str:
     try:
-        value = metadata.version("pagedserve")
+        return metadata.version("pagedserve")
     except metadata.PackageNotFoundError:  # pragma: no cover - always installed in the venv
-        value = "unknown"
-    return JSONResponse(VersionResponse(version=value).model_dump())
+        return "unknown"
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse(VersionResponse(version=server_version()).model_dump())
+
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+async def openapi_json(request: Request) -> Response:
+    app_state = request.app.state
+    if not hasattr(app_state, "openapi"):  # built once, on first use
+        app_state.openapi = openapi_document(server_version())
+    return JSONResponse(app_state.openapi)
+
+
+async def playground(request: Request) -> Response:
+    """The playground: a chat page with live figures, served from the package's static files."""
+    return FileResponse(STATIC_DIR / "playground.html", media_type="text/html")
+
+
+async def docs(request: Request) -> Response:
+    """The API's documentation page; its script renders /openapi.json (no CDN: static files)."""
+    return FileResponse(STATIC_DIR / "docs.html", media_type="text/html")
 
 
 ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
+    Route("/docs", docs, methods=["GET"]),
+    Route("/", playground, methods=["GET"]),
+    Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
 ]
 
 
@@ -213,12 +268,24 @@ def build_app(
     app = Starlette(
         routes=ROUTES,
         middleware=[
+            # outermost: a browser's preflight (OPTIONS, no key) is answered before the gate
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.allowed_origins),
+                allow_methods=list(config.allowed_methods),
+                allow_headers=list(config.allowed_headers),
+                allow_credentials=config.allow_credentials,
+            ),
             Middleware(
                 GateMiddleware,
                 api_key=config.api_key,
                 max_body_bytes=config.max_body_bytes,
                 max_header_bytes=config.max_header_bytes,
-            )
+                open_paths=open_paths(config),
+                open_prefixes=("/static/",),
+            ),
+            Middleware(InternalErrorMiddleware),
+            Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
@@ -226,6 +293,16 @@ def build_app(
     app.state.server = state
     app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
     return app
+
+
+def open_paths(config: ServerConfig) -> frozenset[str]:
+    """Routes served without the API key: /health, the API's schema and docs and the
+    playground page (their static files too; the page's own calls carry the key), and /metrics
+    unless configured otherwise."""
+    paths = {"/", "/health", "/openapi.json", "/docs"}
+    if not config.metrics_require_api_key:
+        paths.add("/metrics")
+    return frozenset(paths)
 
 
 async def _refresh_metrics(engine_metrics: EngineMetrics) -> None:

@@ -11,9 +11,11 @@ options keep vLLM's names (--host, --port, --api-key, --served-model-name, --shu
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 import types
@@ -85,9 +87,27 @@ def add_config_args(
             group.add_argument(flag, type=kind, default=default, help=help_)
 
 
-def _flag_type(name: str, hint, metadata) -> type | Callable[[str], int]:
+def parse_list(text: str) -> tuple[str, ...]:
+    """A list of strings, as vLLM takes it (a JSON list: '["a", "b"]') or comma-separated."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({e})") from e
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"not a list of strings: {text!r}")
+        return tuple(value)
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _flag_type(name: str, hint, metadata) -> type | Callable[[str], object]:
     if metadata.get("unit") == "bytes":
         return parse_size
+    if metadata.get("unit") == "json":  # a config dict given as JSON text (vLLM's spelling)
+        return json.loads
+    if metadata.get("unit") == "list":
+        return parse_list
     kind = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None takes an X
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -102,17 +122,37 @@ def config_kwargs(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = (
     return {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}
 
 
+class UsageError(Exception):
+    """A mistake of the user's (a missing folder, a busy port): one line on stderr, exit 2."""
+
+
 def resolve_model(path: str | None) -> tuple[str, str | None]:
     """(model folder, its default served name): the default model when no path is given."""
     if path:
+        if not os.path.exists(path):
+            raise UsageError(f"the model folder {path!r} does not exist")
         return path, None
     return str(ensure_default_model()), DEFAULT_MODEL_NAME
+
+
+def reported(command: str, run: Callable[[], int]) -> int:
+    """Run a command; a user's error (a bad path, option or device) is one line, not a
+    traceback. ``ValueError`` covers ModelLoadError and the configs' own checks."""
+    try:
+        return run()
+    except (UsageError, ValueError, OSError) as e:
+        print(f"pagedserve {command}: {e}", file=sys.stderr)
+        return 2
 
 
 # ---- generate --------------------------------------------------------------------------------
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    return reported("generate", lambda: _generate(args))
+
+
+def _generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompts)
     if args.file:
         with open(args.file, encoding="utf-8") as f:
@@ -143,6 +183,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"{len(prompts)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)"
     )
+    stats = llm.engine.get_stats()
+    if stats.spec_decode_num_drafts:
+        print(
+            f"speculative decoding: {stats.spec_decode_num_accepted_tokens} of "
+            f"{stats.spec_decode_num_draft_tokens} proposed tokens accepted "
+            f"({stats.spec_decode_acceptance_rate:.1%}), "
+            f"{stats.spec_decode_mean_acceptance_length:.2f} tokens per verify step"
+        )
     return 0
 
 
@@ -200,17 +248,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_path and args.model_option and args.model_path != args.model_option:
         print("pagedserve serve: give the model once (MODEL_PATH or --model)", file=sys.stderr)
         return 2
-    model, default_name = resolve_model(args.model_path or args.model_option)
-    try:
+
+    def serve() -> int:
         config = ServerConfig(**config_kwargs(args, ServerConfig))
-        name = config.served_model_name or default_name or model
-        engine = AsyncLLM(
-            EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
-        )
-    except (ValueError, OSError) as e:
-        print(f"pagedserve serve: {e}", file=sys.stderr)
-        return 2
-    return run_server(engine, config, name)
+        sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
+        try:
+            model, default_name = resolve_model(args.model_path or args.model_option)
+            name = config.served_model_name or default_name or model
+            engine = AsyncLLM(
+                EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
+            )
+        except BaseException:
+            sock.close()
+            raise
+        return run_server(engine, config, name, sock=sock)
+
+    return reported("serve", serve)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so that a port in use is reported
+    at once (uvicorn would bind it only once the engine is ready, minutes later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
 
 
 def build_parser() -> argparse.ArgumentParser:

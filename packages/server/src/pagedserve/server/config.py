@@ -6,6 +6,7 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.engine.config import option
 
@@ -26,8 +27,11 @@ class ServerConfig:
     port: int = option(8000, "port to listen on")
     api_key: str | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $PAGEDSERVE_API_KEY, else no key)",
+        "require 'Authorization: Bearer KEY' on every route but /health, /metrics and the API's "
+        "docs (default: $PAGEDSERVE_API_KEY, else no key)",
+    )
+    metrics_require_api_key: bool = option(
+        False, "with --api-key, guard /metrics too (vLLM leaves it open to Prometheus)"
     )
     served_model_name: str | None = option(
         None,
@@ -45,8 +49,32 @@ class ServerConfig:
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
     log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
+    enable_request_id_headers: bool = option(
+        False, "echo the request's X-Request-Id (or a new id) in an X-Request-Id response header"
+    )
+    allowed_origins: tuple[str, ...] = option(
+        ("*",), "CORS: origins allowed to call from a browser (JSON list or a,b)", unit="list"
+    )
+    allowed_methods: tuple[str, ...] = option(("*",), "CORS: allowed methods", unit="list")
+    allowed_headers: tuple[str, ...] = option(("*",), "CORS: allowed request headers", unit="list")
+    allow_credentials: bool = option(False, "CORS: allow credentials (cookies, HTTP auth)")
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)"
+    )
+    chat_template: str | None = option(
+        None, "a chat template (a Jinja file, or the template itself) instead of the model's"
+    )
+    tool_call_parser: str = option(
+        "hermes", "how tool calls are read from a reply under tool_choice auto: hermes, llama3_json"
+    )
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise ValueError(
+                f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}"
+            )
+        if self.chat_template and Path(self.chat_template).is_file():
+            self.chat_template = Path(self.chat_template).read_text()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:

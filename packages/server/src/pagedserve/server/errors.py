@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from http import HTTPStatus
 
 from pydantic import ValidationError
@@ -76,6 +77,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param=param)
 
 
+def internal_error() -> APIError:
+    """The one 500. It closes the connection: whatever failed may have left the request's body
+    half read, and a client that pooled the connection must not send its next request on it."""
+    return APIError("internal server error", 500, headers={"Connection": "close"})
+
+
 def overloaded(message: str, retry_after_s: int) -> APIError:
     return APIError(message, 503, code="overloaded", headers={"Retry-After": str(retry_after_s)})
 
@@ -84,6 +91,8 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids (integers >= 0) "
     "or a list of such lists",
     "stop": "must be a string or a list of strings",
+    "input": "must be a string or a non-empty list of messages, each {'role': user, system, "
+    "developer or assistant, 'content': a string or input_text/output_text parts}",
     "content": "must be a string or a list of {'type': 'text', 'text': ...} parts "
     "(only text is supported)",
 }
@@ -137,21 +146,58 @@ def from_engine_error(
     if isinstance(error, EngineDeadError):
         return APIError(f"the engine is not running: {error}", 503, code="engine_dead")
     logger.exception("unexpected engine error", exc_info=error)
-    return APIError("internal server error", 500)
+    return internal_error()
+
+
+# A \uD800-\uDFFF escape: the only way a JSON text can hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def parse_json_body(raw: bytes) -> object:
-    """The body as JSON, with 400s that say what is wrong (bad UTF-8, bad JSON)."""
+    """The body as JSON, with 400s that say what is wrong (bad UTF-8, bad JSON, a string that
+    is not Unicode text)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8: {e.reason}") from e
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
     except RecursionError as e:
         raise bad_request("the request body is nested too deeply") from e
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(data)
+    return data
+
+
+def _refuse_lone_surrogates(data: object) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair alone (``"\\ud800"``); Python keeps it
+    as a character no tokenizer can encode. Refuse it with the field that holds it, walking
+    iteratively (json.loads already bounded the depth, but not the walker's stack)."""
+    stack: list[tuple[object, str]] = [(data, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            items = [(k, v) for k, v in value.items()]
+            items += [(k, k) for k in value]  # keys are strings too
+        elif isinstance(value, list):
+            items = list(enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                param = where or None
+                raise bad_request(
+                    f"{where or 'the body'} holds a lone UTF-16 surrogate "
+                    "(an unpaired \\ud800-\\udfff escape), which is not text",
+                    param,
+                ) from None
+            continue
+        else:
+            continue
+        for key, item in items:
+            stack.append((item, f"{where}.{key}" if where else str(key)))
 
 
 # ---- Starlette exception handlers ------------------------------------------------------------
@@ -177,14 +223,8 @@ async def handle_client_disconnect(request: Request, exc: Exception) -> Response
     return Response(status_code=499)
 
 
-async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError("internal server error", 500).response()
-
-
 EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     HTTPException: handle_http_exception,
     ClientDisconnect: handle_client_disconnect,
-    Exception: handle_unexpected,
 }

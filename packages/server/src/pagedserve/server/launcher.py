@@ -17,6 +17,7 @@ A second signal skips the wait.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import uvicorn
@@ -76,8 +77,13 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(engine, config: ServerConfig, model_name: str | None = None) -> int:
-    """Serve ``engine`` until a signal drains and stops it; returns the exit status (0)."""
+def run_server(
+    engine, config: ServerConfig, model_name: str | None = None, sock: socket.socket | None = None
+) -> int:
+    """Serve ``engine`` until a signal drains and stops it; returns the exit status (0).
+
+    ``sock``, when given, is the socket already bound to ``config.host:config.port``.
+    """
     app = build_app(engine, config, model_name)
     uv_config = uvicorn.Config(
         app,
@@ -93,5 +99,5 @@ def run_server(engine, config: ServerConfig, model_name: str | None = None) -> i
         lifespan="on",
     )
     server = DrainingServer(uv_config, app.state.server, config.shutdown_timeout)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return 0

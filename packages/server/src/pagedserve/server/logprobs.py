@@ -1,19 +1,37 @@
-"""Logprobs in the two shapes OpenAI uses: the legacy completions one and the chat one.
+"""Logprobs in the shapes OpenAI and vLLM use: the legacy completions one, the chat one, and
+vLLM's prompt logprobs.
 
-The engine gives, per generated token, a dict ``token id -> logprob`` holding the sampled token
-and the requested number of most likely ones (a value may be a float or an object with a
-``.logprob``, as vLLM's ``Logprob``). Token strings are each id decoded alone, as OpenAI shows
-them (" the", not the BPE piece "Ġthe").
+The engine gives, per token, a dict ``token id -> logprob`` holding that token (sampled, or the
+prompt's own) and the requested number of most likely ones (a value may be a float or an object
+with a ``.logprob``, as vLLM's ``Logprob``). Token strings are each id decoded alone, as OpenAI
+shows them (" the", not the BPE piece "Ġthe"), or ``token_id:N`` with vLLM's
+``return_tokens_as_token_ids`` (for clients that must map logprobs back to ids exactly, since
+two ids can decode alike).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pagedserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
+
+
+@dataclass(frozen=True)
+class TokenNamer:
+    """How a token id is shown: its text, or ``token_id:N``."""
+
+    tokenizer: object
+    as_ids: bool = False
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.tokenizer.decode([token])
 
 
 def _value(entry) -> float:
@@ -26,47 +44,55 @@ def _top(entries: dict, k: int) -> list[tuple[int, float]]:
     return ranked[:k]
 
 
-def _by_text(tokenizer, ranked: list[tuple[int, float]]) -> dict[str, float]:
-    """The legacy format keys top logprobs by text; two ids may decode alike (byte pieces of one
-    character both show as U+FFFD), and the more likely one keeps the key."""
+def _legacy_top(name: TokenNamer, token: int, entries: dict, k: int) -> dict[str, float]:
+    """The chosen token, then the ``k`` likeliest: "up to logprobs + 1" entries, as OpenAI and
+    vLLM return them (so ``logprobs: 0`` still shows the chosen token). Keyed by text, two ids
+    may decode alike (byte pieces of one character both show as U+FFFD): the first keeps it."""
     out: dict[str, float] = {}
-    for token, value in ranked:
-        out.setdefault(tokenizer.decode([token]), value)
+    if token in entries:
+        out[name(token)] = _value(entries[token])
+    for other, value in _top(entries, k):
+        out.setdefault(name(other), value)
     return out
 
 
 def completion_logprobs(
-    tokenizer,
+    name: TokenNamer,
     token_ids: list[int],
-    logprobs: list[dict] | None,
+    logprobs: list[dict | None] | None,
     k: int,
     text_offset: int,
 ) -> CompletionLogprobs | None:
-    """Parallel lists for ``token_ids``; offsets count from ``text_offset`` (the echoed prompt)."""
+    """Parallel lists for ``token_ids``; offsets count from ``text_offset``. An entry of None
+    (the first prompt token, when the prompt is echoed) has no logprob."""
     if logprobs is None:
         return None
     out = CompletionLogprobs()
     offset = text_offset
     for token, entries in zip(token_ids, logprobs):
-        text = tokenizer.decode([token])
+        text = name(token)
         out.tokens.append(text)
-        out.token_logprobs.append(_value(entries[token]) if token in entries else None)
-        out.top_logprobs.append(_by_text(tokenizer, _top(entries, k)) if k else None)
+        if entries is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            out.token_logprobs.append(_value(entries[token]) if token in entries else None)
+            out.top_logprobs.append(_legacy_top(name, token, entries, k))
         out.text_offset.append(offset)
         offset += len(text)
     return out
 
 
 def chat_logprobs(
-    tokenizer, token_ids: list[int], logprobs: list[dict] | None, k: int
+    name: TokenNamer, token_ids: list[int], logprobs: list[dict] | None, k: int
 ) -> ChatChoiceLogprobs | None:
     if logprobs is None:
         return None
     content = []
     for token, entries in zip(token_ids, logprobs):
-        text = tokenizer.decode([token])
+        text = name(token)
         top = [
-            TopLogprob(token=(s := tokenizer.decode([t])), logprob=v, bytes=list(s.encode()))
+            TopLogprob(token=(s := name(t)), logprob=v, bytes=list(s.encode()))
             for t, v in _top(entries, k)
         ]
         content.append(
@@ -78,3 +104,28 @@ def chat_logprobs(
             )
         )
     return ChatChoiceLogprobs(content=content)
+
+
+def prompt_logprobs(
+    name: TokenNamer, entries: list[dict | None] | None, k: int
+) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs: per prompt position, the ``k`` likeliest tokens with their rank
+    (1 = likeliest), and the prompt's own token, whose rank is unknown (None) when it is not
+    among them."""
+    if entries is None:
+        return None
+    out: PromptLogprobs = []
+    for position in entries:
+        if position is None:
+            out.append(None)
+            continue
+        ranked = _top(position, len(position))
+        out.append(
+            {
+                str(token): PromptLogprob(
+                    logprob=value, rank=rank + 1 if rank < k else None, decoded_token=name(token)
+                )
+                for rank, (token, value) in enumerate(ranked)
+            }
+        )
+    return out

@@ -5,8 +5,12 @@ gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc
 engine's last step) and ``num_requests_in_flight`` (the server's own, live); counters
 ``prefix_cache_queries_total``, ``prefix_cache_hits_total`` (tokens), ``num_preemptions_total``,
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``;
-histograms ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
-``e2e_request_latency_seconds``, ``request_queue_time_seconds``.
+histograms per finished request ``time_to_first_token_seconds``,
+``time_per_output_token_seconds`` (its mean), ``e2e_request_latency_seconds``,
+``request_queue_time_seconds``, ``request_prefill_time_seconds``,
+``request_decode_time_seconds``, ``request_inference_time_seconds``, ``request_prompt_tokens``,
+``request_generation_tokens``; and per step ``iteration_tokens_total`` (tokens computed by one
+engine step) and ``inter_token_latency_seconds`` (each interval between a request's tokens).
 
 The engine keeps the cumulative totals itself, so they are exported through a custom collector
 (the counters' values are read, never re-counted). Finished-request latencies are handed over
@@ -37,6 +41,21 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 TPOT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
 LATENCY_BUCKETS += (60.0, 120.0, 240.0, 480.0, 960.0)
+DEFAULT_MAX_MODEL_LEN = 8192
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > limit:
+                return tuple(buckets)
+            buckets.append(value)
+        scale *= 10
+
 
 _HISTOGRAMS = {
     # attribute of FinishedRequestStats -> (metric name, help, buckets)
@@ -52,6 +71,39 @@ _HISTOGRAMS = {
         "Time spent waiting in the queue.",
         LATENCY_BUCKETS,
     ),
+    "prefill_time": (
+        "request_prefill_time_seconds",
+        "Time from first scheduled to first token (the prefill).",
+        LATENCY_BUCKETS,
+    ),
+    "decode_time": (
+        "request_decode_time_seconds",
+        "Time from first to last token (the decode).",
+        LATENCY_BUCKETS,
+    ),
+    "inference_time": (
+        "request_inference_time_seconds",
+        "Time from first scheduled to last token (prefill and decode).",
+        LATENCY_BUCKETS,
+    ),
+}
+# per finished request, in tokens: buckets up to max_model_len
+_TOKEN_HISTOGRAMS = {
+    "num_prompt_tokens": ("request_prompt_tokens", "Prompt tokens per request."),
+    "num_generation_tokens": ("request_generation_tokens", "Generated tokens per request."),
+}
+# per engine step: attribute of EngineStats (a list of samples) -> (name, help, buckets)
+_STEP_HISTOGRAMS = {
+    "iteration_tokens": (
+        "iteration_tokens_total",
+        "Tokens computed by one engine step (prefill chunks and decodes).",
+        ITERATION_TOKEN_BUCKETS,
+    ),
+    "inter_token_latencies": (
+        "inter_token_latency_seconds",
+        "Time between two consecutive tokens of a request.",
+        TPOT_BUCKETS,
+    ),
 }
 
 _COUNTERS = {
@@ -64,13 +116,30 @@ _COUNTERS = {
     "num_preemptions": ("num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
     "prompt_tokens_total": ("prompt_tokens", "Prompt tokens processed."),
     "generation_tokens_total": ("generation_tokens", "Tokens generated."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Sequences verified (speculative)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted.",
+    ),
+    "spec_decode_num_emitted_tokens": (
+        "spec_decode_num_emitted_tokens",
+        "Tokens emitted by verify steps (accepted + one of the target's own per sequence).",
+    ),
 }
 
 
 class EngineMetrics(Collector):
-    """Reads ``engine.get_stats()``; ``render()`` is the /metrics body."""
+    """Reads ``engine.get_stats()``; ``render()`` is the /metrics body. ``max_model_len`` tops
+    the token-count buckets (default: the engine's, else 8192 for an engine without one)."""
 
-    def __init__(self, engine, model_name: str, in_flight: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        engine,
+        model_name: str,
+        in_flight: Callable[[], int] = lambda: 0,
+        max_model_len: int | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.in_flight = in_flight
@@ -78,12 +147,16 @@ class EngineMetrics(Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._stats = None
-        self.histograms = {
-            attr: Histogram(
-                PREFIX + name, help_, ["model_name"], buckets=buckets, registry=self.registry
-            ).labels(model_name)
-            for attr, (name, help_, buckets) in _HISTOGRAMS.items()
+        if max_model_len is None:
+            scheduler_config = getattr(engine, "scheduler_config", None)
+            max_model_len = getattr(scheduler_config, "max_model_len", DEFAULT_MAX_MODEL_LEN)
+        token_buckets = buckets_1_2_5(max_model_len)
+        request_histograms = {
+            **_HISTOGRAMS,
+            **{a: (n, h, token_buckets) for a, (n, h) in _TOKEN_HISTOGRAMS.items()},
         }
+        self.histograms = self._histograms(request_histograms)
+        self.step_histograms = self._histograms(_STEP_HISTOGRAMS)
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
@@ -91,6 +164,14 @@ class EngineMetrics(Collector):
             registry=self.registry,
         )
         self.registry.register(self)
+
+    def _histograms(self, specs: dict) -> dict:
+        return {
+            attr: Histogram(
+                PREFIX + name, help_, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(self.model_name)
+            for attr, (name, help_, buckets) in specs.items()
+        }
 
     def refresh(self) -> None:
         """Take a fresh snapshot and move the newly finished requests into the histograms."""
@@ -103,6 +184,9 @@ class EngineMetrics(Collector):
                         histogram.observe(value)
                 reason = finished.finish_reason or "unknown"
                 self.request_success.labels(self.model_name, reason).inc()
+            for attr, histogram in self.step_histograms.items():
+                for value in getattr(stats, attr):
+                    histogram.observe(value)
             self._stats = stats
 
     def render(self) -> bytes:
@@ -121,6 +205,16 @@ class EngineMetrics(Collector):
                 "kv_cache_usage_perc",
                 "Fraction of KV blocks in use (1 = full).",
                 stats.kv_cache_usage,
+            ),
+            (
+                "spec_decode_acceptance_rate",
+                "Accepted / proposed tokens since start (speculative decoding).",
+                stats.spec_decode_acceptance_rate,
+            ),
+            (
+                "spec_decode_mean_acceptance_length",
+                "Tokens emitted per verified sequence per step since start (accepted + 1).",
+                stats.spec_decode_mean_acceptance_length,
             ),
             (
                 "num_requests_in_flight",

@@ -9,7 +9,8 @@ known to be allowed:
    key check therefore see the *same* path: ``//v1/models``, ``/v1/%6Dodels`` or
    ``/health/../v1/models`` cannot reach a protected route unauthenticated, because they are
    either routed as ``/v1/models`` (and checked as such) or not routed at all;
-3. with an API key, every path but ``/health`` needs ``Authorization: Bearer <key>``, compared in
+3. with an API key, every path but the open ones (``/health``, ``/metrics`` unless configured
+   otherwise, the API's schema and docs) needs ``Authorization: Bearer <key>``, compared in
    constant time (``hmac.compare_digest`` on the bytes) -> 401 otherwise;
 4. a declared ``Content-Length`` over ``max_body_bytes`` -> 413 at once; a chunked body is
    counted as it is read and fails with 413 when it passes the cap.
@@ -18,13 +19,18 @@ known to be allowed:
 from __future__ import annotations
 
 import hmac
+import logging
+import uuid
 from urllib.parse import quote, unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.server.errors import APIError
+from pagedserve.server.errors import APIError, internal_error
+
+logger = logging.getLogger("pagedserve.server")
 
 UNPROTECTED_PATHS = frozenset({"/health"})
+OPEN_PREFIXES = ()  # path prefixes served without the key (static files of open pages)
 
 
 def normalize_path(path: str) -> str:
@@ -63,10 +69,18 @@ def bearer_token(scope: Scope) -> bytes | None:
 
 class GateMiddleware:
     def __init__(
-        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, max_header_bytes: int
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_header_bytes: int,
+        open_paths: frozenset[str] = UNPROTECTED_PATHS,
+        open_prefixes: tuple[str, ...] = OPEN_PREFIXES,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
 
@@ -90,7 +104,7 @@ class GateMiddleware:
             )
         path = normalize_path(scope["path"])
         scope = dict(scope, path=path, raw_path=quote(path).encode())
-        if self.api_key is not None and path not in UNPROTECTED_PATHS:
+        if self.api_key is not None and not self._is_open(path):
             token = bearer_token(scope)
             if token is None or not hmac.compare_digest(token, self.api_key):
                 raise APIError(
@@ -106,6 +120,9 @@ class GateMiddleware:
             if int(length) > self.max_body_bytes:
                 raise self._too_large(int(length))
         return scope
+
+    def _is_open(self, path: str) -> bool:
+        return path in self.open_paths or any(path.startswith(p) for p in self.open_prefixes)
 
     def _too_large(self, size: int) -> APIError:
         return APIError(
@@ -125,3 +142,61 @@ class GateMiddleware:
             return message
 
         return counted
+
+
+class InternalErrorMiddleware:
+    """Turns an unexpected exception into the 500 of ``internal_error`` (with
+    ``Connection: close``) and does not re-raise it.
+
+    Starlette's own last-resort handler answers and then re-raises, and uvicorn, seeing the
+    exception after the response started, drops the connection without a word: a client's
+    next pooled request then fails with a reset. Here the server says it closes the connection,
+    and h11 closes it cleanly once the 500 is sent. An exception after the response started
+    (mid-stream) can only end the connection, so it is re-raised for uvicorn to do that.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await internal_error().response()(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """``--enable-request-id-headers``: every response carries ``X-Request-Id``, the one the
+    request sent (so a client or proxy can match logs) or a new one, as vLLM's server does."""
+
+    def __init__(self, app: ASGIApp, enabled: bool) -> None:
+        self.app = app
+        self.enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.enabled:
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

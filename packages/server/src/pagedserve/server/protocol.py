@@ -13,6 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from pagedserve.server.structured_protocol import (
+    DeltaToolCall,
+    StructuredOutputFields,
+    ToolCall,
+    ToolFields,
+)
+
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
@@ -22,10 +29,24 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class VLLMSamplingFields(OpenAIBaseModel):
+    """vLLM's request fields beyond OpenAI's, shared by both generation routes (the server's
+    handling of them is in vllm_fields.py)."""
+
+    prompt_logprobs: StrictInt | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras;
+    the structured-output ones in structured_protocol.py)."""
 
     model: str | None = None
     n: StrictInt = 1
@@ -48,10 +69,17 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
     user: str | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: usage in every chunk, with include_usage and continuous_usage_stats."""
+        options = self.stream_options
+        return self.include_usage_in_stream and bool(options and options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):
@@ -77,6 +105,7 @@ class ChatMessage(OpenAIBaseModel):
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -86,11 +115,7 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text"]
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(ToolFields, SamplingRequest):
     """POST /v1/chat/completions. ``max_completion_tokens`` is OpenAI's newer name for
     ``max_tokens``; either may be given (not both with different values)."""
 
@@ -99,10 +124,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -110,12 +133,14 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: StrictStr
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -152,12 +177,28 @@ class CompletionLogprobs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob: one candidate at one prompt position (``rank`` 1 is the likeliest;
+    None where the token is outside the top candidates returned)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: PromptLogprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -189,6 +230,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # left out of the body when there is none, as OpenAI does
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -197,6 +240,7 @@ class ChatCompletionChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -207,11 +251,14 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -220,6 +267,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -230,6 +278,8 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk
+    prompt_token_ids: list[int] | None = None  # return_token_ids, on the first chunk
 
 
 class ModelCard(OpenAIBaseModel):
@@ -252,6 +302,14 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # return_token_strs
+
+
+class TokenizerInfoResponse(OpenAIBaseModel):
+    """GET /tokenizer_info: the tokenizer's class and its JSON-safe configuration, as vLLM."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeResponse(OpenAIBaseModel):
@@ -260,3 +318,8 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class VersionResponse(OpenAIBaseModel):
     version: str
+
+
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok", "draining", "dead"]
+    error: str | None = None

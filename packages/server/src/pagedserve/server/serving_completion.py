@@ -9,9 +9,10 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput
 from pagedserve.server.errors import APIError, bad_request
-from pagedserve.server.logprobs import completion_logprobs
+from pagedserve.server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
@@ -27,6 +28,8 @@ from pagedserve.server.sse import (
 )
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
+from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
+from pagedserve.server.vllm_fields import COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens
 
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -53,25 +56,37 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
 
 def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequest]:
     """The server's own checks, then one engine request per prompt (the engine checks each
-    prompt against the model when it is submitted)."""
+    prompt against the model when it is submitted). ``echo`` with ``logprobs`` asks the engine
+    for the prompt's logprobs too, as vLLM does."""
     check_caps(state, body)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
+    if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
         raise bad_request("best_of must equal n (best-of sampling is not supported)", "best_of")
+    num_prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo together with logprobs needs prompt logprobs, which are not supported", "echo"
-        )
+        num_prompt_logprobs = max(num_prompt_logprobs or 0, body.logprobs)
+    max_model_len = state.engine.scheduler_config.max_model_len
+    was_sent = "max_tokens" in body.model_fields_set
+    defaults = state.engine.model_config.generation_defaults.sampling
+    default = defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)  # generation_config's first
     prompts = prompts_of(state, body)
-    params = build_sampling_params(
-        body,
-        max_tokens=body.max_tokens,
-        logprobs=body.logprobs,
-        aliases={},
-        defaults=state.engine.model_config.generation_defaults.sampling,
-    )
-    return [PromptRequest(p, ids, params, text) for p, (text, ids) in enumerate(prompts)]
+    if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens of each
+        prompts = [(text, ids[-body.truncate_prompt_tokens :]) for text, ids in prompts]
+    plans = []
+    for p, (text, ids) in enumerate(prompts):
+        max_tokens = default_max_tokens(body.max_tokens, was_sent, len(ids), max_model_len, default)
+        params = build_sampling_params(
+            body,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs,
+            aliases={},
+            prompt_logprobs=num_prompt_logprobs,
+            defaults=defaults,
+            structured_outputs=structured_outputs_of(body),
+        )
+        plans.append(PromptRequest(p, ids, params, text))
+    return plans
 
 
 async def create_completion(
@@ -80,7 +95,8 @@ async def create_completion(
     state.check_admitting()
     prompts = plan_prompts(state, body)
     request_id = new_id("cmpl")
-    streams = EngineStreams(state, request_id, prompts, body.priority)
+    aliases = structured_output_aliases(body)
+    streams = EngineStreams(state, request_id, prompts, body.priority, aliases)
     view = _CompletionView(state, body, request_id, prompts)
     try:
         await unless_disconnected(request, streams.admitted())
@@ -96,13 +112,15 @@ async def create_completion(
 class _CompletionView:
     """Turns engine outputs into OpenAI completion bodies and SSE chunks.
 
-    Choice ``j`` of prompt ``p`` is index ``p * n + j``.
+    Choice ``j`` of prompt ``p`` is index ``p * n + j``. The prompt's extras (``prompt_logprobs``,
+    ``prompt_token_ids``) go on the first chunk of each choice: the echoed prompt's, if any.
     """
 
     def __init__(self, state, body, request_id, prompts: list[PromptRequest]) -> None:
         self.state, self.body, self.id, self.prompts = state, body, request_id, prompts
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
+        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
 
     def index(self, prompt_index: int, completion) -> int:
         return prompt_index * self.body.n + completion.index
@@ -126,7 +144,24 @@ class _CompletionView:
     def _logprobs(self, token_ids, logprobs, offset):
         if self.body.logprobs is None:
             return None
-        return completion_logprobs(self.tokenizer, token_ids, logprobs, self.body.logprobs, offset)
+        return completion_logprobs(self.name, token_ids, logprobs, self.body.logprobs, offset)
+
+    def _echo_logprobs(self, p: int, output: RequestOutput) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (its first token has none), with echo and logprobs."""
+        if not self.body.echo:
+            return None
+        ids = self.prompts[p].prompt_token_ids
+        return self._logprobs(ids, output.prompt_logprobs, 0)
+
+    def _prompt_extras(self, p: int, output: RequestOutput) -> dict:
+        extras = {}
+        if self.body.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = prompt_logprobs(
+                self.name, output.prompt_logprobs, self.body.prompt_logprobs
+            )
+        if self.body.return_token_ids:
+            extras["prompt_token_ids"] = self.prompts[p].prompt_token_ids
+        return extras
 
     def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None):
         return CompletionResponse(
@@ -143,15 +178,19 @@ class _CompletionView:
             prefix = self.echo_text(p)
             for completion in output.outputs:
                 tokens += len(completion.token_ids)
+                logprobs = _joined(
+                    self._echo_logprobs(p, output),
+                    self._logprobs(completion.token_ids, completion.logprobs, len(prefix)),
+                )
                 choices.append(
                     CompletionChoice(
                         index=self.index(p, completion),
                         text=prefix + completion.text,
-                        logprobs=self._logprobs(
-                            completion.token_ids, completion.logprobs, len(prefix)
-                        ),
+                        logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        token_ids=completion.token_ids if self.body.return_token_ids else None,
+                        **self._prompt_extras(p, output),
                     )
                 )
         choices.sort(key=lambda c: c.index)
@@ -159,29 +198,72 @@ class _CompletionView:
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
         progress = StreamProgress()
+        started: set[int] = set()
         try:
-            for p in range(len(self.prompts)):
-                prefix = self.echo_text(p)
-                for j in range(self.body.n if prefix else 0):
-                    echo = CompletionChoice(index=p * self.body.n + j, text=prefix)
-                    yield sse(self._body([echo]).model_dump_json())
             async for p, output in streams:
+                if self.body.use_beam_search and not output.finished:
+                    continue  # beams reorder as they go: only the final ones are text to send
+                if p not in started:
+                    started.add(p)
+                    for chunk in self._echo_chunks(p, output):
+                        yield chunk
                 for completion in output.outputs:
-                    index = self.index(p, completion)
-                    delta = progress.advance(index, completion)
-                    if delta is None:
-                        continue
-                    chunk = CompletionChoice(
-                        index=index,
-                        text=delta.text,
-                        logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.text_offset),
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
-                    yield sse(self._body([chunk]).model_dump_json())
+                    chunk = self._delta_chunk(p, output, completion, progress)
+                    if chunk is not None:
+                        yield chunk
             if self.body.include_usage_in_stream:
                 usage = self.usage(progress.completion_tokens)
                 yield sse(self._body([], usage).model_dump_json())
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE
+
+    def _echo_chunks(self, p: int, output: RequestOutput) -> list[str]:
+        prefix = self.echo_text(p)
+        if not prefix:
+            return []
+        echo_logprobs = self._echo_logprobs(p, output)
+        extras = self._prompt_extras(p, output)
+        chunks = []
+        for j in range(self.body.n):
+            choice = CompletionChoice(
+                index=p * self.body.n + j, text=prefix, logprobs=echo_logprobs, **extras
+            )
+            chunks.append(self._chunk(choice, 0))
+        return chunks
+
+    def _delta_chunk(self, p: int, output, completion, progress: StreamProgress) -> str | None:
+        index = self.index(p, completion)
+        first = index not in progress.chars and not self.body.echo
+        delta = progress.advance(index, completion)
+        if delta is None:
+            return None
+        offset = len(self.echo_text(p)) + delta.text_offset
+        choice = CompletionChoice(
+            index=index,
+            text=delta.text,
+            logprobs=self._logprobs(delta.token_ids, delta.logprobs, offset),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            token_ids=delta.token_ids if self.body.return_token_ids else None,
+            **(self._prompt_extras(p, output) if first else {}),
+        )
+        return self._chunk(choice, progress.completion_tokens)
+
+    def _chunk(self, choice: CompletionChoice, completion_tokens: int) -> str:
+        usage = self.usage(completion_tokens) if self.body.continuous_usage else None
+        return sse(self._body([choice], usage).model_dump_json())
+
+
+def _joined(
+    prompt: CompletionLogprobs | None, completion: CompletionLogprobs | None
+) -> CompletionLogprobs | None:
+    """The echoed prompt's logprobs, then the completion's (one parallel list each)."""
+    if prompt is None or completion is None:
+        return completion
+    return CompletionLogprobs(
+        tokens=prompt.tokens + completion.tokens,
+        token_logprobs=prompt.token_logprobs + completion.token_logprobs,
+        top_logprobs=prompt.top_logprobs + completion.top_logprobs,
+        text_offset=prompt.text_offset + completion.text_offset,
+    )

@@ -103,6 +103,32 @@ def _wait_healthy(server: LiveServer) -> None:
 # ---- in-process ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def uvicorn_in_thread(app):
+    """``app`` served by a real uvicorn (h11, as ``pagedserve serve`` runs it) in a thread of
+    this process, on a free port; yields the base URL. For what only a real HTTP connection
+    shows (keep-alive, ``Connection: close``), without a subprocess's model load."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http="h11", lifespan="off", log_level="critical"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def make_engine(path: str, **overrides) -> AsyncLLM:
     """A small AsyncLLM for tests: max_model_len 256, 128 KV blocks, 16 sequences."""
     args = dict(model=path, max_model_len=256, num_gpu_blocks_override=128, max_num_seqs=16)

@@ -93,6 +93,11 @@ class LinearMethodBase(ABC):
     ) -> torch.Tensor:
         """``x W^T + bias`` for this rank's weights."""
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once every shard is in: repack or quantize what was loaded. Most methods
+        hold the checkpoint's layout as it is and have nothing to do."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """One ``[out, in]`` weight in the model's dtype, ``layer.weight``."""

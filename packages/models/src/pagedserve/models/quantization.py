@@ -1,0 +1,72 @@
+"""Weight-only quantization applied at load time: ``--quantization int8`` or ``fp8``.
+
+These are the "on the fly" methods (vLLM's ``--quantization fp8`` on an unquantized
+checkpoint, BitsAndBytes' 8-bit loading): the checkpoint is an ordinary one, each linear
+layer loads its weight as usual, and once it is loaded the weight is replaced by 8-bit values
+and one fp32 scale per output channel (symmetric: the scale maps the row's largest magnitude
+onto 127 for int8, onto 448 for fp8 e4m3). Activations, the KV cache, embeddings, norms and
+the LM head stay in the model's dtype, as in vLLM; only the decoder layers' projections
+(qkv, o, gate_up, down; GPT-2's c_attn, c_proj, c_fc) are quantized.
+
+An on-the-fly method creates and loads exactly the weights the unquantized method does, so
+the loader builds the model unquantized and attaches the method after loading, layer by
+layer, through the linear-method seam (``process_weights_after_loading``, then ``apply``).
+A checkpoint-format method (AWQ, GPTQ, GGUF blocks) has parameters of its own shape and must
+instead be handed to the layers when they are built (their ``linear_method=`` argument).
+
+Under tensor parallelism each rank quantizes its own shard: column-parallel shards hold
+whole output rows, so their scales are the unsharded ones; a row-parallel shard's scale is
+taken over that rank's slice of the row (a finer grouping, never a coarser one).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.weight_only_linear import (
+    WeightFormat,
+    quantize_per_channel,
+    weight_only_linear,
+)
+from pagedserve.models.config import QUANTIZATION_METHODS, ModelLoadError
+from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
+
+
+class WeightOnly8BitLinearMethod(UnquantizedLinearMethod):
+    """Created and loaded as unquantized; after loading, ``layer.weight`` becomes
+    ``layer.qweight`` (int8 or float8_e4m3fn, ``[out, in]``) and ``layer.weight_scale`` (fp32,
+    ``[out]``), and ``apply`` runs the weight-only kernel on them."""
+
+    def __init__(self, fmt: WeightFormat) -> None:
+        self.fmt = fmt
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        qweight, scale = quantize_per_channel(layer.weight.data, self.fmt)
+        del layer.weight  # the full-precision weight is freed here
+        layer.qweight = nn.Parameter(qweight, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return weight_only_linear(x, layer.qweight, layer.weight_scale, bias)
+
+
+def quantize_linear_layers(model: nn.Module, method: WeightFormat) -> int:
+    """Attach ``method`` to every decoder-layer projection of a loaded model and quantize its
+    weight; returns how many layers were quantized (the LM head is an embedding-like layer,
+    not one of these, and stays as it is)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.linear_method = WeightOnly8BitLinearMethod(method)
+            module.linear_method.process_weights_after_loading(module)
+            count += 1
+    if count == 0:
+        raise ModelLoadError(f"--quantization {method}: the model has no linear layers to quantize")
+    return count
+
+
+__all__ = ["QUANTIZATION_METHODS", "WeightOnly8BitLinearMethod", "quantize_linear_layers"]

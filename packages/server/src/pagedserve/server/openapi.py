@@ -1,0 +1,160 @@
+"""GET /openapi.json: the API's OpenAPI 3.1 document, built from the protocol's pydantic models.
+
+Each route is described once, in ``OPERATIONS`` (its request and response models, and whether it
+streams); the models' JSON schemas (pydantic's, draft 2020-12, which OpenAPI 3.1 adopts) become
+``components.schemas``, requests in pydantic's validation mode and responses in serialization
+mode. A test holds ``OPERATIONS`` equal to the app's routes, so no route goes undocumented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from pagedserve.server import protocol as p
+from pagedserve.server import protocol_responses as r
+
+REF = "#/components/schemas/{model}"
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    request: tuple[type[BaseModel], ...] = ()  # one of these bodies
+    response: type[BaseModel] | None = None
+    media_type: str = "application/json"
+    streams: bool = False  # also answers text/event-stream with "stream": true
+    open: bool = False  # served without the API key
+
+
+OPERATIONS = [
+    Operation(
+        "post",
+        "/v1/completions",
+        "Complete a prompt (text, token ids, or a list of them)",
+        (p.CompletionRequest,),
+        p.CompletionResponse,
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "Answer a conversation through the model's chat template",
+        (p.ChatCompletionRequest,),
+        p.ChatCompletionResponse,
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/responses",
+        "OpenAI's Responses API: text or messages in, one assistant message out",
+        (r.ResponsesRequest,),
+        r.ResponseObject,
+        streams=True,
+    ),
+    Operation("get", "/v1/models", "The served model", response=p.ModelList),
+    Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),
+    Operation(
+        "post",
+        "/tokenize",
+        "Token ids of a prompt or a conversation",
+        (p.TokenizeCompletionRequest, p.TokenizeChatRequest),
+        p.TokenizeResponse,
+    ),
+    Operation(
+        "post", "/detokenize", "Text of token ids", (p.DetokenizeRequest,), p.DetokenizeResponse
+    ),
+    Operation(
+        "get",
+        "/tokenizer_info",
+        "The tokenizer's configuration (with --enable-tokenizer-info-endpoint)",
+        response=p.TokenizerInfoResponse,
+    ),
+    Operation(
+        "get",
+        "/health",
+        "200 while serving, 503 when dead or draining",
+        open=True,
+        response=p.HealthResponse,
+    ),
+    Operation("get", "/metrics", "Prometheus metrics", media_type="text/plain", open=True),
+    Operation("get", "/version", "The server's version", response=p.VersionResponse),
+    Operation("get", "/openapi.json", "This document", media_type="application/json", open=True),
+    Operation("get", "/docs", "This document, rendered", media_type="text/html", open=True),
+    Operation(
+        "get", "/", "The playground: a streaming chat page", media_type="text/html", open=True
+    ),
+]
+
+
+def _component_schemas() -> tuple[dict, dict]:
+    """(refs by (model, mode), components.schemas) for every model the operations name."""
+    inputs = [(m, "validation") for op in OPERATIONS for m in op.request]
+    outputs = [(op.response, "serialization") for op in OPERATIONS if op.response is not None]
+    outputs.append((p.ErrorResponse, "serialization"))
+    keys = list(dict.fromkeys(inputs + outputs))
+    refs, schemas = models_json_schema(keys, ref_template=REF)
+    return refs, schemas.get("$defs", {})
+
+
+def _operation(op: Operation, refs: dict) -> dict:
+    body: dict = {"summary": op.summary, "operationId": _operation_id(op)}
+    if op.request:
+        members = [refs[(m, "validation")] for m in op.request]
+        schema = members[0] if len(members) == 1 else {"oneOf": members}
+        body["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema}},
+        }
+    content: dict = {}
+    if op.response is not None:
+        content[op.media_type] = {"schema": refs[(op.response, "serialization")]}
+    else:
+        content[op.media_type] = {"schema": {"type": "string"}}
+    if op.streams:
+        content["text/event-stream"] = {
+            "schema": {"type": "string", "description": "SSE: data: {chunk} ... data: [DONE]"}
+        }
+    error = {"content": {"application/json": {"schema": refs[(p.ErrorResponse, "serialization")]}}}
+    body["responses"] = {
+        "200": {"description": "OK", "content": content},
+        "4XX": {"description": "A refused request (OpenAI's error shape)", **error},
+        "5XX": {"description": "Unavailable (503) or an internal error (500)", **error},
+    }
+    if "{model_id}" in op.path:
+        body["parameters"] = [
+            {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+        ]
+    if op.open:
+        body["security"] = []
+    return body
+
+
+def _operation_id(op: Operation) -> str:
+    words = [w for w in op.path.replace("{", "").replace("}", "").split("/") if w]
+    return op.method + "_" + "_".join(w.replace(".", "_") for w in words)
+
+
+def openapi_document(version: str) -> dict:
+    refs, schemas = _component_schemas()
+    paths: dict = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "pagedserve",
+            "version": version,
+            "description": "An OpenAI-compatible server (vLLM's request fields included).",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

@@ -1,0 +1,58 @@
+"""vLLM's request fields beyond OpenAI's, as the two generation routes handle them.
+
+- ``max_tokens`` defaults as vLLM's: 16 for /v1/completions, the room ``max_model_len`` leaves
+  after the prompt for chat (and for an explicit ``null``). A default is capped by that room,
+  so a request is never refused for a ``max_tokens`` it did not send.
+- ``prompt_logprobs`` (and ``echo`` with ``logprobs``, which needs the prompt's logprobs);
+  beam search (``use_beam_search``: ``n`` beams, or ``best_of``; ``length_penalty``,
+  ``early_stopping``), which takes no temperature, so an unsent one is 0 here;
+- ``stream_options`` only with ``stream: true`` (OpenAI and vLLM refuse it otherwise).
+
+``return_token_ids`` and ``return_tokens_as_token_ids`` shape the responses (the views, and
+logprobs.py).
+"""
+
+from __future__ import annotations
+
+from pagedserve.server.errors import bad_request
+from pagedserve.server.protocol import SamplingRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def check_stream_options(body: SamplingRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def default_max_tokens(
+    sent: int | None,
+    was_sent: bool,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default: int | None,
+) -> int | None:
+    """``max_tokens`` for one prompt: what was sent, else ``default`` (None: all the room)
+    capped by the room the prompt leaves. None (no room at all) lets the engine refuse the
+    prompt, naming it."""
+    if sent is not None:
+        return sent
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        return None
+    if was_sent or default is None:  # an explicit null, or chat: the whole room
+        return room
+    return min(default, room)
+
+
+def extra_sampling_kwargs(body: SamplingRequest, prompt_logprobs: int | None) -> dict:
+    """SamplingParams fields from vLLM's request fields (beam search and prompt logprobs)."""
+    kwargs: dict = {"prompt_logprobs": prompt_logprobs}
+    if body.use_beam_search:
+        kwargs.update(
+            use_beam_search=True,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
+            temperature=0.0 if body.temperature is None else body.temperature,
+        )
+    return kwargs
