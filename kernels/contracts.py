@@ -30,6 +30,7 @@ DEFAULTS = {
     "weight_only_linear": "pagedserve.kernels.weight_only_linear:weight_only_linear_triton",
     "rejection_sample": "pagedserve.kernels.rejection_sample:rejection_sample_triton",
     "apply_token_bitmask": "pagedserve.kernels.token_bitmask:apply_token_bitmask_triton",
+    "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

@@ -52,8 +52,12 @@ BLOCK_SIZES = [16, 32]
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
-    "rejection_sample", "token_bitmask",
+    "rejection_sample", "token_bitmask", "fused_moe",
 )  # fmt: skip
+# (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
+# to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
+# dtypes and the strides' divisibility, not on the sizes themselves.
+MOE_SHAPES = [("mixtral-8x7b", 8, 2), ("qwen3-30b-a3b", 128, 8)]
 
 
 def _wrappers():
@@ -188,6 +192,21 @@ def spec_decode_launches(m: ModelShape, rows: int, k: int = 3) -> None:
         )
 
 
+def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
+    """The two grouped GEMMs (gate_up per token, down per pair with the routing weight) of
+    each MoE shape, with routing that leaves some experts empty."""
+    mods = _wrappers()
+    for name, n_experts, top_k in MOE_SHAPES:
+        n_tokens, hidden, inter = 5, 256, 512
+        x = torch.randn(n_tokens, hidden).to(dtype)
+        w13 = torch.randn(n_experts, 2 * inter, hidden).to(dtype)
+        w2 = torch.randn(n_experts, hidden, inter).to(dtype)
+        ids = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(n_tokens)])
+        weights = torch.rand(n_tokens, top_k)
+        mods["fused_moe"].fused_moe_triton(x, w13, w2, weights, ids)
+        record(f"{name} {label}")
+
+
 def engine_launches(
     models: list[ModelShape], block_sizes: dict[str, list[int]], record: Callable
 ) -> None:
@@ -203,3 +222,5 @@ def engine_launches(
             quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
+    for dtype_name in block_sizes:
+        moe_launches(DTYPES[dtype_name], record, dtype_name)

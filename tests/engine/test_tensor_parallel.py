@@ -180,6 +180,7 @@ TINY_CASES = {
     "qwen2": ("qwen2", {}),  # qkv bias, tied embeddings
     "qwen3": ("qwen3", {}),  # per-head q/k norm, head_dim != hidden / heads
     "gpt2": ("gpt2", {}),  # fused c_attn, Conv1D weights, row-parallel biases
+    "mixtral": ("mixtral", {}),  # every expert's intermediate features split over the ranks
     # one KV head replicated on both ranks; 509 tokens: the second rank's slice is padded
     "llama-1kv-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),
 }

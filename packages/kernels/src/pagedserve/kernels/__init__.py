@@ -7,6 +7,7 @@ attention), the ``*_ref`` reference otherwise.
 
 from pagedserve.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.fused_moe import fused_moe, fused_moe_ref
 from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
 from pagedserve.kernels.paged_attention import paged_attention, paged_attention_ref
@@ -26,6 +27,8 @@ __all__ = [
     "apply_token_bitmask_ref",
     "copy_blocks",
     "copy_blocks_ref",
+    "fused_moe",
+    "fused_moe_ref",
     "gelu_tanh",
     "gelu_tanh_ref",
     "layer_norm",

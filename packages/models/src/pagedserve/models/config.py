@@ -196,16 +196,13 @@ class ModelConfig:
         return int(self.hf_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
 
     @property
-    def sliding_windows(self) -> list[int | None]:
-        """Each layer's attention window (positions a token sees, its own included), None for
-        a global layer: transformers' ``layer_types`` where the config lists them, else the
-        family's rule (Qwen2/3: ``use_sliding_window`` from ``max_window_layers`` on; Gemma 2:
-        every other layer; Gemma 3: all but every ``sliding_window_pattern``-th; Mistral and
-        Phi-3: every layer). A window that covers ``max_model_len`` is no window."""
+    def layer_types(self) -> list[str]:
+        """Each layer's kind, ``sliding_attention`` or ``full_attention``: transformers'
+        ``layer_types`` where the config lists them, else the family's rule (Qwen2/3:
+        ``use_sliding_window`` from ``max_window_layers`` on; Gemma 2: every other layer;
+        Gemma 3: all but every ``sliding_window_pattern``-th; Mistral and Phi-3: every layer
+        when ``sliding_window`` is set). Gemma 3's kind also picks its rope base."""
         c, n = self.hf_config, self.num_layers
-        window = c.get("sliding_window")
-        if not window:
-            return [None] * n
         if c.get("layer_types"):
             sliding = [t == "sliding_attention" for t in c["layer_types"]]
         elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -217,10 +214,17 @@ class ModelConfig:
             pattern = int(c.get("sliding_window_pattern") or 6)
             sliding = [(i + 1) % pattern != 0 for i in range(n)]
         else:
-            sliding = [True] * n
-        if window >= (self.max_model_len or self.max_position_embeddings):
-            return [None] * n
-        return [int(window) if s else None for s in sliding]
+            sliding = [bool(c.get("sliding_window"))] * n
+        return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (positions a token sees, its own included), None for
+        a global layer. A window that covers ``max_model_len`` is no window."""
+        window = self.hf_config.get("sliding_window")
+        if not window or window >= (self.max_model_len or self.max_position_embeddings):
+            return [None] * self.num_layers
+        return [int(window) if t == "sliding_attention" else None for t in self.layer_types]
 
     @property
     def attention_logits_soft_cap(self) -> float | None:

@@ -168,9 +168,7 @@ class GemmaModel(nn.Module):
             torch.tensor(config.hidden_size**0.5, dtype=config.torch_dtype),
             persistent=False,
         )
-        layer_types = c.get("layer_types") or [
-            "full_attention" if w is None else "sliding_attention" for w in config.sliding_windows
-        ]
+        layer_types = config.layer_types  # the rope base follows the kind, window or not
         ropes = {
             kind: RotaryEmbedding(
                 config.head_dim, config.max_position_embeddings, gemma_rope_parameters(c, kind)

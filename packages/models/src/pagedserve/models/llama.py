@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.q_norm = self.k_norm = None
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             self.q_norm = RMSNorm(head_dim, c["rms_norm_eps"], dtype)
             self.k_norm = RMSNorm(head_dim, c["rms_norm_eps"], dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -114,13 +114,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelContext, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, par: ParallelContext, layer_idx: int, mlp_factory=None
+    ) -> None:
         super().__init__()
         eps, dtype = config.hf_config["rms_norm_eps"], config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = LlamaAttention(config, par, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(config, par)
+        # a dense MLP, or what the model's mlp_factory builds for this layer (MoE blocks)
+        self.mlp = LlamaMLP(config, par) if mlp_factory is None else mlp_factory(layer_idx)
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
@@ -133,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelContext, mlp_factory=None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
@@ -143,7 +146,7 @@ class LlamaModel(nn.Module):
             **par.shard_args(),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, par, i) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, par, i, mlp_factory) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
             config.hidden_size, config.hf_config["rms_norm_eps"], config.torch_dtype
@@ -174,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         par = par or ParallelContext()
         self.config = config
-        self.model = LlamaModel(config, par)
+        self.model = LlamaModel(config, par, self.mlp_factory(config, par))
         self.tie_word_embeddings = bool(config.hf_config.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size,
@@ -185,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def mlp_factory(self, config: ModelConfig, par: ParallelContext):
+        """None: every layer's MLP is dense. A sparse model returns ``layer_idx -> module``."""
+        return None
 
     def forward(
         self,

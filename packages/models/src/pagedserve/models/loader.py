@@ -11,6 +11,7 @@ from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.quantization import quantize_linear_layers
@@ -20,6 +21,8 @@ MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "gemma": GemmaForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 

@@ -41,6 +41,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture(
         "phi3", "Phi-3, Phi-3.5 mini", "fused qkv and gate_up, LongRoPE, sliding window"
     ),
+    "MixtralForCausalLM": Architecture(
+        "mixtral", "Mixtral 8x7B, 8x22B", "top-2 of 8 experts, renormalised; fused MoE kernel"
+    ),
+    "Qwen3MoeForCausalLM": Architecture(
+        "qwen3_moe",
+        "Qwen3-30B-A3B, Qwen3-235B-A22B",
+        "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel",
+    ),
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights"
     ),

@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 TINY_VOCAB = 512
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+TINY_ARCHS = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
+    "gpt2",
+)  # fmt: skip
 TINY_WINDOW = 16  # the sliding window of the tiny Gemmas' local layers (prompts go past it)
 
 _CHAT_TEMPLATE = (
@@ -58,6 +61,15 @@ def _llama_family_config(arch: str, overrides: dict[str, Any]):
         cls, common["tie_word_embeddings"] = transformers.Qwen2Config, True
     elif arch == "qwen3":
         cls, common["head_dim"] = transformers.Qwen3Config, 32
+    elif arch == "mixtral":  # 4 experts, top 2: most prompts leave one expert idle somewhere
+        cls = transformers.MixtralConfig
+        common.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "qwen3_moe":  # 8 experts, top 3, unnormalised; layer 1 sparse, layer 0 dense
+        cls = transformers.Qwen3MoeConfig
+        common.update(
+            head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+            norm_topk_prob=False, mlp_only_layers=[0],
+        )  # fmt: skip
     elif arch in ("gemma2", "gemma3", "phi3"):
         cls = _gemma_phi3_config(arch, common)
     else:

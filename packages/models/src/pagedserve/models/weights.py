@@ -208,6 +208,8 @@ def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Par
 def _check_complete(params: dict[str, nn.Parameter], loaded: set[str], stacked_params) -> None:
     missing = []
     for name in params:
+        if getattr(params[name], "loaded_elsewhere", False):  # its owner checks it
+            continue
         fused = [(f, s) for f, _, s in stacked_params if f".{f}." in name]
         if fused:
             missing += [f"{name}#{s}" for _, s in fused if f"{name}#{s}" not in loaded]

@@ -1,0 +1,179 @@
+"""Mixture-of-experts MLP: each token through its top-k experts, weighted and summed.
+
+``fused_moe(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k])``
+returns ``sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` with
+``e = topk_ids[t, j]``; ``w13`` holds each expert's gate rows then its up rows (the fused
+gate_up layout), ``w2`` its down projection. Routing (softmax, top-k, renormalisation) is the
+model's: this op takes the chosen experts and weights.
+
+As vLLM's fused MoE: the (token, slot) pairs are sorted by expert and each expert's group
+padded to a multiple of ``BLOCK_M`` (``moe_align``, torch ops on the device, no host sync), so
+a tile of rows belongs to one expert; one grouped GEMM per projection then runs every expert's
+rows against that expert's weights in one launch (gate_up, then silu_and_mul, then down with
+the routing weight folded in), and the k slots of each token are summed. An expert that no
+token chose gets no tile; padding rows point past the last pair and are neither read nor
+written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.dispatch import is_cuda, use_triton
+from pagedserve.kernels.silu_and_mul import silu_and_mul
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_weights_ptr,
+    num_pairs, n_out, k_in, a_row_stride, w_expert_stride, w_row_stride, out_row_stride,
+    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M sorted (token, slot) pairs of one expert x BLOCK_N outputs.
+    ``out[pair] = A[row] @ W[e]^T (* weight[pair])``; A's row is the pair's token
+    (``A_PER_TOKEN``, the first projection) or the pair itself (the second)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pair_ids_ptr + rows)
+        valid = pair < num_pairs
+        a_row = (pair // TOP_K) if A_PER_TOKEN else pair
+        a_row = tl.where(valid, a_row, 0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        w_base = w_ptr + expert.to(tl.int64) * w_expert_stride
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_in
+            a = tl.load(
+                a_ptr + a_row[:, None] * a_row_stride + ks[None, :],
+                mask=valid[:, None] & k_ok[None, :], other=0.0,
+            )  # fmt: skip
+            w = tl.load(
+                w_base + cols[None, :] * w_row_stride + ks[:, None],
+                mask=col_ok[None, :] & k_ok[:, None], other=0.0,
+            )  # fmt: skip
+            if DOT_FP32:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        if MUL_WEIGHT:
+            acc *= tl.load(pair_weights_ptr + tl.where(valid, pair, 0), mask=valid)[:, None]
+        out_off = tl.where(valid, pair, 0).to(tl.int64)[:, None] * out_row_stride + cols[None, :]
+        tl.store(
+            out_ptr + out_off, acc.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None] & col_ok[None, :],
+        )  # fmt: skip
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pair_ids [P], block_expert [P // block_m]) for ``topk_ids [T, k]``.
+
+    Pair p = t * k + j. Each expert's pairs are contiguous (in pair order) and padded to a
+    multiple of ``block_m`` with ``T * k`` (a pair no row reads); block b's expert is
+    ``block_expert[b]``, -1 past the last padded group. ``P = T * k + E * (block_m - 1)``, an
+    upper bound from shapes alone, so nothing waits for the device."""
+    flat = topk_ids.flatten().long()
+    num_pairs = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    group_start = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = (
+        torch.arange(num_pairs, device=flat.device)
+        - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    )
+    size = num_pairs + num_experts * (block_m - 1)
+    size = triton.cdiv(size, block_m) * block_m
+    sorted_pair_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pair_ids[group_start[sorted_experts] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, size, block_m, device=flat.device)
+    group_end = torch.cumsum(padded, 0)
+    block_expert = torch.searchsorted(group_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids, block_expert
+
+
+def _grouped_gemm(a, w, sorted_ids, block_expert, weights, top_k, per_token, block_m):
+    num_pairs = weights.numel()
+    n_out, k_in = w.shape[1], w.shape[2]
+    out = torch.empty(num_pairs, n_out, dtype=a.dtype, device=a.device)
+    dot_fp32 = a.dtype == torch.float32 or not is_cuda(a)
+    block_n = max(16, min(64, triton.next_power_of_2(n_out)))  # tl.dot needs >= 16
+    block_k = max(16, min(32 if dot_fp32 else 64, triton.next_power_of_2(k_in)))
+    grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, out, sorted_ids, block_expert, weights, num_pairs, n_out, k_in,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, A_PER_TOKEN=per_token, MUL_WEIGHT=not per_token,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+    )  # fmt: skip
+    return out
+
+
+def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    n_experts, two_inter, size = w13.shape
+    if hidden.dim() != 2 or hidden.shape[1] != size or two_inter % 2:
+        raise ValueError(f"fused_moe: hidden {tuple(hidden.shape)} vs w13 {tuple(w13.shape)}")
+    if w2.shape != (n_experts, size, two_inter // 2):
+        raise ValueError(
+            f"fused_moe: w2 {tuple(w2.shape)}, expected {(n_experts, size, two_inter // 2)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+            f"{tuple(topk_weights.shape)} must both be [T, k] for T = {hidden.shape[0]}"
+        )
+
+
+def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16) -> torch.Tensor:
+    """Launch wrapper: align, gate_up grouped GEMM, silu_and_mul, down grouped GEMM (weighted),
+    sum over the k slots. Weights must be contiguous in their last dimension."""
+    _check(hidden, w13, w2, topk_weights, topk_ids)
+    n_tokens, top_k = topk_ids.shape
+    if n_tokens == 0:
+        return torch.zeros_like(hidden)
+    hidden = hidden.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    sorted_ids, block_expert = moe_align(topk_ids, w13.shape[0], block_m)
+    weights = topk_weights.flatten().to(torch.float32).contiguous()
+    gate_up = _grouped_gemm(hidden, w13, sorted_ids, block_expert, weights, top_k, True, block_m)
+    act = silu_and_mul(gate_up)
+    down = _grouped_gemm(act, w2, sorted_ids, block_expert, weights, top_k, False, block_m)
+    return down.view(n_tokens, top_k, -1).float().sum(1).to(hidden.dtype)
+
+
+def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Reference (and CPU path): per expert that some token chose, its rows at once, in fp32;
+    a loop over experts, never over tokens."""
+    _check(hidden, w13, w2, topk_weights, topk_ids)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.flatten()
+    token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
+        topk_ids.shape[1]
+    )
+    weights = topk_weights.flatten().float()
+    inter = w2.shape[2]
+    for expert in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == expert).nonzero().flatten()
+        x = hidden[token_of[pairs]].float()
+        gate_up = x @ w13[expert].float().t()
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = (act.to(hidden.dtype).float() @ w2[expert].float().t()) * weights[pairs, None]
+        out.index_add_(0, token_of[pairs], y)
+    return out.to(hidden.dtype)
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The MoE MLP of ``hidden [T, H]`` through the chosen experts; returns ``[T, H]``."""
+    if use_triton(hidden):
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,120 @@
+"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE, over the fused MoE kernel.
+
+A router (``gate``, a linear layer to one logit per expert) picks each token's top-k experts
+from the softmax of its logits (in fp32, as transformers computes it); Mixtral renormalises
+the k weights to sum to one, Qwen3-MoE does when ``norm_topk_prob``. The experts' weights are
+stacked, ``w13 [E, 2I, H]`` (gate rows then up rows) and ``w2 [E, H, I]``, and
+``pagedserve.kernels.fused_moe`` runs them all in one grouped GEMM per projection.
+
+Tensor parallelism shards every expert's intermediate features, as the dense MLP's are: rank r
+holds rows ``[r I/tp, (r+1) I/tp)`` of each expert's gate and up and those columns of its down;
+the partial outputs are all-reduced. Checkpoints store one tensor per expert and projection
+(``experts.{e}.w1/w3/w2`` in Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj`` in Qwen);
+``load_expert`` narrows each to this rank's slice, and ``check_loaded`` refuses a checkpoint
+that lacks one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import fused_moe
+from pagedserve.models.config import ModelLoadError
+from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
+from pagedserve.models.weights import CheckpointTensor, default_weight_loader
+
+# checkpoint projection name -> (our parameter, part): gate and up into w13, down into w2
+EXPERT_PROJECTIONS = {
+    "w1": ("w13_weight", 0), "gate_proj": ("w13_weight", 0),
+    "w3": ("w13_weight", 1), "up_proj": ("w13_weight", 1),
+    "w2": ("w2_weight", 2), "down_proj": ("w2_weight", 2),
+}  # fmt: skip
+EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + stacked experts; ``forward(x [T, H]) -> [T, H]``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce=None,
+    ) -> None:
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(f"expert size {intermediate_size} is not divisible by {tp_size}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.inter, self.inter_per_rank = intermediate_size, intermediate_size // tp_size
+        self.tp_rank, self.tp_size, self.all_reduce = tp_rank, tp_size, all_reduce
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.gate.weight.requires_grad_(False)
+        self.gate.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        shape13 = (num_experts, 2 * self.inter_per_rank, hidden_size)
+        self.experts = nn.Module()
+        self.experts.w13_weight = loadable_param(shape13, dtype, self.load_expert)
+        shape2 = (num_experts, hidden_size, self.inter_per_rank)
+        self.experts.w2_weight = loadable_param(shape2, dtype, self.load_expert)
+        for param in (self.experts.w13_weight, self.experts.w2_weight):
+            param.loaded_elsewhere = True  # type: ignore[attr-defined]  # check_loaded checks
+        self._loaded: set[tuple[int, int]] = set()
+
+    def load_expert(
+        self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard: tuple[int, int]
+    ) -> None:
+        """Expert ``shard[0]``'s gate (part 0), up (1) or down (2) projection, this rank's
+        slice of its intermediate features."""
+        expert, part = shard
+        size, start = self.inter_per_rank, self.tp_rank * self.inter_per_rank
+        what = f"expert {expert} projection {part}"
+        if part == 2:  # down [H, I]: this rank's columns
+            spec = WeightShard(1, start, size, self.inter, what)
+        else:  # gate / up [I, H]: this rank's rows, gate first then up in w13
+            spec = WeightShard(0, start, size, self.inter, what, part * size)
+        load_shard(param.data[expert], loaded, spec)  # a view: the copy lands in place
+        self._loaded.add(shard)
+
+    def check_loaded(self, where: str) -> None:
+        missing = [
+            (e, p) for e in range(self.num_experts) for p in range(3) if (e, p) not in self._loaded
+        ]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing expert weights of {where}: {missing[:6]}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = fused_moe(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        if self.tp_size > 1 and self.all_reduce is not None:
+            out = self.all_reduce(out)
+        return out
+
+
+def split_expert_weights(model: nn.Module, weights):
+    """Route the per-expert checkpoint tensors to their blocks' ``load_expert``; yield the
+    rest for the ordinary loader. Each block then checks that every expert arrived."""
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    for name, tensor in weights:
+        match = EXPERT_NAME.match(name)
+        if match is None or match.group(3) not in EXPERT_PROJECTIONS:
+            yield name, tensor
+            continue
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        block = blocks.get(prefix.removesuffix(".experts"))
+        if block is None or expert >= block.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no matching expert")
+        param_name, part = EXPERT_PROJECTIONS[proj]
+        block.load_expert(getattr(block.experts, param_name), tensor, (expert, part))
+    for name, block in blocks.items():
+        block.check_loaded(name)
