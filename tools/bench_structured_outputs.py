@@ -39,14 +39,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def params_for(kind: str, index: int, max_tokens: int, seed: int):
+def params_for(kind: str, index: int, max_tokens: int, seed: int, min_items: int):
     from pagedserve.engine import SamplingParams
     from pagedserve.engine.structured_output import StructuredOutputsParams
 
     schema = {
         "type": "array",
         "items": {"type": "integer", "minimum": 0, "maximum": 999},
-        "minItems": max_tokens,
+        "minItems": min_items,
     }
     constrained = kind == "constrained" or (kind == "mixed" and index % 2 == 0)
     return SamplingParams(
@@ -59,7 +59,9 @@ def params_for(kind: str, index: int, max_tokens: int, seed: int):
 
 
 def run(llm, prompts, kind: str, args) -> tuple[float, int]:
-    params = [params_for(kind, i, args.max_tokens, args.seed) for i in range(len(prompts))]
+    params = [
+        params_for(kind, i, args.max_tokens, args.seed, args.min_items) for i in range(len(prompts))
+    ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -71,6 +73,7 @@ def main() -> None:
     from pagedserve.engine import LLM
 
     args = parse_args()
+    args.min_items = args.max_tokens  # the array cannot close within the run: every step masks
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs)
     rng = random.Random(args.seed)
     vocab = llm.engine.model_config.vocab_size
@@ -79,7 +82,7 @@ def main() -> None:
         for _ in range(args.num_requests)
     ]
     kinds = ("unconstrained", "constrained", "mixed")
-    for kind in kinds:  # warm-up: the grammar backend, the compiled grammar, numba
+    for kind in kinds:  # warm-up: the grammar backend, the measured schema's grammar, numba
         run(llm, prompts[:4], kind, argparse.Namespace(**{**vars(args), "max_tokens": 4}))
     print(
         f"model {args.model}, {llm.engine.model_config.torch_dtype}, device "
