@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedserve.engine import RequestOutput, apply_chat_template
 from pagedserve.server.errors import APIError, bad_request
@@ -24,14 +24,12 @@ from pagedserve.server.protocol import (
 from pagedserve.server.request_params import build_sampling_params, check_caps
 from pagedserve.server.sse import (
     SSE_DONE,
-    ClientDisconnected,
-    EngineStreamingResponse,
+    answer,
     error_event,
     sse,
-    unless_disconnected,
 )
 from pagedserve.server.state import ServerState, new_id, now_s
-from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
+from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
 from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
 from pagedserve.server.structured_protocol import DeltaFunctionCall, DeltaToolCall
 from pagedserve.server.tools import (
@@ -149,15 +147,9 @@ async def create_chat_completion(
     request_id = new_id("chatcmpl")
     streams = EngineStreams(state, request_id, [prompt], body.priority, aliases)
     view = _ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
-    try:
-        await unless_disconnected(request, streams.admitted())
-        if body.stream:
-            return EngineStreamingResponse(view.stream(streams), streams)
-        finals = await unless_disconnected(request, final_outputs(streams))
-    except ClientDisconnected:
-        streams.cancel()
-        return Response(status_code=499)
-    return JSONResponse(view.response(finals[0]).model_dump())
+    return await answer(
+        request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
+    )
 
 
 class _ChatView:

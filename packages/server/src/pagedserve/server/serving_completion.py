@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedserve.engine import RequestOutput
 from pagedserve.server.errors import APIError, bad_request
@@ -20,14 +20,12 @@ from pagedserve.server.protocol import (
 from pagedserve.server.request_params import build_sampling_params, check_caps
 from pagedserve.server.sse import (
     SSE_DONE,
-    ClientDisconnected,
-    EngineStreamingResponse,
+    answer,
     error_event,
     sse,
-    unless_disconnected,
 )
 from pagedserve.server.state import ServerState, new_id, now_s
-from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
+from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
 from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
 from pagedserve.server.vllm_fields import COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens
 
@@ -98,15 +96,7 @@ async def create_completion(
     aliases = structured_output_aliases(body)
     streams = EngineStreams(state, request_id, prompts, body.priority, aliases)
     view = _CompletionView(state, body, request_id, prompts)
-    try:
-        await unless_disconnected(request, streams.admitted())
-        if body.stream:
-            return EngineStreamingResponse(view.stream(streams), streams)
-        finals = await unless_disconnected(request, final_outputs(streams))
-    except ClientDisconnected:
-        streams.cancel()
-        return Response(status_code=499)
-    return JSONResponse(view.response(finals).model_dump())
+    return await answer(request, streams, view.stream, view.response, body.stream)
 
 
 class _CompletionView:

@@ -24,7 +24,6 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput
 from pagedserve.server.errors import APIError, bad_request
@@ -42,9 +41,9 @@ from pagedserve.server.protocol_responses import (
     ResponseUsage,
 )
 from pagedserve.server.serving_chat import plan_prompt
-from pagedserve.server.sse import ClientDisconnected, EngineStreamingResponse, unless_disconnected
+from pagedserve.server.sse import answer
 from pagedserve.server.state import ServerState, new_id, now_s
-from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress, final_outputs
+from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
 from pagedserve.server.structured_protocol import (
     ChatCompletionTool,
     FunctionCall,
@@ -163,15 +162,9 @@ async def create_response(request: Request, state: ServerState, body: ResponsesR
     aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input"}
     view = _ResponsesView(state, body, prompt, tools)
     streams = EngineStreams(state, view.id, [prompt], 0, aliases)
-    try:
-        await unless_disconnected(request, streams.admitted())
-        if body.stream:
-            return EngineStreamingResponse(view.stream(streams), streams)
-        finals = await unless_disconnected(request, final_outputs(streams))
-    except ClientDisconnected:
-        streams.cancel()
-        return Response(status_code=499)
-    return JSONResponse(view.response(finals[0]).model_dump())
+    return await answer(
+        request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
+    )
 
 
 class _ResponsesView:

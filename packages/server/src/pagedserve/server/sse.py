@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.server.errors import APIError
-from pagedserve.server.streams import EngineStreams
+from pagedserve.server.streams import EngineStreams, final_outputs
 
 
 class ClientDisconnected(Exception):
@@ -73,3 +73,24 @@ class EngineStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.streams.cancel()
+
+
+async def answer(
+    request: Request,
+    streams: EngineStreams,
+    chunks: Callable[[EngineStreams], AsyncIterator[str]],
+    body: Callable[[dict], object],
+    stream: bool,
+) -> Response:
+    """A generation route's reply once its requests are submitted: the ``chunks`` as SSE when
+    ``stream``, else one JSON ``body`` built from every final output (index -> output). A client
+    that leaves before either is a 499, and its requests are aborted."""
+    try:
+        await unless_disconnected(request, streams.admitted())
+        if stream:
+            return EngineStreamingResponse(chunks(streams), streams)
+        finals = await unless_disconnected(request, final_outputs(streams))
+    except ClientDisconnected:
+        streams.cancel()
+        return Response(status_code=499)
+    return JSONResponse(body(finals).model_dump())
