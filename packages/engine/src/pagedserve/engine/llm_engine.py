@@ -53,14 +53,21 @@ class LLMEngine:
             if spec_config is not None
             else None
         )
+        block_size = self.cache_config.block_size
+        draft_bytes = self.speculator.kv_block_bytes(block_size) if self.speculator else 0
         if args.tensor_parallel_size == 1:
             self.runner = ModelRunner(
-                self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
+                self.model_config,
+                self.cache_config,
+                graph_config=args.cuda_graph_config(),
+                extra_block_bytes=draft_bytes,
             )
         else:  # rank 0 of a tensor-parallel group; same interface
             self.runner = TensorParallelExecutor(
-                self.model_config, self.cache_config, args.tensor_parallel_size
+                self.model_config, self.cache_config, args.tensor_parallel_size, draft_bytes
             )
+        if self.speculator is not None:  # a draft model's cache: the same blocks
+            self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             self.cache_config.block_size,
@@ -268,6 +275,8 @@ class LLMEngine:
             metrics = item.request.payload.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        if self.speculator is not None:  # a draft model proposes once the slots exist
+            self.speculator.prepare_step(scheduled)
         return self.runner.execute(scheduled)
 
     def _decide(

@@ -58,6 +58,9 @@ class ModelRunner:
     than ``num_blocks`` (the one the KVCacheManager hands out): block ``num_blocks`` is the
     padding rows' own (cuda_graph.py). Without one (tensor-parallel ranks, tools), every step
     runs eagerly and unpadded.
+
+    ``extra_block_bytes``: KV bytes per block kept elsewhere for the same block ids (a draft
+    model's cache, spec_decode/draft_model.py); a memory budget is split between both.
     """
 
     def __init__(
@@ -66,10 +69,12 @@ class ModelRunner:
         cache_config: CacheConfig,
         par: ParallelContext | None = None,
         graph_config: CUDAGraphConfig | None = None,
+        extra_block_bytes: int = 0,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.par = par or ParallelContext()
+        self.extra_block_bytes = extra_block_bytes
         self.device = model_config.torch_device
         torch.manual_seed(model_config.seed)
         self.model = self._load_model()
@@ -146,7 +151,7 @@ class ModelRunner:
             budget = self._profile_gpu_kv_cache_budget(block_bytes)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-        return num_blocks_for_memory(budget, block_bytes)
+        return num_blocks_for_memory(budget, block_bytes + self.extra_block_bytes)
 
     @torch.inference_mode()
     def _profile_gpu_kv_cache_budget(self, block_bytes: int) -> int:
