@@ -81,7 +81,8 @@ class EngineArgs:
     speculative_config: dict | None = option(
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}',
         unit="json",
     )
 
