@@ -222,20 +222,22 @@ def test_beam_search_with_speculation_is_refused_at_request_time(tiny_checkpoint
     assert not engine.has_unfinished_requests()
 
 
-def test_streaming_and_abort_with_speculation(tiny_checkpoint):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_streaming_and_abort_with_speculation(method, tiny_checkpoint):
     """AsyncLLM streams cumulative outputs that may grow by several tokens a step; a stream
-    aborted mid-way frees every block at once."""
+    aborted mid-way frees every block at once. (draft_model: the target as its own draft.)"""
     import asyncio
 
     from pagedserve.engine import AsyncLLM
 
     path = tiny_checkpoint("llama")
+    spec = NGRAM if method == "ngram" else {"method": method, "model": path}
     prompts = repetitive_prompts(2, seed=5)
     base, _, _ = run(path, prompts[:1], GREEDY, speculative=False)
 
     async def main():
         args = EngineArgs(
-            model=path, block_size=BLOCK_SIZE, num_gpu_blocks_override=64, speculative_config=NGRAM
+            model=path, block_size=BLOCK_SIZE, num_gpu_blocks_override=64, speculative_config=spec
         )
         llm = AsyncLLM.from_engine_args(args)
         try:

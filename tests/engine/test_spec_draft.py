@@ -200,43 +200,6 @@ def test_seeded_sampling_is_reproducible_and_leaks_no_block(target, noisy_draft)
     assert alone["0"].outputs[0].token_ids == first["2"].outputs[0].token_ids
 
 
-def test_streaming_and_abort(target):
-    import asyncio
-
-    from pagedserve.engine import AsyncLLM
-
-    prompts = repetitive_prompts(2, seed=5)
-
-    async def main():
-        args = EngineArgs(
-            model=target,
-            block_size=8,
-            num_gpu_blocks_override=64,
-            speculative_config=draft_config(target),
-        )
-        llm = AsyncLLM.from_engine_args(args)
-        try:
-            streamed = [o async for o in llm.generate(prompts[0], GREEDY, "a")]
-            async for out in llm.generate(prompts[1], GREEDY, "b"):
-                if len(out.outputs[0].token_ids) >= 3:
-                    await llm.abort("b")
-                    break
-            for _ in range(50):
-                if not llm.engine.has_unfinished_requests():
-                    break
-                await asyncio.sleep(0.05)
-            return llm, streamed
-        finally:
-            await llm.shutdown()
-
-    llm, streamed = asyncio.run(main())
-    base, _, _ = run(target, prompts[:1], GREEDY, speculative=False)
-    assert streamed[-1].outputs[0].token_ids == base["0"].outputs[0].token_ids
-    assert len(streamed) < len(streamed[-1].outputs[0].token_ids)  # several tokens a step
-    kv = llm.engine.kv_cache_manager
-    assert not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
-
-
 def test_beam_search_with_a_draft_model_is_refused(target):
     engine = LLMEngine(
         EngineArgs(
