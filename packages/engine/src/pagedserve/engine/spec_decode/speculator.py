@@ -6,7 +6,8 @@ next step (the token budget counts them, the block manager allocates their slots
 model runner scores every proposed position in the same forward. ``verification_batch`` then
 collects those rows for ``VerificationBatch.verify`` (verify.py), and ``scheduler.update``
 appends what was accepted, rewinds past what was not and frees the blocks only rejected tokens
-used.
+used. A draft model (draft_model.py) proposes inside the next step instead: after a step only
+placeholders are set, and ``prepare_step`` fills them before the target's forward.
 
 A proposal never runs past what the sequence may still emit: with r tokens left under
 ``max_tokens``, at most r - 1 are proposed (the step adds one token of the target's own), so
