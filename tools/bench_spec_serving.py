@@ -63,11 +63,16 @@ async def one_server(url: str, args, specs, concurrency: int) -> bench_serving.R
         return bench_serving.summarize(f"c={concurrency}", results, time.perf_counter() - start)
 
 
-def measure(model: str, server_args: list[str], args, specs) -> list[bench_serving.RunSummary]:
+def measure(model: str, server_args: list[str], args, specs):
+    """Each concurrency level's summary, and the server's acceptance rate over all of them
+    (/metrics; None without speculation)."""
     from pagedserve.server.testing import live_server
 
     with live_server(model, *server_args) as server:
-        return [asyncio.run(one_server(server.url, args, specs, c)) for c in args.concurrency]
+        summaries = [asyncio.run(one_server(server.url, args, specs, c)) for c in args.concurrency]
+        drafts = server.metric("spec_decode_num_draft_tokens_total")
+        accepted = server.metric("spec_decode_num_accepted_tokens_total")
+    return summaries, (accepted / drafts if drafts else None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(ensure_default_model())
     specs = workload(args, model)
     base_args = [a for arg in args.server_arg for a in arg.split(" ", 1)]
-    plain = measure(model, base_args, args, specs)
-    spec = measure(
-        model, [*base_args, "--speculative-config", args.speculative_config], args, specs
-    )
+    plain, _ = measure(model, base_args, args, specs)
+    spec_args = [*base_args, "--speculative-config", args.speculative_config]
+    spec, acceptance = measure(model, spec_args, args, specs)
     print(
         f"model {model}, {args.workload} workload, {args.num_requests} streamed requests x "
         f"{args.max_tokens} greedy tokens, seed {args.seed}; speculative {args.speculative_config}"
+        f"; acceptance over the speculative server's runs {acceptance or 0:.1%}"
     )
     print("conc  plain tok/s  spec tok/s  ratio  plain TPOT p50  spec TPOT p50  failed")
     rows = []
@@ -114,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio:5.2f}  {tpot_p:11.1f} ms  {tpot_s:10.1f} ms  {p.failed + s.failed:6}"
             + ("  (speculation loses)" if ratio < 1 else "")
         )
-        rows.append(dict(concurrency=p.mode, plain=p.__dict__, spec=s.__dict__, ratio=ratio))
+        rows.append(
+            dict(concurrency=p.mode, plain=p.__dict__, spec=s.__dict__, ratio=ratio,
+                 acceptance=acceptance)
+        )  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)
