@@ -177,9 +177,7 @@ class DraftModelProposer:
             counts.append(count)
             if item.spec_token_ids:
                 last_rows.append(len(tokens) - 1)
-        if not tokens:
-            return None
-        hidden = self._forward(scheduled, tokens, starts, counts)
+        hidden = self._forward(scheduled, tokens, starts, counts)  # a step is never empty
         if not items:
             return None
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
