@@ -105,3 +105,56 @@ def test_a_bad_config_is_refused_naming_what_is_wrong(change, message):
     data = {"models": [{"name": "a", "engine": {"model": "/m"}}], **change}
     with pytest.raises(ClusterConfigError, match=message):
         load_config(data)
+
+
+def test_every_config_field_has_a_row_in_the_configuration_reference():
+    from dataclasses import fields
+    from pathlib import Path
+
+    from pagedserve.cluster.config import ClusterConfig, ModelDeploymentConfig
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    section = page.split("## Cluster config file", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        line.split("|")[1].strip().strip("`")
+        for line in section.splitlines()
+        if line.startswith("| `")
+    }
+    names = {f.name for f in fields(ClusterConfig)} | {
+        f.name for f in fields(ModelDeploymentConfig)
+    }
+    assert names <= rows, sorted(names - rows)
+
+
+def test_the_cli_prints_ray_serves_config_and_plugs_into_pagedserves(tmp_path, capsys, monkeypatch):
+    import argparse
+    from importlib import metadata
+
+    import yaml
+
+    from pagedserve.cluster import cli
+    from pagedserve.server import cli as server_cli
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(YAML)
+    assert cli.main(["build", str(path)]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    ServeDeploySchema.model_validate(printed)
+    assert [a["name"] for a in printed["applications"]] == [
+        "pagedserve",
+        "model-big",
+        "model-small",
+    ]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: []\n")
+    assert cli.main(["build", str(bad)]) == 2
+    assert "non-empty list" in capsys.readouterr().err
+
+    # `pagedserve cluster ...`: the server's parser takes the subcommand from the entry point
+    entry = metadata.EntryPoint(
+        name="cluster", value="pagedserve.cluster.cli:add_cluster_parser", group="pagedserve.cli"
+    )
+    monkeypatch.setattr(server_cli.metadata, "entry_points", lambda group: [entry])
+    args = server_cli.build_parser().parse_args(["cluster", "deploy", str(path)])
+    assert args.func is cli.cmd_deploy and args.address == "auto"
+    assert isinstance(args, argparse.Namespace)
