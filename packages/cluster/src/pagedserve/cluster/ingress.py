@@ -40,6 +40,14 @@ class ClusterModels(ServedModels):
     def __init__(self) -> None:
         super().__init__()
         self.loading: dict[str, str] = {}  # name -> app name
+        self.order: list[str] = []  # the config's order (models come up in any order)
+
+    def states(self) -> list[ServerState]:
+        rank = {name: i for i, name in enumerate(self.order)}
+        return sorted(super().states(), key=lambda s: rank.get(s.model_name, len(rank)))
+
+    def names(self) -> list[str]:
+        return [s.model_name for s in self.states()]
 
     def state_for(self, name: str | None) -> ServerState:
         if name is not None and name in self.loading and name not in self.names():
@@ -99,6 +107,7 @@ class ClusterIngress:
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         wanted = {m["name"]: m for m in user_config.get("models", [])}
+        self.models.order = list(wanted)
         for name in [n for n in {*self.models.names(), *self.models.loading} if n not in wanted]:
             self._forget(name)
         for name, settings in wanted.items():

@@ -72,7 +72,7 @@ class ServedModels:
         if not self._states:
             raise APIError("no model is being served yet", 503, code="model_not_ready")
         if name is None:
-            return next(iter(self._states.values()))
+            return self.states()[0]
         state = self._states.get(name)
         if state is None:
             raise model_not_found(name, self.names())
