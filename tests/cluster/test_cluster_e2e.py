@@ -333,6 +333,10 @@ def test_a_killed_replica_ends_its_streams_clearly_and_comes_back_holding_nothin
     )
     wait_for(lambda: any(o.get("times") for o in outcomes), 120, "some stream to start")
     os.kill(victim.pid, signal.SIGKILL)
+    # new requests meanwhile reach the healthy replica (one routed to the dead one is retried)
+    for i in range(2):
+        after = client.completions.create(model="smollm2", prompt=f"Then {i}", max_tokens=3)
+        assert after.usage.completion_tokens == 3
     for thread in threads:
         thread.join(timeout=300)
     assert not any(t.is_alive() for t in threads), "a stream hung after its replica died"

@@ -13,6 +13,7 @@ server never imports the cluster.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -70,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.cluster.deploy import connect, deploy, shutdown
 
     config = load_config(args.config)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: a Ray we started goes too
     connect(args.address)
     try:
         deploy(config, timeout_s=args.timeout)
@@ -83,6 +85,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.address is None:  # the Ray instance is this process's: stop it with us
             shutdown()
             ray.shutdown()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
