@@ -179,6 +179,7 @@ def test_health_and_metrics_cover_every_replica_on_both_nodes(cluster):
     smol = [r for r in models["smollm2"]["replicas"] if r["status"] == "ok"]
     tiny = [r for r in models["tiny"]["replicas"] if r["status"] == "ok"]
     assert len(smol) == 2 and len(tiny) >= 1
+    assert all(r["torch_threads"] == 1 for r in smol + tiny)  # one core each, not both
     # the tiny model is pinned to the second node (its custom resource); SmolLM2's two replicas
     # do not both fit there, so two Ray nodes serve
     node2 = {n["NodeID"] for n in ray.nodes() if n["Alive"] and "node2" in n["Resources"]}

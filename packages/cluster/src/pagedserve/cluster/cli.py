@@ -71,8 +71,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.cluster.deploy import connect, deploy, shutdown
 
     config = load_config(args.config)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: a Ray we started goes too
     connect(args.address)
+    # after ray.init, which installs a SIGTERM handler of its own: stop as on Ctrl-C instead
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         deploy(config, timeout_s=args.timeout)
         print(f"serving {[m.name for m in config.models]} at http://{config.host}:{config.port}/v1")

@@ -27,12 +27,13 @@ class DeployTimeoutError(TimeoutError):
 
 def connect(address: str | None = None, **init_kwargs) -> None:
     """Join the Ray cluster at ``address`` ("auto": the one this node belongs to, or
-    "HOST:PORT"), or start a local one (a head node in this process's session) without."""
+    "HOST:PORT"), or without one start a new local head that lives as long as this process
+    (``"local"``: never a running cluster found by chance)."""
     if ray.is_initialized():
         return
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("log_to_driver", False)
-    ray.init(address=address, **init_kwargs)
+    ray.init(address=address or "local", **init_kwargs)
 
 
 def deploy(config: ClusterConfig, timeout_s: float = 600.0) -> None:
@@ -66,8 +67,12 @@ def wait_until_served(config: ClusterConfig, timeout_s: float) -> None:
 
 
 def _ingress_models() -> list[str]:
-    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, INGRESS_APP)
-    return handle.ready_models.remote().result(timeout_s=30)
+    """The models the ingress serves now (none while it is still starting or redeploying)."""
+    try:
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, INGRESS_APP)
+        return handle.ready_models.remote().result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - not there yet: the caller polls again
+        return []
 
 
 def shutdown() -> None:

@@ -134,6 +134,7 @@ async def cluster_health(request: Request) -> Response:
                 "status": "ok" if s.healthy else "dead",
                 "blocks_held": s.blocks_held,
                 "num_requests": s.num_requests,
+                "torch_threads": s.torch_threads,
                 **({"error": s.error} if s.error else {}),
             }
             for s in await state.engine.replica_stats(drain=False)

@@ -13,7 +13,6 @@ A request the engine refuses raises the engine's own error (a 400, 503, ...), as
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
@@ -127,7 +126,6 @@ class RemoteEngine:
 
     async def shutdown(self) -> None:
         """Nothing to stop here: the replicas belong to Ray Serve (the config removes them)."""
-        await asyncio.sleep(0)
 
 
 def _replica_died(request_id: str, replica: str | None, started: bool) -> EngineDeadError:

@@ -51,6 +51,7 @@ class ReplicaStats:
     num_requests: int
     healthy: bool
     error: str | None = None
+    torch_threads: int = 0  # as the replica's torch sees it (limit_threads set it)
 
 
 def limit_threads(num_threads: int) -> None:
@@ -106,6 +107,7 @@ class EngineReplica:
 
     def stats(self, drain: bool = True) -> ReplicaStats:
         import ray
+        import torch
 
         manager = self.engine.engine.kv_cache_manager
         error = None if self.engine.dead_error is None else repr(self.engine.dead_error)
@@ -118,6 +120,7 @@ class EngineReplica:
             num_requests=self.num_requests,
             healthy=error is None,
             error=error,
+            torch_threads=torch.get_num_threads(),
         )
 
     async def check_health(self) -> None:
