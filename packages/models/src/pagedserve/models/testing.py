@@ -189,3 +189,40 @@ def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> li
                 torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
             )
     return tokens
+
+
+def make_peft_adapter(
+    base_model: str | Path,
+    out_dir: str | Path,
+    target_modules: list[str],
+    r: int = 8,
+    lora_alpha: int = 16,
+    seed: int = 0,
+    use_rslora: bool = False,
+    std: float = 0.1,
+) -> Path:
+    """A PEFT LoRA adapter for ``base_model``, saved by peft itself, with random A and B.
+
+    peft initialises B to zero (an untrained adapter changes nothing); both are drawn from a
+    seeded normal here so that every adapter moves the model's tokens, and a test that served
+    the wrong adapter (or none) would see it. Returns ``out_dir``.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    if (out_dir / "adapter_config.json").is_file():
+        return out_dir
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    config = LoraConfig(
+        r=r, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora
+    )
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
