@@ -5,13 +5,10 @@ sharing blocks across adapters."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from pagedserve.engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
-from pagedserve.models.testing import make_peft_adapter, transformers_greedy
+from pagedserve.models.testing import make_peft_adapter, peft_greedy
 
 LLAMA_ADAPTERS = {  # name: (rank, alpha, targets, rslora)
     "attn8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
@@ -42,25 +39,8 @@ def adapters(tiny_checkpoint, tmp_path_factory):
     return made
 
 
-@functools.cache
-def _reference_model(base: str, adapter: str | None):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval()
-
-
-@functools.cache
-def _reference(base: str, adapter: str | None, prompt: tuple[int, ...]) -> list[int]:
-    return transformers_greedy(_reference_model(base, adapter), list(prompt), MAX_TOKENS)
-
-
 def reference_tokens(base: str, adapter: str | None, prompt: list[int]) -> list[int]:
-    """transformers + peft running ``adapter`` alone (None: the plain base model), greedy."""
-    return _reference(base, adapter, tuple(prompt))
+    return peft_greedy(base, adapter, prompt, MAX_TOKENS)
 
 
 def llm_for(base: str, **kw) -> LLM:

@@ -26,6 +26,7 @@ from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.lora import LoRAManager, LoRARequest
+from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -171,32 +172,28 @@ class LLMEngine:
             self.structured_output.hold(request, params.structured_outputs)
 
     def _lora_id(self, lora_request: LoRARequest | None) -> int:
-        return 0 if lora_request is None else self._loras().check_request(lora_request)
-
-    def _loras(self) -> LoRAManager:
-        if self.lora_manager is None:
-            raise InvalidRequestError(
-                "LoRA is not enabled (start with enable_lora)", "lora_request"
-            )
-        return self.lora_manager
+        if lora_request is None:
+            return 0
+        return require_lora(self.lora_manager).check_request(lora_request)
 
     def add_lora(self, lora_request: LoRARequest, weights=None) -> None:
         """Register an adapter (``weights``: what ``lora_manager.read`` gave, if read already)."""
-        self._loras().add_lora(lora_request, weights)
+        require_lora(self.lora_manager).add_lora(lora_request, weights)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unregister an adapter: its running and waiting requests finish with it first."""
-        if self.lora_manager is None or not self.lora_manager.remove_lora(lora_int_id):
-            return False
+        removed = self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
         self._release_removed_loras()
-        return True
+        return removed
 
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.lora_manager is None else list(self.lora_manager.registered.values())
 
     def _release_removed_loras(self) -> None:
-        if self.lora_manager is not None:  # removed adapters whose last request is gone
-            self.lora_manager.release_removed(self.scheduler.requests.values())
+        """Free removed adapters whose last request is gone; record the adapters in use."""
+        if (manager := self.lora_manager) is not None:
+            manager.release_removed(self.scheduler.requests.values())
+            self.stats.record_lora(*manager.adapters_in_use(self.scheduler.requests.values()))
 
     def take_request_errors(self) -> list[tuple[str, BaseException]]:
         """Requests that failed since the last call, with their error (a constraint that did

@@ -10,6 +10,7 @@ next-token distribution is peaked and greedy decoding does not sit on near-ties.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,33 @@ def make_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
     peft_model.save_pretrained(out_dir)
     return out_dir
+
+
+def peft_greedy(
+    base_model: str | Path, adapter: str | Path | None, prompt_ids: list[int], max_new_tokens: int
+) -> list[int]:
+    """transformers + peft running ``adapter`` alone (None: the plain base model), greedy, fp32:
+    the reference a LoRA-serving test holds each row of a mixed batch to."""
+    return list(
+        _peft_greedy(str(base_model), adapter and str(adapter), tuple(prompt_ids), max_new_tokens)
+    )
+
+
+@functools.cache
+def _peft_reference_model(base_model: str, adapter: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
+@functools.cache
+def _peft_greedy(base_model: str, adapter: str | None, prompt_ids: tuple, n: int) -> tuple:
+    return tuple(
+        transformers_greedy(_peft_reference_model(base_model, adapter), list(prompt_ids), n)
+    )

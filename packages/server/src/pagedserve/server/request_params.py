@@ -22,8 +22,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    """A request may name the served model, or no model at all."""
-    if name is not None and name != state.model_name:
+    """A request may name the served model, one of its LoRA adapters, or no model at all."""
+    if name is not None and name != state.model_name and name not in state.lora_modules:
         raise APIError(
             f"the model {name!r} does not exist; this server serves {state.model_name!r}",
             404,

@@ -145,7 +145,7 @@ async def create_chat_completion(
     state.check_admitting()
     prompt, aliases, tools = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
-    streams = EngineStreams(state, request_id, [prompt], body.priority, aliases)
+    streams = EngineStreams(state, request_id, [prompt], body.priority, aliases, body.model)
     view = _ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
     return await answer(
         request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream

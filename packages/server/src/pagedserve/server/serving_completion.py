@@ -94,7 +94,7 @@ async def create_completion(
     prompts = plan_prompts(state, body)
     request_id = new_id("cmpl")
     aliases = structured_output_aliases(body)
-    streams = EngineStreams(state, request_id, prompts, body.priority, aliases)
+    streams = EngineStreams(state, request_id, prompts, body.priority, aliases, body.model)
     view = _CompletionView(state, body, request_id, prompts)
     return await answer(request, streams, view.stream, view.response, body.stream)
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pagedserve.engine import EngineClient
+from pagedserve.engine import EngineClient, LoRARequest
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 
@@ -21,6 +21,18 @@ class ServerState:
     created: int = 0
     draining: bool = False
     in_flight: dict[str, None] = field(default_factory=dict)  # engine request ids
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)  # by served name
+    _last_lora_id: int = 0
+
+    def new_lora_request(self, name: str, path: str) -> LoRARequest:
+        """An adapter under ``name`` with an id no other adapter of this server ever had (a
+        reused id would let the prefix cache hand one adapter's blocks to another)."""
+        self._last_lora_id += 1
+        return LoRARequest(name, self._last_lora_id, path)
+
+    def lora_request_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names; None for the base model (or no name)."""
+        return None if model is None else self.lora_modules.get(model)
 
     def check_admitting(self) -> None:
         if self.draining:

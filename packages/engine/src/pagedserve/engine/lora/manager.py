@@ -98,6 +98,15 @@ class LoRAManager:
                 self._slots[slot] = None
                 self.lora_model.clear_slot(slot)
 
+    def adapters_in_use(self, live_requests: Iterable) -> tuple[int, tuple, tuple]:
+        """(max_loras, names of the running requests' adapters, of the waiting ones')."""
+        running, waiting = set(), set()
+        for r in live_requests:
+            if r.lora_int_id:
+                known = self.registered.get(r.lora_int_id) or self._removing.get(r.lora_int_id)
+                (running if r.status.name == "RUNNING" else waiting).add(known.lora_name)
+        return self.config.max_loras, tuple(sorted(running)), tuple(sorted(waiting))
+
     def check_request(self, request: LoRARequest) -> int:
         """The id a new request runs with: its adapter registered (read now if it is new)."""
         if request.lora_int_id in self._removing:
@@ -156,3 +165,10 @@ class LoRAManager:
     def resident(self) -> dict[int, int]:
         """adapter id -> slot, for the adapters on the device."""
         return {i: s for s, i in enumerate(self._slots) if i is not None}
+
+
+def require_lora(manager: LoRAManager | None) -> LoRAManager:
+    """The engine's manager, or the error a LoRA request gets from an engine without LoRA."""
+    if manager is None:
+        raise InvalidRequestError("LoRA is not enabled (start with enable_lora)", "lora_request")
+    return manager
