@@ -130,3 +130,42 @@ def test_lora_requests_without_enable_lora_are_refused(tiny_checkpoint, adapters
     llm = LLM(base, dtype="float32", device="cpu", num_gpu_blocks_override=16)
     with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
         llm.generate("hi", use_tqdm=False, lora_request=loras["attn8"])
+
+
+def test_removing_an_adapter_lets_its_running_requests_finish_with_it(adapters):
+    """remove_lora between steps: no new request may use the adapter, the running one ends
+    with exactly that adapter's tokens, and only then are its slot and host copy freed."""
+    base, loras = adapters["llama"]
+    engine = llm_for(base, max_loras=1).engine
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("r", PROMPTS[0], greedy, lora_request=loras["attn8"])
+    engine.step()  # the prompt, and its first token
+    assert engine.remove_lora(loras["attn8"].lora_int_id)
+    with pytest.raises(InvalidRequestError, match="being unloaded"):
+        engine.add_request("late", PROMPTS[1], greedy, lora_request=loras["attn8"])
+    assert engine.lora_manager.resident == {loras["attn8"].lora_int_id: 0}  # still in use
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert list(outputs[-1].outputs[0].token_ids) == reference_tokens(
+        base, loras["attn8"].lora_path, PROMPTS[0]
+    )
+    assert engine.lora_manager.resident == {} and engine.list_loras() == []
+
+
+def test_an_adapter_on_smollm2_matches_peft(default_model_path, tmp_path):
+    """The default model (SmolLM2-135M, GQA 9/3 heads) with one adapter on q/k/v and the MLP,
+    beside a base row, fp32."""
+    path = make_peft_adapter(
+        default_model_path, tmp_path / "a", ["q_proj", "k_proj", "v_proj", "up_proj"], r=8, std=0.15
+    )
+    lora = LoRARequest("smol", 1, str(path))
+    llm = llm_for(default_model_path, max_lora_rank=8, num_gpu_blocks_override=16)
+    prompt = llm.get_tokenizer()("The capital of France is").input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, greedy, use_tqdm=False,
+                        lora_request=[lora, None])  # fmt: skip
+    want_lora = peft_greedy(default_model_path, str(path), prompt, 4)
+    assert list(outs[0].outputs[0].token_ids) == want_lora
+    assert list(outs[1].outputs[0].token_ids) == peft_greedy(default_model_path, None, prompt, 4)
+    assert want_lora != list(outs[1].outputs[0].token_ids)
