@@ -169,3 +169,14 @@ def test_an_adapter_on_smollm2_matches_peft(default_model_path, tmp_path):
     assert list(outs[0].outputs[0].token_ids) == want_lora
     assert list(outs[1].outputs[0].token_ids) == peft_greedy(default_model_path, None, prompt, 4)
     assert want_lora != list(outs[1].outputs[0].token_ids)
+
+
+def test_forked_sequences_keep_their_requests_adapter(adapters):
+    """n > 1 forks children after the prompt: each must run with the parent's adapter."""
+    base, loras = adapters["llama"]
+    llm = llm_for(base, max_loras=1)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False,
+                       lora_request=loras["qv4"])[0]  # fmt: skip
+    want = reference_tokens(base, loras["qv4"].lora_path, PROMPTS[1])
+    assert [list(c.token_ids) for c in out.outputs] == [want, want]

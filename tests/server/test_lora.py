@@ -170,3 +170,16 @@ def test_metrics_show_the_lora_adapters(lora_app):
     _, client, _ = lora_app
     text = client.get("/metrics").text
     assert 'pagedserve:lora_requests_info{max_lora="2"' in text
+
+
+def test_lora_modules_take_name_path_and_vllms_json():
+    from pagedserve.server.cli import build_parser
+
+    config = ServerConfig(lora_modules=('{"name": "sql", "path": "/a/sql"}', " chat = /a/chat "))
+    assert config.lora_modules == ("sql=/a/sql", "chat=/a/chat")
+    with pytest.raises(ValueError, match="name=path"):
+        ServerConfig(lora_modules=("no-path",))
+    args = build_parser().parse_args(
+        ["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "b=/y"]
+    )
+    assert args.lora_modules == ["a=/x", "b=/y"] and args.enable_lora
