@@ -63,6 +63,7 @@ def test_the_model_name_routes_to_the_adapter(lora_app, tiny_path, loras):
     tokens = client.post("/v1/completions", json=completion("attn")).json()
     base = client.post("/v1/completions", json=completion(BASE_NAME)).json()
     assert tokens["choices"][0]["token_ids"] == peft_greedy(tiny_path, loras["attn"], PROMPT, 6)
+    assert tokens["model"] == "attn" and base["model"] == BASE_NAME
     assert base["choices"][0]["token_ids"] == peft_greedy(tiny_path, None, PROMPT, MAX_TOKENS)
     missing = client.post("/v1/completions", json=completion("nope"))
     assert missing.status_code == 404

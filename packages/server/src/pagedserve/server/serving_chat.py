@@ -210,7 +210,7 @@ class _ChatView:
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             choices=choices,
             usage=self.usage(tokens),
             **self._prompt_extras(final),
@@ -220,7 +220,7 @@ class _ChatView:
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             choices=choices,
             usage=usage,
             **extras,

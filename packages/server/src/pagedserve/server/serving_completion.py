@@ -157,7 +157,7 @@ class _CompletionView:
         return CompletionResponse(
             id=self.id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             choices=choices,
             usage=usage,
         )

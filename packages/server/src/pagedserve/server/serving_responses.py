@@ -184,7 +184,7 @@ class _ResponsesView:
         common = dict(
             id=self.id,
             created_at=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,
             temperature=body.temperature,

@@ -30,6 +30,10 @@ class ServerState:
         self._last_lora_id += 1
         return LoRARequest(name, self._last_lora_id, path)
 
+    def served_name(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter the request asked for, else the base."""
+        return model if model in self.lora_modules else self.model_name
+
     def lora_request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names; None for the base model (or no name)."""
         return None if model is None else self.lora_modules.get(model)
