@@ -154,9 +154,13 @@ def lora_expand_triton(
     return base_out
 
 
-def _rows_per_slot(token_slot: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+RowsPerSlot = list[tuple[int, torch.Tensor | None]]
+
+
+def rows_per_slot(token_slot: torch.Tensor) -> RowsPerSlot:
     """(slot, the rows that use it) for each adapter present; rows ``None`` when every row of
-    the batch uses that one slot (no gather needed)."""
+    the batch uses that one slot (no gather needed). The references' grouping: a caller that
+    applies many layers to one batch computes it once and passes it to every call."""
     slots = torch.unique(token_slot).tolist()
     if len(slots) == 1:
         return [(slots[0], None)] if slots[0] >= 0 else []
@@ -164,11 +168,16 @@ def _rows_per_slot(token_slot: torch.Tensor) -> list[tuple[int, torch.Tensor | N
 
 
 def lora_shrink_ref(
-    x: torch.Tensor, lora_a_stacked: torch.Tensor, token_slot: torch.Tensor, scale: float = 1.0
+    x: torch.Tensor,
+    lora_a_stacked: torch.Tensor,
+    token_slot: torch.Tensor,
+    scale: float = 1.0,
+    groups: RowsPerSlot | None = None,
 ) -> torch.Tensor:
-    """Reference (the CPU path): the rows of each adapter present, one matmul per adapter."""
+    """Reference (the CPU path): the rows of each adapter present, one matmul per adapter
+    (``groups``: ``rows_per_slot(token_slot)``, if the caller has it already)."""
     out = torch.zeros(x.shape[0], lora_a_stacked.shape[1], dtype=torch.float32, device=x.device)
-    for slot, rows in _rows_per_slot(token_slot):
+    for slot, rows in rows_per_slot(token_slot) if groups is None else groups:
         a = lora_a_stacked[slot].float()
         if rows is None:
             out = (x.float() @ a.T) * scale
@@ -183,11 +192,12 @@ def lora_expand_ref(
     token_slot: torch.Tensor,
     base_out: torch.Tensor,
     slice_offset: int = 0,
+    groups: RowsPerSlot | None = None,
 ) -> torch.Tensor:
     """Reference (the CPU path): each adapter's rows get ``y B^T`` added to their slice's
     columns, summed in fp32 and rounded once, as the kernel does."""
     cols = slice(slice_offset, slice_offset + lora_b_stacked.shape[1])
-    for slot, rows in _rows_per_slot(token_slot):
+    for slot, rows in rows_per_slot(token_slot) if groups is None else groups:
         b = lora_b_stacked[slot].float()
         if rows is None:
             target = base_out[:, cols]
@@ -199,12 +209,17 @@ def lora_expand_ref(
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a_stacked: torch.Tensor, token_slot: torch.Tensor, scale: float = 1.0
+    x: torch.Tensor,
+    lora_a_stacked: torch.Tensor,
+    token_slot: torch.Tensor,
+    scale: float = 1.0,
+    groups: RowsPerSlot | None = None,
 ) -> torch.Tensor:
-    """``scale * x A[slot]^T`` per row (zero where the slot is -1), fp32 ``[T, r]``."""
+    """``scale * x A[slot]^T`` per row (zero where the slot is -1), fp32 ``[T, r]``.
+    ``groups`` (``rows_per_slot(token_slot)``) spares the reference its grouping."""
     if use_triton(x):
         return lora_shrink_triton(x, lora_a_stacked, token_slot, scale)
-    return lora_shrink_ref(x, lora_a_stacked, token_slot, scale)
+    return lora_shrink_ref(x, lora_a_stacked, token_slot, scale, groups)
 
 
 def lora_expand(
@@ -213,8 +228,9 @@ def lora_expand(
     token_slot: torch.Tensor,
     base_out: torch.Tensor,
     slice_offset: int = 0,
+    groups: RowsPerSlot | None = None,
 ) -> torch.Tensor:
     """``base_out[:, slice] += y B[slot]^T`` per row with an adapter, in place."""
     if use_triton(base_out):
         return lora_expand_triton(y, lora_b_stacked, token_slot, base_out, slice_offset)
-    return lora_expand_ref(y, lora_b_stacked, token_slot, base_out, slice_offset)
+    return lora_expand_ref(y, lora_b_stacked, token_slot, base_out, slice_offset, groups)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import lora_expand, lora_shrink
+from pagedserve.kernels.lora import RowsPerSlot, rows_per_slot
 from pagedserve.models.layers.linear_method import LinearMethodBase, Loaded, WeightShard
 
 
@@ -46,6 +47,14 @@ class LoRABatch:
 
     def __init__(self) -> None:
         self.token_slot: torch.Tensor | None = None
+        self.groups: RowsPerSlot | None = None
+
+    def set(self, token_slot: torch.Tensor | None) -> None:
+        """This step's slots; on CPU also their grouping, once for every layer of the step
+        (the reference kernels' one host sync per step instead of one per projection)."""
+        self.token_slot = token_slot
+        cpu = token_slot is not None and token_slot.device.type == "cpu"
+        self.groups = rows_per_slot(token_slot) if cpu else None
 
 
 class LoRALinearMethod(LinearMethodBase):

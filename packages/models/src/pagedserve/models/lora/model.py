@@ -118,4 +118,4 @@ class LoRAModel:
 
     def set_batch(self, token_slot: torch.Tensor | None) -> None:
         """This step's slot per token (``None``: no row has an adapter)."""
-        self.batch.token_slot = token_slot
+        self.batch.set(token_slot)
