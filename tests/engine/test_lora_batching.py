@@ -6,9 +6,10 @@ sharing blocks across adapters."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve.engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
-from pagedserve.models.testing import make_peft_adapter, peft_greedy
+from pagedserve.models.testing import make_peft_adapter, peft_greedy, transformers_greedy
 
 LLAMA_ADAPTERS = {  # name: (rank, alpha, targets, rslora)
     "attn8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
@@ -155,20 +156,35 @@ def test_removing_an_adapter_lets_its_running_requests_finish_with_it(adapters):
 
 def test_an_adapter_on_smollm2_matches_peft(default_model_path, tmp_path):
     """The default model (SmolLM2-135M, GQA 9/3 heads) with one adapter on q/k/v and the MLP,
-    beside a base row, fp32."""
-    path = make_peft_adapter(
-        default_model_path, tmp_path / "a", ["q_proj", "k_proj", "v_proj", "up_proj"], r=8, std=0.15
+    beside a base row, fp32. One transformers model serves both references (the base row's
+    with the adapter disabled), made and saved by peft as make_peft_adapter does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"]
     )
-    lora = LoRARequest("smol", 1, str(path))
+    peft_model = get_peft_model(hf, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+    peft_model.save_pretrained(tmp_path / "a")
     llm = llm_for(default_model_path, max_lora_rank=8, num_gpu_blocks_override=16)
     prompt = llm.get_tokenizer()("The capital of France is").input_ids
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    lora = LoRARequest("smol", 1, str(tmp_path / "a"))
     outs = llm.generate([{"prompt_token_ids": prompt}] * 2, greedy, use_tqdm=False,
                         lora_request=[lora, None])  # fmt: skip
-    want_lora = peft_greedy(default_model_path, str(path), prompt, 4)
+    peft_model.eval()
+    want_lora = transformers_greedy(peft_model, prompt, 4)
+    with peft_model.disable_adapter():
+        want_base = transformers_greedy(peft_model, prompt, 4)
     assert list(outs[0].outputs[0].token_ids) == want_lora
-    assert list(outs[1].outputs[0].token_ids) == peft_greedy(default_model_path, None, prompt, 4)
-    assert want_lora != list(outs[1].outputs[0].token_ids)
+    assert list(outs[1].outputs[0].token_ids) == want_base
+    assert want_lora != want_base
 
 
 def test_forked_sequences_keep_their_requests_adapter(adapters):
