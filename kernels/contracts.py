@@ -31,6 +31,8 @@ DEFAULTS = {
     "rejection_sample": "pagedserve.kernels.rejection_sample:rejection_sample_triton",
     "apply_token_bitmask": "pagedserve.kernels.token_bitmask:apply_token_bitmask_triton",
     "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
+    "lora_shrink": "pagedserve.kernels.lora:lora_shrink_triton",
+    "lora_expand": "pagedserve.kernels.lora:lora_expand_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

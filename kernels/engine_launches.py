@@ -52,7 +52,7 @@ BLOCK_SIZES = [16, 32]
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
-    "rejection_sample", "token_bitmask", "fused_moe",
+    "rejection_sample", "token_bitmask", "fused_moe", "lora",
 )  # fmt: skip
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
@@ -157,6 +157,31 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
         record(f"{label} {fmt}")
 
 
+def lora_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str) -> None:
+    """A layer's projections with LoRA adapters (``--enable-lora``): one shrink over the
+    parts' A stacked along the rank, one expand per part (q, k, v; gate, up) into its columns,
+    with rows of several slots and rows without an adapter. The rank tile is fixed, so the rank
+    changes only the strides' divisibility: 8 (not a multiple of 16) and 16 cover it."""
+    mods = _wrappers()
+    n_tokens, slots = 3, 4
+    token_slot = torch.tensor([0, -1, 2])
+    q, kv = m.n_q_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    parts = {"qkv": [q, kv, kv], "o": [m.hidden], "down": [m.hidden]}
+    parts["gate_up"] = [m.intermediate] * (1 if m.gpt2 else 2)
+    inputs = {"qkv": m.hidden, "o": q, "gate_up": m.hidden, "down": m.intermediate}
+    for rank in (8, 16):
+        for name, widths in parts.items():
+            x = torch.randn(n_tokens, inputs[name]).to(dtype)
+            a = torch.randn(slots, len(widths) * rank, inputs[name]).to(dtype)
+            y = mods["lora"].lora_shrink_triton(x, a, token_slot, 1.0)
+            out = torch.randn(n_tokens, sum(widths)).to(dtype)
+            for i, width in enumerate(widths):
+                b = torch.randn(slots, width, rank).to(dtype)
+                y_part = y[:, i * rank : (i + 1) * rank]
+                mods["lora"].lora_expand_triton(y_part, b, token_slot, out, sum(widths[:i]))
+        record(f"{label} lora r{rank}")
+
+
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
     """Penalties, the structured-output mask (every row, and some rows by index), token
     sampling and speculative decoding's rejection sampling over fp32 logits of the model's
@@ -220,6 +245,7 @@ def engine_launches(
             layer_launches(m, DTYPES[dtype_name], sizes[0])
             record(f"{m.name} {dtype_name}")
             quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
+            lora_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
     for dtype_name in block_sizes:

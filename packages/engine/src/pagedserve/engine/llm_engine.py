@@ -25,6 +25,8 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
+from pagedserve.engine.lora import LoRAManager, LoRARequest
+from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -55,11 +57,14 @@ class LLMEngine:
         )
         block_size = self.cache_config.block_size
         draft_bytes = self.speculator.kv_block_bytes(block_size) if self.speculator else 0
-        if args.tensor_parallel_size == 1:
+        lora_config = args.create_lora_config()
+        if args.tensor_parallel_size == 1:  # LoRA steps run eagerly: no padded decode graphs
+            graphs = args.cuda_graph_config() if lora_config is None else None
             self.runner = ModelRunner(
                 self.model_config,
                 self.cache_config,
-                graph_config=args.cuda_graph_config(),
+                graph_config=graphs,
+                lora_config=lora_config,
                 extra_block_bytes=draft_bytes,
             )
         else:  # rank 0 of a tensor-parallel group; same interface
@@ -76,6 +81,7 @@ class LLMEngine:
             sliding_window=self.model_config.kv_cache_window,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         logger.info(
@@ -124,10 +130,12 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
-        request leaves no trace: no group, no seed drawn."""
+        request leaves no trace: no group, no seed drawn. ``lora_request`` (None: the base
+        model) is registered if it is new, its files read and checked now."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
@@ -138,6 +146,7 @@ class LLMEngine:
                 "use_beam_search",
             )
         check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
+        lora_int_id = self._lora_id(lora_request)
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
@@ -157,6 +166,7 @@ class LLMEngine:
             # prefix cache from serving this prompt's blocks
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
             needs_prompt_logits=params.prompt_logprobs is not None,
+            lora_int_id=lora_int_id,
         )
         try:
             self.scheduler.add_request(request)
@@ -168,6 +178,30 @@ class LLMEngine:
         self.groups[request_id] = group
         if params.structured_outputs is not None:
             self.structured_output.hold(request, params.structured_outputs)
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return 0
+        return require_lora(self.lora_manager).check_request(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest, weights=None) -> None:
+        """Register an adapter (``weights``: what ``lora_manager.read`` gave, if read already)."""
+        require_lora(self.lora_manager).add_lora(lora_request, weights)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter: its running and waiting requests finish with it first."""
+        removed = self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+        self._release_removed_loras()
+        return removed
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora_manager is None else list(self.lora_manager.registered.values())
+
+    def _release_removed_loras(self) -> None:
+        """Free removed adapters whose last request is gone; record the adapters in use."""
+        if (manager := self.lora_manager) is not None:
+            manager.release_removed(self.scheduler.requests.values())
+            self.stats.record_lora(*manager.adapters_in_use(self.scheduler.requests.values()))
 
     def take_request_errors(self) -> list[tuple[str, BaseException]]:
         """Requests that failed since the last call, with their error (a constraint that did
@@ -265,6 +299,7 @@ class LLMEngine:
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
         outputs = self._apply(decisions, updated, scheduled.num_scheduled_tokens)
+        self._release_removed_loras()
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
         return outputs

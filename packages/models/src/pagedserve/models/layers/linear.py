@@ -49,6 +49,7 @@ class ColumnParallelLinear(nn.Module):
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_rank = output_size // tp_size
         self.linear_method = linear_method or UnquantizedLinearMethod()
@@ -186,6 +187,7 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.input_size = input_size
         self.input_size_per_rank = input_size // tp_size
+        self.output_size = output_size
         self.all_reduce = all_reduce
         self.linear_method = linear_method or UnquantizedLinearMethod()
         self.linear_method.create_weights(
