@@ -75,14 +75,14 @@ class Fp8CheckpointLinearMethod(LinearMethodBase):
 
     def _load_weight_scale(self, param: nn.Parameter, loaded: Loaded, shard: WeightShard) -> None:
         """A scalar fills this part's channels; a per-channel scale is sharded like rows."""
-        scale = loaded
+        scale = materialize(loaded).float()  # a scalar, or one per channel: small
         if scale.dim() == 2 and scale.shape[1] == 1:
-            scale = materialize(scale)[:, 0]
+            scale = scale[:, 0]
         rows = param.data
         if shard.dim == 0:
             rows = rows.narrow(0, shard.param_offset, shard.size)
         if scale.numel() == 1:
-            rows.fill_(float(materialize(scale).reshape(())))
+            rows.fill_(float(scale.reshape(())))
         elif shard.dim == 0:
             load_shard(param, scale, shard)
         else:  # a row-parallel shard holds every output channel

@@ -201,18 +201,26 @@ def load_stacked_weights(
         name = rename(ckpt_name)
         if name is None:
             continue
-        for fused, part, shard_id in stacked_params:
-            if f".{part}." in name:
-                target = name.replace(f".{part}.", f".{fused}.")
-                param = _param(params, target, ckpt_name)
-                param.weight_loader(param, tensor, shard_id)
-                loaded.add(f"{target}#{shard_id}")
-                break
-        else:
-            param = _param(params, name, ckpt_name)
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
+        try:
+            loaded.add(_load_one(params, name, ckpt_name, tensor, stacked_params))
+        except ModelLoadError as e:  # say which tensor, whichever layer found the fault
+            if ckpt_name in str(e):
+                raise
+            raise ModelLoadError(f"{ckpt_name}: {e}") from e
     _check_complete(params, loaded, stacked_params)
+
+
+def _load_one(params, name: str, ckpt_name: str, tensor, stacked_params) -> str:
+    """Route one checkpoint tensor into its (fused) parameter; returns what was loaded."""
+    for fused, part, shard_id in stacked_params:
+        if f".{part}." in name:
+            target = name.replace(f".{part}.", f".{fused}.")
+            param = _param(params, target, ckpt_name)
+            param.weight_loader(param, tensor, shard_id)
+            return f"{target}#{shard_id}"
+    param = _param(params, name, ckpt_name)
+    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    return name
 
 
 def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Parameter:
