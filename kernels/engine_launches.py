@@ -162,19 +162,17 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
 
 def int4_linear_launches(m: ModelShape, dtype: torch.dtype, group_size: int = 128) -> None:
     """A layer's projections as 4-bit groups (AWQ and GPTQ checkpoints, group size 128) for
-    decode and prefill; qkv also with a bias (Qwen2), o and down also with the sorted g_idx
-    of an act-order checkpoint's row-parallel shard (groups of uneven length)."""
+    decode and prefill; o also with the sorted g_idx of an act-order checkpoint's row-parallel
+    shard (groups of uneven length) and a bias, so both constexpr branches compile."""
     mod = _wrappers()["int4_linear"]
     for name, (n, k) in projection_shapes(m).items():
         groups = -(-k // group_size)
         qweight = torch.zeros(k // mod.PACK, n, dtype=torch.int32)
         scales, zeros = torch.ones(groups, n), torch.zeros(groups, n, dtype=torch.uint8)
-        g_idx = torch.sort(torch.randint(0, groups, (k,))).values.to(torch.int32)
         extras = [(None, None)]
-        if name == "qkv":
-            extras.append((None, torch.randn(n).to(dtype)))
-        if name in ("o", "down"):
-            extras.append((g_idx, None))
+        if name == "o":
+            g_idx = torch.sort(torch.randint(0, groups, (k,))).values.to(torch.int32)
+            extras.append((g_idx, torch.randn(n).to(dtype)))
         for n_tokens in (1, 64):
             x = torch.randn(n_tokens, k).to(dtype)
             for groups_of, bias in extras:

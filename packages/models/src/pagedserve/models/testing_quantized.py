@@ -62,22 +62,22 @@ def rtn_quantize(
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // gs).to(torch.int32)
     groups = -(-k // gs)
-    w = weight.float().t()  # [K, N]
-    q, zeros, scales = torch.empty(k, n, dtype=torch.int32), [], []
-    for g in range(groups):
-        rows = order[g * gs : (g + 1) * gs]
-        wg = w[rows]
-        if sym:
-            scale = (2 * wg.abs().amax(0) / 15).clamp_min(1e-6).half().float()
-            zero = torch.full((n,), 8.0)
-        else:
-            lo, hi = wg.amin(0).clamp(max=0), wg.amax(0).clamp(min=0)
-            scale = ((hi - lo) / 15).clamp_min(1e-6).half().float()
-            zero = (-lo / scale).round().clamp(0, 15)
-        q[rows] = (wg / scale + zero).round().clamp(0, 15).to(torch.int32)
-        zeros.append(zero.to(torch.int32))
-        scales.append(scale.half())
-    return q, torch.stack(zeros), torch.stack(scales), g_idx
+    w = weight.float().t()[order]  # [K, N], features in quantization order
+    pad = groups * gs - k  # a last, shorter group is padded with copies of its first row
+    if pad:
+        w = torch.cat([w, w[-(k % gs) :][:1].expand(pad, n)])
+    wg = w.view(groups, gs, n)
+    if sym:
+        scales = (2 * wg.abs().amax(1) / 15).clamp_min(1e-6).half()
+        zeros = torch.full((groups, n), 8, dtype=torch.int32)
+    else:
+        lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+        scales = ((hi - lo) / 15).clamp_min(1e-6).half()
+        zeros = (-lo / scales.float()).round().clamp(0, 15).to(torch.int32)
+    ordered = (wg / scales.float()[:, None] + zeros[:, None]).round().clamp(0, 15)
+    q = torch.empty(k, n, dtype=torch.int32)
+    q[order] = ordered.reshape(-1, n)[:k].to(torch.int32)
+    return q, zeros, scales, g_idx
 
 
 def dequantize_rtn(q, zeros, scales, g_idx) -> torch.Tensor:
