@@ -7,7 +7,9 @@ and 64 rows (a prefill chunk), best thread CPU time of ``--repeat`` runs after a
 - ``fp32 weight``: the unquantized layer, ``F.linear`` (the baseline; 4 bytes a weight);
 - ``int4, workspace``: pagedserve's path, dequantize each layer into one reused fp32 buffer
   and one fp32 GEMM (half a byte a weight, plus one layer's fp32 buffer for the model);
-- ``int4, fresh buffer``: the same, allocating the fp32 weight on every call;
+- ``int4, numba loop``: no fp32 weight: per group, sum ``x[k] * q[k, n]`` over the words in
+  place, then scale and subtract the zero point's share (what the CPU runs for <= 16 rows);
+- ``int4, fresh buffer``: the same as the workspace, allocating the fp32 weight on every call;
 - ``uint8 values``: the 4-bit values kept one per byte (1 byte a weight), dequantized the same
   way without the shifts;
 - ``grouped GEMM``: no dequantized weight: per group, ``x_g @ q_g`` on the unpacked integers,
@@ -32,6 +34,7 @@ from pagedserve.kernels.int4_linear import (
     pack_int4_rows,
     unpack_int4_rows,
 )
+from pagedserve.kernels.int4_linear_numba import int4_linear_numba
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 GROUP = 64  # SmolLM2's 576 features are 4.5 groups of 128; AutoAWQ wants whole groups
@@ -77,6 +80,12 @@ def options(workspace: Int4Workspace) -> dict:
     return {
         "fp32 weight": (lambda layer: lambda x: F.linear(x, layer["weight"]), ("weight",)),
         "int4, workspace": (lambda layer: int4(layer, workspace), ("qweight", "scales", "zeros")),
+        "int4, numba loop": (
+            lambda layer: lambda x: int4_linear_numba(
+                x, layer["qweight"], layer["scales"], layer["zeros"], GROUP
+            ),
+            ("qweight", "scales", "zeros"),
+        ),
         "int4, fresh buffer": (lambda layer: int4(layer, None), ("qweight", "scales", "zeros")),
         "uint8 values": (lambda layer: lambda x: uint8_values(x, layer), ("values", "scales", "zeros")),
         "grouped GEMM": (lambda layer: lambda x: grouped_gemm(x, layer), ("qweight", "scales", "zeros")),

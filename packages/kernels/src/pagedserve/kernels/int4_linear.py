@@ -15,8 +15,10 @@ One internal layout serves both checkpoint formats (the models' loaders repack i
 dequantizes a ``[BLOCK_K, BLOCK_N]`` tile in registers and accumulates ``x W^T`` in fp32, so
 only the 4-bit words (an eighth of fp32's bytes) are read from memory: that is what a
 memory-bound decode step wants. The reference (the CPU engine's path) dequantizes the whole
-layer into a reusable fp32 buffer (:class:`Int4Workspace`) and calls one fp32 GEMM; on a CPU
-the 4-bit weight saves memory, not time (docs/quantization.md has the measurements).
+layer into a reusable fp32 buffer (:class:`Int4Workspace`) and calls one fp32 GEMM; for a
+decode step's few rows the CPU runs a numba loop over the words instead
+(int4_linear_numba.py). On a CPU the 4-bit weight saves memory, not time
+(docs/quantization.md has the measurements).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 PACK = 8  # 4-bit values per int32 word
 _SHIFTS = tuple(range(0, 32, 4))
@@ -211,10 +213,17 @@ def int4_linear(
     bias: torch.Tensor | None = None,
     workspace: Int4Workspace | None = None,
 ) -> torch.Tensor:
-    """``x W^T + bias`` for a 4-bit group-quantized ``W``; Triton on a GPU, the reference on
-    a CPU (``workspace``: the reference's reusable buffer)."""
-    if use_triton(x):
+    """``x W^T + bias`` for a 4-bit group-quantized ``W``; Triton on a GPU; on a CPU the numba
+    loop for a few fp32 rows in contiguous groups (decode), else the reference
+    (``workspace``: the reference's reusable buffer)."""
+    path = kernel_path(x, has_numba=True)
+    if path == "triton":
         return int4_linear_triton(x, qweight, scales, zeros, group_size, g_idx, bias)
+    if path == "numba" and g_idx is None and x.dtype == torch.float32:
+        from pagedserve.kernels import int4_linear_numba as numba_path
+
+        if x.numel() <= numba_path.MAX_ROWS * x.shape[-1]:
+            return numba_path.int4_linear_numba(x, qweight, scales, zeros, group_size, bias)
     return int4_linear_ref(x, qweight, scales, zeros, group_size, g_idx, bias, workspace)
 
 
