@@ -60,3 +60,11 @@ def int4_linear_numba(
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the loop now, at model load, not mid-request: it
+    has one signature (fp32 rows, int32 words, fp32 scales, uint8 zeros)."""
+    words = torch.zeros(1, 8, dtype=torch.int32)
+    groups = (torch.ones(1, 8), torch.zeros(1, 8, dtype=torch.uint8))
+    int4_linear_numba(torch.zeros(1, 8), words, *groups, 8)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.weight_only_linear import (
     WeightFormat,
     quantize_per_channel,
@@ -33,7 +34,7 @@ from pagedserve.models.config import QUANTIZATION_METHODS, ModelConfig, ModelLoa
 from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.models.layers.linear_method import LinearMethodFactory, UnquantizedLinearMethod
 from pagedserve.models.quantization_fp8 import fp8_method_factory
-from pagedserve.models.quantization_int4 import int4_method_factory
+from pagedserve.models.quantization_int4 import Int4LinearMethod, int4_method_factory
 
 
 class WeightOnly8BitLinearMethod(UnquantizedLinearMethod):
@@ -102,9 +103,16 @@ def checkpoint_linear_methods(config: ModelConfig) -> LinearMethodFactory | None
 
 def process_weights_after_loading(model: nn.Module) -> None:
     """Let every linear layer's method repack what it loaded (checkpoint-format methods)."""
+    methods = set()
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             module.linear_method.process_weights_after_loading(module)
+            methods.add(type(module.linear_method))
+    cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if Int4LinearMethod in methods and cpu and kernel_path(torch.empty(0), True) == "numba":
+        from pagedserve.kernels.int4_linear_numba import warm_up
+
+        warm_up()  # numba compiles its decode loop now, not in the first request
 
 
 __all__ = [
