@@ -52,7 +52,7 @@ BLOCK_SIZES = [16, 32]
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
-    "rejection_sample", "token_bitmask", "fused_moe", "lora",
+    "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear",
 )  # fmt: skip
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
@@ -155,6 +155,28 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
                 x = torch.randn(n_tokens, k).to(dtype)
                 mods["weight_only_linear"].weight_only_linear_triton(x, qweight, scale, bias)
         record(f"{label} {fmt}")
+    if not m.gpt2:  # AWQ / GPTQ checkpoints load for the Llama family and Gemma
+        int4_linear_launches(m, dtype)
+        record(f"{label} int4")
+
+
+def int4_linear_launches(m: ModelShape, dtype: torch.dtype, group_size: int = 128) -> None:
+    """A layer's projections as 4-bit groups (AWQ and GPTQ checkpoints, group size 128) for
+    decode and prefill; o also with the sorted g_idx of an act-order checkpoint's row-parallel
+    shard (groups of uneven length) and a bias, so both constexpr branches compile."""
+    mod = _wrappers()["int4_linear"]
+    for name, (n, k) in projection_shapes(m).items():
+        groups = -(-k // group_size)
+        qweight = torch.zeros(k // mod.PACK, n, dtype=torch.int32)
+        scales, zeros = torch.ones(groups, n), torch.zeros(groups, n, dtype=torch.uint8)
+        extras = [(None, None)]
+        if name == "o":
+            g_idx = torch.sort(torch.randint(0, groups, (k,))).values.to(torch.int32)
+            extras.append((g_idx, torch.randn(n).to(dtype)))
+        for n_tokens in (1, 64):
+            x = torch.randn(n_tokens, k).to(dtype)
+            for groups_of, bias in extras:
+                mod.int4_linear_triton(x, qweight, scales, zeros, group_size, groups_of, bias)
 
 
 def lora_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str) -> None:

@@ -176,19 +176,14 @@ class KVCacheManager:
             if self._decodes_in_place(seq_id, table, num_computed_tokens):
                 self._free_out_of_window(seq_id, table, num_computed_tokens)
                 return True
-        if num_new_tokens < 0 or num_computed_tokens < 0:
-            raise ValueError("token counts must be non-negative")
+        _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
         self._block_ids.pop(seq_id, None)
         is_new = table is None
-        if not is_new and computed_blocks:
-            raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")
-        hit_hashes = (
-            self._check_hits(
+        hit_hashes = None
+        if computed_blocks:
+            hit_hashes = self._check_hits(
                 token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
             )
-            if computed_blocks
-            else None
-        )
         table = [] if table is None else table
         total = num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-total // self.block_size) - len(table) - len(computed_blocks))
@@ -376,3 +371,10 @@ class KVCacheManager:
         for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])
         self._num_registered[seq_id] = len(hashes)
+
+
+def _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks) -> None:
+    if num_new_tokens < 0 or num_computed_tokens < 0:
+        raise ValueError("token counts must be non-negative")
+    if table is not None and computed_blocks:
+        raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")

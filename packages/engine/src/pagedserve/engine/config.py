@@ -36,7 +36,9 @@ class EngineArgs:
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     dtype: str = option("auto", "weights and activations: auto, float32, float16, bfloat16")
     quantization: str | None = option(
-        None, "weight-only quantization at load time: int8 or fp8 (per-channel scales)"
+        None,
+        "int8 or fp8: quantize at load time; awq, gptq or fp8: the checkpoint's stored format "
+        "(default: what its quantization_config says)",
     )
     device: str = option("auto", "auto (CUDA if present, else CPU), cuda or cpu")
     seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
