@@ -31,6 +31,7 @@ DEFAULTS = {
     "rejection_sample": "pagedserve.kernels.rejection_sample:rejection_sample_triton",
     "apply_token_bitmask": "pagedserve.kernels.token_bitmask:apply_token_bitmask_triton",
     "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
+    "gguf_linear": "pagedserve.kernels.gguf_linear:gguf_linear_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 
