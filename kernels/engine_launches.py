@@ -157,14 +157,18 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
         record(f"{label} {fmt}")
 
 
+GGUF_MODEL = "llama3-8b"  # every projection whole blocks of every type
+
+
 def gguf_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str):
     """A layer's projections with their weights in each GGUF block type (``pagedserve serve
-    model.gguf``), for a decode step's rows and a prefill's; a projection whose input is not
-    whole blocks of a type (SmolLM2's 576 for the 256-weight K-quants) is not launched with
-    it, as llama.cpp never writes one."""
+    model.gguf``), for a decode step's rows and a prefill's. The kernel's sizes are not
+    specialised, so one model's shapes give every variant (type x dtype x tile): launched for
+    GGUF_MODEL, in fp16 and bf16 only (a GGUF's config asks for bf16 on a GPU; fp32 runs
+    the same code, and each of the 16 more variants costs the check seconds of compiling)."""
     from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type, row_bytes
 
-    if m.gpt2:
+    if m.name != GGUF_MODEL or dtype == torch.float32:
         return
     mods = _wrappers()
     for name, qtype in GGUF_TYPE_IDS.items():

@@ -98,7 +98,7 @@ def _decode_tile(w_ptr, h_ptr, row, k, mask, QTYPE: tl.constexpr):
     return w
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "N", "K", "ROW_STRIDE"])
 def _gguf_linear_kernel(
     x_ptr, w_ptr, h_ptr, bias_ptr, out_ptr,
     M, N, K, ROW_STRIDE,
@@ -111,7 +111,9 @@ def _gguf_linear_kernel(
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program per (BLOCK_M rows of x) x (BLOCK_N output rows of W) tile. ``ROW_STRIDE``
-    is a weight row's length in ``w_ptr``'s elements (bytes for the block types)."""
+    is a weight row's length in ``w_ptr``'s elements (bytes for the block types). The sizes
+    are not specialised: the weight is gathered byte by byte, so their divisibility buys no
+    wider loads, and one variant per type, dtype and tile serves every layer."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -136,6 +138,16 @@ def _gguf_linear_kernel(
 
 
 _FLOAT_VIEWS = {F32: torch.float32, F16: torch.float16, BF16: torch.int16}
+
+
+def gguf_tile_shape(m: int, dtype: torch.dtype, qtype: int) -> tuple[int, int, int]:
+    """weight_only_linear's tiles, but half as deep along K for the block types in 16-bit:
+    decoding a 64 x 64 tile of Q6_K keeps a dozen integers live per weight and spilled
+    registers on sm90 (the compile check's table)."""
+    block_m, block_n, block_k = tile_shape(m, dtype)
+    if qtype not in _FLOAT_VIEWS:
+        block_k = min(block_k, 32)
+    return block_m, block_n, block_k
 
 
 def _weight_views(qweight: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -166,7 +178,7 @@ def gguf_linear_triton(
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if out.numel():
-        block_m, block_n, block_k = tile_shape(m, x.dtype)
+        block_m, block_n, block_k = gguf_tile_shape(m, x.dtype, qtype)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _gguf_linear_kernel[grid](
             x2, w, h, bias if bias is not None else x2, out,

@@ -11,6 +11,7 @@ rope scaling we do not implement, a file that is truncated or not GGUF at all.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,20 @@ def open_gguf(path: str | Path):
     """A ``gguf.GGUFReader`` over the file (memory-mapped: nothing is read until a tensor is).
 
     The reader checks the magic and walks every header and tensor record, so a file cut short
-    or written wrongly fails here; its numpy errors are turned into one that says so."""
-    import gguf
-
+    or written wrongly fails here; its numpy errors are turned into one that says so. Walking
+    a real vocabulary's records takes seconds, and the config and the loader both need them:
+    the last two files read are kept (keyed by path, size and modification time)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"the GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
+    return _read_gguf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: Path, size: int, mtime_ns: int):
+    import gguf
+
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # numpy's reshape / index errors on a short file
