@@ -2,9 +2,11 @@
 
 Also everything a front end (the server, the CLI) needs from the layers below, so that it
 imports this package alone: the errors a request can meet (``pagedserve.engine.errors``), the
-chat template, and the default model.
+chat template, the default model, and the block manager's chained prefix hash (the cluster's
+prefix-aware routing hashes a prompt's first blocks the way the prefix cache does).
 """
 
+from pagedserve.blockmgr import extend_block_hashes
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.config import EngineArgs
@@ -45,4 +47,5 @@ __all__ = [
     "TensorParallelError",
     "apply_chat_template",
     "ensure_default_model",
+    "extend_block_hashes",
 ]

@@ -22,6 +22,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import fields
+from importlib import metadata
 
 from pagedserve.engine import (
     DEFAULT_MODEL_NAME,
@@ -291,7 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
     add_serve_parser(sub)
     add_generate_parser(sub)
+    add_plugin_parsers(sub)
     return parser
+
+
+def add_plugin_parsers(sub) -> None:
+    """Subcommands of installed members that the server must not import (``pagedserve cluster``
+    from pagedserve.cluster): each names a ``pagedserve.cli`` entry point that adds its parser."""
+    for entry_point in metadata.entry_points(group="pagedserve.cli"):
+        entry_point.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
