@@ -97,12 +97,14 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
     from pagedserve.engine.model_runner import ModelRunner
 
     class StandInRunner(ModelRunner):
-        def __init__(self, model_config, cache_config, par=None, graph_config=None) -> None:
+        def __init__(
+            self, model_config, cache_config, par=None, graph_config=None, **kwargs
+        ) -> None:
             if pad_decode:
                 graph_config = dataclasses.replace(
                     graph_config or CUDAGraphConfig(), pad_decode_on_cpu=True
                 )
-            super().__init__(model_config, cache_config, par, graph_config)
+            super().__init__(model_config, cache_config, par, graph_config, **kwargs)
 
         def _load_model(self) -> StandInModel:
             mc = self.model_config

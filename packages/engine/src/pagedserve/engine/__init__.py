@@ -20,6 +20,7 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats, FinishedRequestStats
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ __all__ = [
     "FinishedRequestStats",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejectedError",

@@ -84,6 +84,10 @@ def add_config_args(
         if kind is bool:
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, action=action, default=default, help=help_)
+        elif "nargs" in f.metadata:
+            group.add_argument(
+                flag, type=kind, nargs=f.metadata["nargs"], default=default, help=help_
+            )
         else:
             group.add_argument(flag, type=kind, default=default, help=help_)
 
@@ -109,6 +113,8 @@ def _flag_type(name: str, hint, metadata) -> type | Callable[[str], object]:
         return json.loads
     if metadata.get("unit") == "list":
         return parse_list
+    if metadata.get("unit") == "lora_modules":
+        return str  # each checked by ServerConfig
     kind = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None takes an X
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]

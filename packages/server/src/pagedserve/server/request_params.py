@@ -22,9 +22,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    """A request may name the served model, or no model at all."""
-    if name is not None and name != state.model_name:
-        raise model_not_found(name, [state.model_name])
+    """A request may name the served model, one of its LoRA adapters, or no model at all."""
+    if name is not None and name != state.model_name and name not in state.lora_modules:
+        raise model_not_found(name, [state.model_name, *state.lora_modules])
 
 
 def check_caps(state: ServerState, body: SamplingRequest) -> None:

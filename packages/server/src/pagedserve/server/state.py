@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pagedserve.engine import EngineClient
+from pagedserve.engine import EngineClient, LoRARequest
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 
@@ -22,6 +22,22 @@ class ServerState:
     created: int = 0
     draining: bool = False
     in_flight: dict[str, None] = field(default_factory=dict)  # engine request ids
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)  # by served name
+    _last_lora_id: int = 0
+
+    def new_lora_request(self, name: str, path: str) -> LoRARequest:
+        """An adapter under ``name`` with an id no other adapter of this server ever had (a
+        reused id would let the prefix cache hand one adapter's blocks to another)."""
+        self._last_lora_id += 1
+        return LoRARequest(name, self._last_lora_id, path)
+
+    def served_name(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter the request asked for, else the base."""
+        return model if model in self.lora_modules else self.model_name
+
+    def lora_request_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names; None for the base model (or no name)."""
+        return None if model is None else self.lora_modules.get(model)
 
     def check_admitting(self) -> None:
         if self.draining:
@@ -50,7 +66,8 @@ class ServedModels:
     ingress (pagedserve.cluster) serves several and adds or drops them while it runs.
 
     ``state_for(name)`` is how a route finds the engine for a request's ``model``: no name means
-    the first model (as vLLM's first served name), an unknown one is a 404 in OpenAI's shape.
+    the first model (as vLLM's first served name), a LoRA adapter's name its base model, an
+    unknown one is a 404 in OpenAI's shape.
     """
 
     def __init__(self, states: list[ServerState] | None = None) -> None:
@@ -74,6 +91,8 @@ class ServedModels:
         if name is None:
             return self.states()[0]
         state = self._states.get(name)
+        if state is None:  # a LoRA adapter's name: its base model's state serves it
+            state = next((s for s in self._states.values() if name in s.lora_modules), None)
         if state is None:
             raise model_not_found(name, self.names())
         return state
