@@ -34,6 +34,7 @@ DEFAULTS = {
     "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
     "lora_shrink": "pagedserve.kernels.lora:lora_shrink_triton",
     "lora_expand": "pagedserve.kernels.lora:lora_expand_triton",
+    "gguf_linear": "pagedserve.kernels.gguf_linear:gguf_linear_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

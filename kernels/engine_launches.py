@@ -52,7 +52,7 @@ BLOCK_SIZES = [16, 32]
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
-    "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear",
+    "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
 )  # fmt: skip
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
@@ -204,6 +204,31 @@ def lora_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: st
         record(f"{label} lora r{rank}")
 
 
+GGUF_MODEL = "llama3-8b"  # every projection whole blocks of every type
+
+
+def gguf_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str):
+    """A layer's projections with their weights in each GGUF block type (``pagedserve serve
+    model.gguf``), for a decode step's rows and a prefill's. The kernel's sizes are not
+    specialised, so one model's shapes give every variant (type x dtype x tile): launched for
+    GGUF_MODEL, in fp16 and bf16 only (a GGUF's config asks for bf16 on a GPU; fp32 runs
+    the same code, and each of the 16 more variants costs the check seconds of compiling)."""
+    from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type, row_bytes
+
+    if m.name != GGUF_MODEL or dtype == torch.float32:
+        return
+    mods = _wrappers()
+    for name, qtype in GGUF_TYPE_IDS.items():
+        for n, k in projection_shapes(m).values():
+            if k % gguf_type(qtype).block_size:
+                continue
+            qweight = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8)  # bytes unread
+            for n_tokens in (1, 64):
+                x = torch.randn(n_tokens, k).to(dtype)
+                mods["gguf_linear"].gguf_linear_triton(x, qweight, qtype)
+        record(f"{label} gguf {name}")
+
+
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
     """Penalties, the structured-output mask (every row, and some rows by index), token
     sampling and speculative decoding's rejection sampling over fp32 logits of the model's
@@ -268,6 +293,7 @@ def engine_launches(
             record(f"{m.name} {dtype_name}")
             quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
             lora_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
+            gguf_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
     for dtype_name in block_sizes:

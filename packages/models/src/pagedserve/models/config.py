@@ -98,6 +98,16 @@ def _not_a_model_folder(model: str) -> str:
     return f"{model!r} is not a model folder: no config.json in it (a folder holds: {MODEL_FOLDER_LAYOUT})"
 
 
+def _read_config_json(model: str) -> dict[str, Any]:
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(_not_a_model_folder(model))
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+
+
 def resolve_dtype(
     dtype: str | torch.dtype, config_dtype: str | None, device: torch.device
 ) -> torch.dtype:
@@ -135,16 +145,17 @@ class ModelConfig:
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
     generation_defaults: GenerationDefaults = field(init=False)
+    gguf_file: Path | None = field(init=False, default=None)  # a .gguf served as it is
 
     def __post_init__(self) -> None:
         path = Path(self.model)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelLoadError(_not_a_model_folder(self.model))
-        try:
-            self.hf_config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+        if path.suffix == ".gguf":
+            from pagedserve.models.gguf_config import gguf_hf_config, open_gguf
+
+            self.gguf_file = path
+            self.hf_config = gguf_hf_config(open_gguf(path), path)
+        else:
+            self.hf_config = _read_config_json(self.model)
         archs = self.hf_config.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not known:

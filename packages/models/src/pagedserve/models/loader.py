@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.gemma import GemmaForCausalLM
+from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.linear_method import linear_methods_for
@@ -35,6 +36,8 @@ MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
 def load_model(config: ModelConfig, par: ParallelContext | None = None) -> ModelForCausalLM:
     """Build the model on ``config.torch_device`` in ``config.torch_dtype`` and load its weights."""
     model_cls = MODEL_CLASSES[config.arch]
+    if config.gguf_file is not None:
+        return load_gguf_model(config, model_cls, par)
     stored_quantized = checkpoint_linear_methods(config)
     with torch.device(config.torch_device), linear_methods_for(stored_quantized):
         model = model_cls(config, par)
