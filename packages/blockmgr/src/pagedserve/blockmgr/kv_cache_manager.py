@@ -182,12 +182,8 @@ class KVCacheManager:
         is_new = table is None
         if not is_new and computed_blocks:
             raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")
-        hit_hashes = (
-            self._check_hits(
-                token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
-            )
-            if computed_blocks
-            else None
+        hit_hashes = self._check_hits(
+            token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
         )
         table = [] if table is None else table
         total = num_computed_tokens + num_new_tokens
@@ -313,12 +309,15 @@ class KVCacheManager:
         hits: Sequence[KVBlock],
         cache_salt: str | None,
         lora_int_id: int = 0,
-    ) -> list[bytes]:
-        """Refuse hit blocks that do not (any longer) hold this sequence's prefix.
+    ) -> list[bytes] | None:
+        """Refuse hit blocks that do not (any longer) hold this sequence's prefix; None when
+        there are no hits.
 
         Between ``get_computed_blocks`` and ``allocate_slots`` another allocation may evict a
         free cached block and reuse it; sharing it would silently serve foreign keys/values.
         """
+        if not hits:
+            return None
         if num_computed_tokens != len(hits) * self.block_size:
             raise ValueError(
                 f"{len(hits)} hit blocks cover {len(hits) * self.block_size} tokens, "

@@ -26,7 +26,7 @@ from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.lora import LoRAManager, LoRARequest
-from pagedserve.engine.lora.manager import require_lora
+from pagedserve.engine.lora.engine_mixin import LoRAEngineMixin
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
@@ -44,7 +44,7 @@ from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOut
 logger = logging.getLogger("pagedserve.engine")
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
@@ -178,30 +178,6 @@ class LLMEngine:
         self.groups[request_id] = group
         if params.structured_outputs is not None:
             self.structured_output.hold(request, params.structured_outputs)
-
-    def _lora_id(self, lora_request: LoRARequest | None) -> int:
-        if lora_request is None:
-            return 0
-        return require_lora(self.lora_manager).check_request(lora_request)
-
-    def add_lora(self, lora_request: LoRARequest, weights=None) -> None:
-        """Register an adapter (``weights``: what ``lora_manager.read`` gave, if read already)."""
-        require_lora(self.lora_manager).add_lora(lora_request, weights)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Unregister an adapter: its running and waiting requests finish with it first."""
-        removed = self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
-        self._release_removed_loras()
-        return removed
-
-    def list_loras(self) -> list[LoRARequest]:
-        return [] if self.lora_manager is None else list(self.lora_manager.registered.values())
-
-    def _release_removed_loras(self) -> None:
-        """Free removed adapters whose last request is gone; record the adapters in use."""
-        if (manager := self.lora_manager) is not None:
-            manager.release_removed(self.scheduler.requests.values())
-            self.stats.record_lora(*manager.adapters_in_use(self.scheduler.requests.values()))
 
     def take_request_errors(self) -> list[tuple[str, BaseException]]:
         """Requests that failed since the last call, with their error (a constraint that did
