@@ -120,14 +120,14 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
 @contextlib.contextmanager
 def stand_in_forward(max_rows: int, seed: int, pad_decode: bool = False) -> Iterator[None]:
     """While open, every LLMEngine built gets the stand-in runner."""
-    import pagedserve.engine.llm_engine as llm_engine
+    import pagedserve.engine.executor as executor  # where LLMEngine's runner is built
 
-    real = llm_engine.ModelRunner
-    llm_engine.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode)
+    real = executor.ModelRunner
+    executor.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode)
     try:
         yield
     finally:
-        llm_engine.ModelRunner = real
+        executor.ModelRunner = real
 
 
 def measure(

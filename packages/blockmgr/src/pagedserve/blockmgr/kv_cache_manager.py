@@ -176,15 +176,14 @@ class KVCacheManager:
             if self._decodes_in_place(seq_id, table, num_computed_tokens):
                 self._free_out_of_window(seq_id, table, num_computed_tokens)
                 return True
-        if num_new_tokens < 0 or num_computed_tokens < 0:
-            raise ValueError("token counts must be non-negative")
+        _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
         self._block_ids.pop(seq_id, None)
         is_new = table is None
-        if not is_new and computed_blocks:
-            raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")
-        hit_hashes = self._check_hits(
-            token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
-        )
+        hit_hashes = None
+        if computed_blocks:
+            hit_hashes = self._check_hits(
+                token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
+            )
         table = [] if table is None else table
         total = num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-total // self.block_size) - len(table) - len(computed_blocks))
@@ -309,15 +308,12 @@ class KVCacheManager:
         hits: Sequence[KVBlock],
         cache_salt: str | None,
         lora_int_id: int = 0,
-    ) -> list[bytes] | None:
-        """Refuse hit blocks that do not (any longer) hold this sequence's prefix; None when
-        there are no hits.
+    ) -> list[bytes]:
+        """Refuse hit blocks that do not (any longer) hold this sequence's prefix.
 
         Between ``get_computed_blocks`` and ``allocate_slots`` another allocation may evict a
         free cached block and reuse it; sharing it would silently serve foreign keys/values.
         """
-        if not hits:
-            return None
         if num_computed_tokens != len(hits) * self.block_size:
             raise ValueError(
                 f"{len(hits)} hit blocks cover {len(hits) * self.block_size} tokens, "
@@ -375,3 +371,10 @@ class KVCacheManager:
         for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])
         self._num_registered[seq_id] = len(hashes)
+
+
+def _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks) -> None:
+    if num_new_tokens < 0 or num_computed_tokens < 0:
+        raise ValueError("token counts must be non-negative")
+    if table is not None and computed_blocks:
+        raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")

@@ -23,12 +23,11 @@ from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
-from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
+from pagedserve.engine.executor import create_runner
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.engine_mixin import LoRAEngineMixin
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
-from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
@@ -57,20 +56,7 @@ class LLMEngine(LoRAEngineMixin):
         )
         block_size = self.cache_config.block_size
         draft_bytes = self.speculator.kv_block_bytes(block_size) if self.speculator else 0
-        lora_config = args.create_lora_config()
-        if args.tensor_parallel_size == 1:  # LoRA steps run eagerly: no padded decode graphs
-            graphs = args.cuda_graph_config() if lora_config is None else None
-            self.runner = ModelRunner(
-                self.model_config,
-                self.cache_config,
-                graph_config=graphs,
-                lora_config=lora_config,
-                extra_block_bytes=draft_bytes,
-            )
-        else:  # rank 0 of a tensor-parallel group; same interface
-            self.runner = TensorParallelExecutor(
-                self.model_config, self.cache_config, args.tensor_parallel_size, draft_bytes
-            )
+        self.runner = create_runner(args, self.model_config, self.cache_config, draft_bytes)
         if self.speculator is not None:  # a draft model's cache: the same blocks
             self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
         self.kv_cache_manager = KVCacheManager(

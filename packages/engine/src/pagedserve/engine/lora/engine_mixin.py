@@ -1,17 +1,24 @@
-"""The LLMEngine's LoRA methods: adapters in and out, and the bookkeeping after each step.
-
-A mixin, so that the step loop (llm_engine.py) reads without them; it uses the engine's
-``lora_manager`` (None without ``enable_lora``), ``scheduler`` and ``stats``.
-"""
+"""The engine's adapter methods (vLLM's ``add_lora`` / ``remove_lora`` / ``list_loras``), kept
+beside the LoRA manager they drive; ``LLMEngine`` takes them as a mixin."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.lora.manager import LoRAManager, require_lora
 from pagedserve.engine.lora.request import LoRARequest
 
+if TYPE_CHECKING:
+    from pagedserve.engine.metrics import StatsCollector
+    from pagedserve.scheduler import Scheduler
+
 
 class LoRAEngineMixin:
+    """Needs ``lora_manager`` (None without ``enable_lora``), ``scheduler`` and ``stats``."""
+
     lora_manager: LoRAManager | None
+    scheduler: Scheduler
+    stats: StatsCollector
 
     def _lora_id(self, lora_request: LoRARequest | None) -> int:
         if lora_request is None:
