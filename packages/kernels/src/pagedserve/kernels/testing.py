@@ -47,6 +47,7 @@ def make_paged_batch(
     pad_value: int = -1,
     spare_blocks: int = 3,
     sliding_window: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """A batch of sequences given as ``(seq_len, q_len)``: q_len new tokens at the end.
 
@@ -54,15 +55,18 @@ def make_paged_batch(
     chunk or a prompt over a cached prefix. Block tables are padded with ``pad_value`` to
     the longest sequence plus one, so every table has at least one padding entry. With
     ``sliding_window``, blocks wholly before the first new token's window are "freed" as the
-    block manager frees them: their entries point at a spare all-NaN block.
+    block manager frees them: their entries point at a spare all-NaN block. ``cache_dtype``:
+    the caches' element type when it is not the query's (``--kv-cache-dtype``); ``keys`` and
+    ``values`` then hold what the cache holds, rounded to that type.
     """
+    cache_dtype = cache_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen)
     shape = (num_blocks, block_size, n_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    k_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
     block_tables = torch.full((len(seqs), max(blocks_per_seq, default=0) + 1), pad_value)
     keys, values, queries, starts, next_block = [], [], [0], [], 0
     for b, (seq_len, q_len) in enumerate(seqs):
@@ -74,8 +78,8 @@ def make_paged_batch(
         if sliding_window is not None:  # positions < horizon are out of every window
             horizon = max(0, seq_len - q_len - sliding_window + 1)
             block_tables[b, : horizon // block_size] = order[-1]
-        k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(cache_dtype)
         pos = torch.arange(seq_len)
         k_cache[blocks[pos // block_size], pos % block_size] = k
         v_cache[blocks[pos // block_size], pos % block_size] = v
