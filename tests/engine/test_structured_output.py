@@ -158,3 +158,33 @@ def test_matcher_rollback_restores_the_mask(llm):
     matcher.rollback(3)  # EOS, "c", the second "b"
     assert not matcher.is_terminated()
     assert torch.equal(grammar_bitmask([matcher], vocab)[0], masks[2])
+
+
+def test_a_structural_tag_holds_each_tag_to_its_json_schema(llm):
+    """xgrammar's triggered tags with a schema inside (what a strict tool under "auto" sends):
+    ``at_least_one`` makes the random model open a tag, whose content must then validate."""
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<f>"],
+            "tags": [{"type": "tag", "begin": "<f>", "content": {"type": "json_schema",
+                      "json_schema": SCHEMA}, "end": "</f>"}],
+            "at_least_one": True,
+            "stop_after_first": True,
+        },
+    }  # fmt: skip
+    outputs = sampled(llm, StructuredOutputsParams(structural_tag=tag), n=8)
+    for output in outputs:
+        assert output.finish_reason == "stop", output.text
+        body = re.fullmatch(r"<f>(.*)</f>", output.text, re.DOTALL)
+        assert body, output.text
+        jsonschema.validate(json.loads(body.group(1)), SCHEMA)
+
+
+def test_a_schema_inside_a_structural_tag_gets_the_schema_checks(llm):
+    unenforced = {"type": "array", "uniqueItems": True}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>",
+           "content": {"type": "json_schema", "json_schema": unenforced}, "end": "</f>"}}  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="uniqueItems"):
+        sampled(llm, StructuredOutputsParams(structural_tag=tag), n=1)

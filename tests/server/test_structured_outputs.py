@@ -170,6 +170,17 @@ def test_required_and_named_tool_calls_follow_their_schemas(client):
                     assert call["function"]["name"] == "get_time" and choice == "required"
 
 
+STRICT_TOOL = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
+
+
+def test_a_strict_tool_under_auto_runs_through_the_grammar(client):
+    """Its grammar is walked in test_strict_tools.py; here the request runs end to end and the
+    random model's free text comes back as content."""
+    response = chat(client, tools=[STRICT_TOOL], max_tokens=8, n=2)
+    for c in response.json()["choices"]:
+        assert c["finish_reason"] == "length" and c["message"]["content"], response.text
+
+
 def test_parallel_tool_calls_false_makes_one_call(client):
     response = chat(
         client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60
@@ -189,6 +200,7 @@ def test_parallel_tool_calls_false_makes_one_call(client):
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+        ({"tools": [STRICT_TOOL], "guided_regex": "a"}, "tool_choice"),  # strict under auto
         ({"continue_final_message": True}, "continue_final_message"),
     ],
 )

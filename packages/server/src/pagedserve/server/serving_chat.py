@@ -103,8 +103,10 @@ def plan_prompt(
     tools = plan_tools(body, state.config.tool_call_parser)
     constraint = structured_outputs_of(body)
     if constraint is not None and tools.constraint() is not None:
+        what = "a strict tool under tool_choice auto" if tools.mode == "auto" else None
         raise bad_request(
-            f"tool_choice {tools.mode} constrains the reply itself: drop the output constraint",
+            f"{what or 'tool_choice ' + tools.mode} constrains the reply itself: drop the "
+            "output constraint",
             "tool_choice",
         )
     add_generation_prompt = body.add_generation_prompt

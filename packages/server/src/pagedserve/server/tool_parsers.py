@@ -8,6 +8,10 @@
 
 A reply that is not a well-formed call is plain content: an "auto" answer that chose not to
 call a tool, or that tried and failed, is returned as text rather than as a broken call.
+
+Each parser also has a ``CallFrame``: how a call opens and closes in its format, which is what
+the grammar engine needs to hold a ``strict`` tool's arguments to its schema under "auto"
+(tools.py): free text until the opening is written, then the call.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 ParsedCall = tuple[str, str]  # (function name, arguments as JSON text)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -71,4 +76,22 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ParsedCall]]:
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, list[ParsedCall]]]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
+}
+
+
+@dataclass(frozen=True)
+class CallFrame:
+    """A call in a parser's format: ``trigger``, then the rest of ``begin`` (which starts with
+    it) with the function's name, the arguments' JSON object, then ``end``."""
+
+    trigger: str
+    begin: str  # format() with name=<the name as a JSON string>
+    end: str
+
+
+CALL_FRAMES: dict[str, CallFrame] = {
+    "hermes": CallFrame(
+        "<tool_call>", '<tool_call>{{"name": {name}, "arguments": ', "}</tool_call>"
+    ),
+    "llama3_json": CallFrame('{"name": ', '{{"name": {name}, "parameters": ', "}"),
 }

@@ -6,6 +6,10 @@
 - "required" and a named function: the reply is held by the grammar engine to the calls'
   JSON: a named call's arguments follow its ``parameters`` schema; "required" writes a JSON
   array of ``{"name", "arguments"}`` (one element when ``parallel_tool_calls`` is false).
+- "auto" with a ``strict: true`` tool: the reply stays free text, but once the parser's call
+  opening is written the grammar engine holds the call to a given tool's name and, for a strict
+  tool, its ``parameters`` schema (xgrammar's triggered tags); with ``parallel_tool_calls``
+  false the reply ends after its first call.
 
 Tools are rendered by the chat template when it takes them (its source mentions ``tools``).
 The documented default for a template without tool support (SmolLM2's): a system message that
@@ -24,7 +28,7 @@ from typing import Any
 from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import bad_request
 from pagedserve.server.structured_protocol import FunctionCall, NamedToolChoice, ToolCall
-from pagedserve.server.tool_parsers import TOOL_CALL_PARSERS
+from pagedserve.server.tool_parsers import CALL_FRAMES, TOOL_CALL_PARSERS
 
 DEFAULT_TOOL_SYSTEM_PROMPT = (
     "You are a function-calling assistant. You may call one or more of these functions:\n"
@@ -54,10 +58,13 @@ class ToolCallPlan:
         return self.mode != "none"
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces a "required" or named choice; None for "auto"/"none"."""
+        """The grammar that enforces a "required" or named choice, or "auto" with a strict
+        tool; None otherwise."""
         by_name = {t["function"]["name"]: t["function"] for t in self.tools}
         if self.mode == "named":
             return StructuredOutputsParams(json=_parameters(by_name[self.named]))
+        if self.mode == "auto":
+            return self._strict_calls(by_name)
         if self.mode != "required":
             return None
         call = [
@@ -74,6 +81,30 @@ class ToolCallPlan:
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
+
+    def _strict_calls(self, by_name: dict[str, dict]) -> StructuredOutputsParams | None:
+        """Under "auto": free text, and every call the model opens held to a given tool (a
+        strict tool's arguments to its schema, another's to any JSON object)."""
+        if not any(fn.get("strict") for fn in by_name.values()):
+            return None
+        frame = CALL_FRAMES[self.parser]
+        tags = [
+            {
+                "type": "tag",
+                "begin": frame.begin.format(name=json.dumps(name)),
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": _parameters(fn) if fn.get("strict") else {"type": "object"},
+                },
+                "end": frame.end,
+            }
+            for name, fn in by_name.items()
+        ]
+        triggered = {"type": "triggered_tags", "triggers": [frame.trigger], "tags": tags}
+        triggered["stop_after_first"] = not self.parallel
+        return StructuredOutputsParams(
+            structural_tag={"type": "structural_tag", "format": triggered}
+        )
 
     def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply as (content, tool calls)."""

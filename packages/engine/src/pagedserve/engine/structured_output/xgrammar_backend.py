@@ -82,11 +82,7 @@ class XgrammarBackend:
             schema = {"type": "object"}
             if kind == "json":
                 schema = load_json_schema(params.json, params.param_name)
-                check_json_schema(schema, params.param_name)
-            grammar = self.xgr.Grammar.from_json_schema(
-                json.dumps(schema), any_whitespace=whitespace
-            )
-            return compiler.compile_grammar(_forbid_control_characters(str(grammar)))
+            return compiler.compile_grammar(self._json_ebnf(schema, whitespace, params.param_name))
         if kind == "regex":
             return compiler.compile_regex(params.regex)
         if kind == "choice":
@@ -95,7 +91,29 @@ class XgrammarBackend:
         if kind == "grammar":
             return compiler.compile_grammar(params.grammar)
         tag = params.structural_tag
-        return compiler.compile_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+        tag = json.loads(tag) if isinstance(tag, str) else tag
+        tag = self._schemas_as_grammars(tag, whitespace, params.param_name)
+        return compiler.compile_structural_tag(json.dumps(tag))
+
+    def _json_ebnf(self, schema, whitespace: bool, param: str) -> str:
+        """A JSON schema as EBNF, refused where xgrammar would not enforce it."""
+        check_json_schema(schema, param)
+        grammar = self.xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=whitespace)
+        return _forbid_control_characters(str(grammar))
+
+    def _schemas_as_grammars(self, node, whitespace: bool, param: str):
+        """A structural tag with each ``json_schema`` content replaced by its EBNF, so that a
+        schema inside a tag (a strict tool's arguments) gets the same checks and the same
+        control-character fix as a schema on its own (a content in one of xgrammar's XML
+        styles is left to xgrammar)."""
+        if isinstance(node, list):
+            return [self._schemas_as_grammars(item, whitespace, param) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+            schema = load_json_schema(node["json_schema"], param)
+            return {"type": "grammar", "grammar": self._json_ebnf(schema, whitespace, param)}
+        return {k: self._schemas_as_grammars(v, whitespace, param) for k, v in node.items()}
 
 
 # xgrammar 0.2.9 writes a string with maxLength/minLength as repetitions of this class, which
