@@ -135,7 +135,6 @@ def level_args(args: argparse.Namespace, url: str, concurrency: int, num_request
             "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
             "--min-output", str(args.min_output), "--max-output", str(args.max_output),
             "--vocab-size", str(args.vocab_size), "--seed", str(args.seed + concurrency),
-            "--model", "peer",
         ]
     )  # fmt: skip
 
@@ -146,6 +145,7 @@ async def long_prompt_ttfts(url: str, args: argparse.Namespace) -> list[float]:
     spec_args = level_args(args, url, 1, 1)
     ttfts = []
     async with httpx.AsyncClient(base_url=url, timeout=600.0) as client:
+        spec_args.model = await bench_serving.discover_model(client)
         for _ in range(args.long_prompt_repeats):
             prompt = [rng.randrange(100, args.vocab_size) for _ in range(args.long_prompt)]
             result = await bench_serving.send_one(
@@ -166,6 +166,8 @@ def measure(server: Server, args: argparse.Namespace, log_dir: Path) -> dict:
                 bench_serving.main_async(level_args(args, url, concurrency, num_requests))
             )
             runs += summaries
+            if any(summary.failed for summary in summaries):
+                raise RuntimeError(f"{server.name}: requests failed at concurrency {concurrency}")
         ttfts = asyncio.run(long_prompt_ttfts(url, args)) if args.long_prompt else []
     return {"runs": runs, "long_ttft_ms": ttfts}
 
@@ -222,7 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--long-prompt", type=int, default=2000, help="0: skip the long prompt")
     parser.add_argument("--long-prompt-repeats", type=int, default=3)
-    parser.add_argument("--llamacpp-cache-type", nargs="+", default=["f16", "f32"])
+    parser.add_argument(
+        "--llamacpp-cache-type", nargs="*", default=["f16", "f32"], help="none: pagedserve only"
+    )
     parser.add_argument("--pagedserve-kv-cache-dtype", nargs="+", default=["auto"])
     parser.add_argument("--jobs", type=int, default=2, help="compile jobs for llama.cpp's build")
     parser.add_argument("--log-dir", default="/tmp/bench_llamacpp", help="servers' logs")
@@ -238,8 +242,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    binary = llamacpp_build.build_llama_server(jobs=args.jobs)
-    gguf = llamacpp_build.convert_to_gguf(Path(args.model))
+    binary = gguf = Path("-")
+    if args.llamacpp_cache_type:
+        binary = llamacpp_build.build_llama_server(jobs=args.jobs)
+        gguf = llamacpp_build.convert_to_gguf(Path(args.model))
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     print(
