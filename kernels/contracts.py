@@ -28,9 +28,13 @@ DEFAULTS = {
     "sample_tokens": "pagedserve.kernels.sampling:sample_tokens_triton",
     "apply_penalties": "pagedserve.kernels.penalties:apply_penalties_triton",
     "weight_only_linear": "pagedserve.kernels.weight_only_linear:weight_only_linear_triton",
+    "int4_linear": "pagedserve.kernels.int4_linear:int4_linear_triton",
     "rejection_sample": "pagedserve.kernels.rejection_sample:rejection_sample_triton",
     "apply_token_bitmask": "pagedserve.kernels.token_bitmask:apply_token_bitmask_triton",
     "fused_moe": "pagedserve.kernels.fused_moe:fused_moe_triton",
+    "lora_shrink": "pagedserve.kernels.lora:lora_shrink_triton",
+    "lora_expand": "pagedserve.kernels.lora:lora_expand_triton",
+    "gguf_linear": "pagedserve.kernels.gguf_linear:gguf_linear_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

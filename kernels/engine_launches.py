@@ -55,7 +55,7 @@ HALF_CACHE_MODELS = ("smollm2", "llama3-8b")
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
-    "rejection_sample", "token_bitmask", "fused_moe",
+    "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
 )  # fmt: skip
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
@@ -173,6 +173,78 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
                 x = torch.randn(n_tokens, k).to(dtype)
                 mods["weight_only_linear"].weight_only_linear_triton(x, qweight, scale, bias)
         record(f"{label} {fmt}")
+    if not m.gpt2:  # AWQ / GPTQ checkpoints load for the Llama family and Gemma
+        int4_linear_launches(m, dtype)
+        record(f"{label} int4")
+
+
+def int4_linear_launches(m: ModelShape, dtype: torch.dtype, group_size: int = 128) -> None:
+    """A layer's projections as 4-bit groups (AWQ and GPTQ checkpoints, group size 128) for
+    decode and prefill; o also with the sorted g_idx of an act-order checkpoint's row-parallel
+    shard (groups of uneven length) and a bias, so both constexpr branches compile."""
+    mod = _wrappers()["int4_linear"]
+    for name, (n, k) in projection_shapes(m).items():
+        groups = -(-k // group_size)
+        qweight = torch.zeros(k // mod.PACK, n, dtype=torch.int32)
+        scales, zeros = torch.ones(groups, n), torch.zeros(groups, n, dtype=torch.uint8)
+        extras = [(None, None)]
+        if name == "o":
+            g_idx = torch.sort(torch.randint(0, groups, (k,))).values.to(torch.int32)
+            extras.append((g_idx, torch.randn(n).to(dtype)))
+        for n_tokens in (1, 64):
+            x = torch.randn(n_tokens, k).to(dtype)
+            for groups_of, bias in extras:
+                mod.int4_linear_triton(x, qweight, scales, zeros, group_size, groups_of, bias)
+
+
+def lora_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str) -> None:
+    """A layer's projections with LoRA adapters (``--enable-lora``): one shrink over the
+    parts' A stacked along the rank, one expand per part (q, k, v; gate, up) into its columns,
+    with rows of several slots and rows without an adapter. The rank tile is fixed, so the rank
+    changes only the strides' divisibility: 8 (not a multiple of 16) and 16 cover it."""
+    mods = _wrappers()
+    n_tokens, slots = 3, 4
+    token_slot = torch.tensor([0, -1, 2])
+    q, kv = m.n_q_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    parts = {"qkv": [q, kv, kv], "o": [m.hidden], "down": [m.hidden]}
+    parts["gate_up"] = [m.intermediate] * (1 if m.gpt2 else 2)
+    inputs = {"qkv": m.hidden, "o": q, "gate_up": m.hidden, "down": m.intermediate}
+    for rank in (8, 16):
+        for name, widths in parts.items():
+            x = torch.randn(n_tokens, inputs[name]).to(dtype)
+            a = torch.randn(slots, len(widths) * rank, inputs[name]).to(dtype)
+            y = mods["lora"].lora_shrink_triton(x, a, token_slot, 1.0)
+            out = torch.randn(n_tokens, sum(widths)).to(dtype)
+            for i, width in enumerate(widths):
+                b = torch.randn(slots, width, rank).to(dtype)
+                y_part = y[:, i * rank : (i + 1) * rank]
+                mods["lora"].lora_expand_triton(y_part, b, token_slot, out, sum(widths[:i]))
+        record(f"{label} lora r{rank}")
+
+
+GGUF_MODEL = "llama3-8b"  # every projection whole blocks of every type
+
+
+def gguf_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: str):
+    """A layer's projections with their weights in each GGUF block type (``pagedserve serve
+    model.gguf``), for a decode step's rows and a prefill's. The kernel's sizes are not
+    specialised, so one model's shapes give every variant (type x dtype x tile): launched for
+    GGUF_MODEL, in fp16 and bf16 only (a GGUF's config asks for bf16 on a GPU; fp32 runs
+    the same code, and each of the 16 more variants costs the check seconds of compiling)."""
+    from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type, row_bytes
+
+    if m.name != GGUF_MODEL or dtype == torch.float32:
+        return
+    mods = _wrappers()
+    for name, qtype in GGUF_TYPE_IDS.items():
+        for n, k in projection_shapes(m).values():
+            if k % gguf_type(qtype).block_size:
+                continue
+            qweight = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8)  # bytes unread
+            for n_tokens in (1, 64):
+                x = torch.randn(n_tokens, k).to(dtype)
+                mods["gguf_linear"].gguf_linear_triton(x, qweight, qtype)
+        record(f"{label} gguf {name}")
 
 
 def sampler_launches(m: ModelShape, rows: int = 2) -> None:
@@ -238,6 +310,8 @@ def engine_launches(
             layer_launches(m, DTYPES[dtype_name], sizes[0])
             record(f"{m.name} {dtype_name}")
             quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
+            lora_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
+            gguf_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
         if "fp32" in block_sizes and m.name in HALF_CACHE_MODELS:  # --kv-cache-dtype 16-bit

@@ -97,12 +97,14 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
     from pagedserve.engine.model_runner import ModelRunner
 
     class StandInRunner(ModelRunner):
-        def __init__(self, model_config, cache_config, par=None, graph_config=None) -> None:
+        def __init__(
+            self, model_config, cache_config, par=None, graph_config=None, **kwargs
+        ) -> None:
             if pad_decode:
                 graph_config = dataclasses.replace(
                     graph_config or CUDAGraphConfig(), pad_decode_on_cpu=True
                 )
-            super().__init__(model_config, cache_config, par, graph_config)
+            super().__init__(model_config, cache_config, par, graph_config, **kwargs)
 
         def _load_model(self) -> StandInModel:
             mc = self.model_config
@@ -118,14 +120,14 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
 @contextlib.contextmanager
 def stand_in_forward(max_rows: int, seed: int, pad_decode: bool = False) -> Iterator[None]:
     """While open, every LLMEngine built gets the stand-in runner."""
-    import pagedserve.engine.llm_engine as llm_engine
+    import pagedserve.engine.executor as executor  # where LLMEngine's runner is built
 
-    real = llm_engine.ModelRunner
-    llm_engine.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode)
+    real = executor.ModelRunner
+    executor.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode)
     try:
         yield
     finally:
-        llm_engine.ModelRunner = real
+        executor.ModelRunner = real
 
 
 def measure(

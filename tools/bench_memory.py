@@ -63,11 +63,18 @@ class ReservingKVCacheManager(KVCacheManager):
         num_new_tokens: int,
         computed_blocks=(),
         cache_salt: str | None = None,
+        lora_int_id: int = 0,
     ) -> bool:
         if seq_id not in self.block_tables:
             num_new_tokens = self.reservation[seq_id] - num_computed_tokens
         return super().allocate_slots(
-            seq_id, token_ids, num_computed_tokens, num_new_tokens, computed_blocks, cache_salt
+            seq_id,
+            token_ids,
+            num_computed_tokens,
+            num_new_tokens,
+            computed_blocks,
+            cache_salt,
+            lora_int_id,
         )
 
 

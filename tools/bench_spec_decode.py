@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram proposals) against plain decoding: same model, same workloads.
+"""Speculative decoding (n-gram or draft-model proposals) against plain decoding: same model,
+same workloads.
 
 Two seeded workloads, each at concurrency 1 and 16 (``max_num_seqs``; the requests of a run all
 arrive at once):
@@ -18,6 +19,12 @@ already large, so speculation can lose at high concurrency: the table says so wh
 
     .venv/bin/python tools/bench_spec_decode.py                    # SmolLM2-135M fp32
     .venv/bin/python tools/bench_spec_decode.py --requests-per-run 4 --max-tokens 32
+    .venv/bin/python tools/bench_spec_decode.py --method draft_model --draft-layers 2
+    .venv/bin/python tools/bench_spec_decode.py --method draft_model --draft PATH
+
+``--method draft_model`` proposes with ``--draft`` (a folder), or by default with the model cut
+to its first ``--draft-layers`` layers (tools/make_draft_model.py, written to a temporary
+folder). The served variant, over HTTP with concurrent streams: tools/bench_spec_serving.py.
 """
 
 from __future__ import annotations
@@ -27,7 +34,11 @@ import json
 import platform
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_draft_model
 
 WORDS = (
     "the cache holds keys and values for every token of every sequence in fixed size blocks "
@@ -56,14 +67,7 @@ def run(model: str, prompts, concurrency: int, args, speculative: bool):
     """(tokens/s, outputs' token ids, acceptance rate, mean acceptance length)."""
     from pagedserve.engine import LLM, SamplingParams
 
-    spec = None
-    if speculative:
-        spec = {
-            "method": "ngram",
-            "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max,
-        }
+    spec = speculative_config(args) if speculative else None
     llm = LLM(
         model=model,
         dtype=args.dtype,
@@ -86,6 +90,31 @@ def run(model: str, prompts, concurrency: int, args, speculative: bool):
     )
 
 
+def speculative_config(args: argparse.Namespace) -> dict:
+    """vLLM's dict for ``--method`` (``args.draft`` set for draft_model: ``resolve_draft``)."""
+    if args.method == "draft_model":
+        return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_min": args.lookup_min,
+        "prompt_lookup_max": args.lookup_max,
+    }
+
+
+def resolve_draft(args: argparse.Namespace, model: str, scratch: str) -> str:
+    """The draft folder: ``--draft``, else ``model`` cut to ``--draft-layers`` in ``scratch``;
+    describes it for the header."""
+    if args.method != "draft_model":
+        return f"ngram k={args.k} lookup {args.lookup_min}..{args.lookup_max}"
+    if args.draft is None:
+        from make_draft_model import truncate_layers
+
+        args.draft = str(truncate_layers(model, args.draft_layers, f"{scratch}/draft"))
+        return f"draft_model k={args.k}: the model's first {args.draft_layers} layers"
+    return f"draft_model k={args.k}: {args.draft}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
@@ -96,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--passage-words", type=int, default=60)
     parser.add_argument("--random-prompt-len", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    parser.add_argument("--draft", default=None, help="draft_model: the draft's folder")
+    parser.add_argument(
+        "--draft-layers", type=int, default=2, help="draft_model without --draft: layers kept"
+    )
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -116,11 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": repeat_prompts(n, args.passage_words, args.seed),
         "random": random_prompts(n, args.random_prompt_len, vocab, args.seed),
     }
-    print(
-        f"model {model} ({args.dtype}), {n} requests per run, {args.max_tokens} greedy tokens "
-        f"each, ngram k={args.k} lookup {args.lookup_min}..{args.lookup_max}, seed {args.seed}; "
-        f"{platform.processor() or platform.machine()}"
-    )
+    with tempfile.TemporaryDirectory() as scratch:
+        proposer = resolve_draft(args, model, scratch)
+        print(
+            f"model {model} ({args.dtype}), {n} requests per run, {args.max_tokens} greedy "
+            f"tokens each, {proposer}, seed {args.seed}; "
+            f"{platform.processor() or platform.machine()}"
+        )
+        rows, identical = measure(model, workloads, args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
+    print("greedy outputs identical with and without speculation:", identical)
+    return 0 if identical else 1
+
+
+def measure(model: str, workloads: dict, args: argparse.Namespace) -> tuple[list[dict], bool]:
+    """The table's rows, printed as they come, and whether every greedy output matched."""
     header = "workload  conc  plain tok/s  spec tok/s  ratio  acceptance  mean accepted len"
     print(header)
     rows, identical = [], True
@@ -137,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:8}  {concurrency:4}  {plain:11.1f}  {spec:10.1f}  {spec / plain:5.2f}"
                 f"  {rate:10.1%}  {length:17.2f}{verdict}"
             )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
-    print("greedy outputs identical with and without speculation:", identical)
-    return 0 if identical else 1
+    return rows, identical
 
 
 if __name__ == "__main__":

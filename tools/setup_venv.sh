@@ -5,7 +5,7 @@
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-MEMBERS="kernels blockmgr scheduler models engine server"
+MEMBERS="kernels blockmgr scheduler models engine server cluster"
 
 if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "setup: CUDA torch found in $PYTHON; the venv keeps it"
@@ -23,7 +23,7 @@ for m in $MEMBERS; do editable+=(-e "packages/$m"); done
 $PIP install --no-deps --no-build-isolation "${editable[@]}" -e .
 "$VENV/bin/python" - <<'PY'
 import importlib
-for member in ["kernels", "blockmgr", "scheduler", "models", "engine", "server"]:
+for member in ["kernels", "blockmgr", "scheduler", "models", "engine", "server", "cluster"]:
     importlib.import_module(f"pagedserve.{member}")
 import torch, triton, transformers
 print(f"setup: ok (torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__})")

@@ -7,7 +7,8 @@ model scores the last token and the k guesses in one forward; a prefix of the gu
 plus one token of the target's own, and the rest is rolled back. The outputs are exactly the
 target's (greedy) or distributed exactly as its draws (sampling). This lesson draws one such
 step out on the real default model with the n-gram proposer, then checks the whole answer
-against plain decoding.
+against plain decoding, and ends with a draft model proposing instead (its own KV cache on the
+target's blocks).
 """
 
 import torch
@@ -222,3 +223,48 @@ print(
     f"accepted; {stats.spec_decode_mean_acceptance_length:.2f} tokens per verify step"
 )
 assert same and kv.num_free_blocks == kv.num_blocks
+
+# ## 6. A draft model instead
+#
+# With ``{"method": "draft_model", "model": PATH}`` a small model sharing the target's tokenizer
+# proposes: k autoregressive steps of its own at the start of each step, before the target
+# verifies. Here the draft is SmolLM2 itself, the simplest draft that shares its tokenizer (a
+# deployment picks a far smaller one), so every proposal is accepted. The draft has its own KV
+# tensors with as many blocks as the target's pool, addressed by the same block tables; in every
+# step it writes exactly the slots the target writes, with the same tokens, so after each step
+# its cache holds its keys and values for every token the target has computed.
+
+DRAFT = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+drafted = LLMEngine(
+    EngineArgs(model=path, block_size=8, num_gpu_blocks_override=32, speculative_config=DRAFT)
+)
+short = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+drafted.add_request("d", prompt_ids, short)
+draft = drafted.speculator.draft
+print("\n== 6. A draft model ==")
+print(
+    f"  target KV cache per layer {tuple(drafted.runner.kv_caches[0][0].shape)}, draft's "
+    f"{tuple(draft.kv_caches[0][0].shape)}: the same blocks"
+)
+drafted.step()  # the prompt, through both models; placeholders for the next step's proposals
+placeholders = list(drafted.scheduler.requests["d"].spec_token_ids)
+out = drafted.step()[0].outputs[0]  # the draft proposes 4, the target verifies them
+print(f"  after the prefill: {placeholders} (slots to budget; the draft fills them next step)")
+print(f"  the first verify step emitted {len(out.token_ids) - 1} tokens: {show(out.token_ids[1:])}")
+d_request = drafted.scheduler.requests["d"]
+table = torch.tensor(drafted.kv_cache_manager.block_ids("d"))
+positions = torch.arange(d_request.num_computed_tokens)
+slots = table[positions // 8] * 8 + positions % 8
+gap = max(
+    (target_cache.flatten(0, 1)[slots] - draft_cache.flatten(0, 1)[slots]).abs().max().item()
+    for (tk, tv), (dk, dv) in zip(drafted.runner.kv_caches, draft.kv_caches, strict=True)
+    for target_cache, draft_cache in ((tk, dk), (tv, dv))
+)
+print(
+    f"  draft cache against target cache over the {len(slots)} computed slots: max |diff| "
+    f"{gap:.1e} (the same model, the same tokens, the same slots)"
+)
+drafted_final = run_to_the_end(drafted)
+same = drafted_final.token_ids == plain_final.token_ids[:16]
+print(f"  16 tokens, the same as without speculation: {same}")
+assert same and gap < 1e-3 and len(out.token_ids) == 6

@@ -42,3 +42,14 @@ def test_hashes_are_seeded_per_process():
     }
     assert len(runs) == 2
     assert hash_block(None, [1, 2, 3]).hex() not in runs
+
+
+def test_the_lora_adapter_keeps_hashes_apart_in_every_block():
+    tokens = list(range(12))
+    base = extend_block_hashes([], tokens, 4)
+    one = extend_block_hashes([], tokens, 4, lora_int_id=1)
+    two = extend_block_hashes([], tokens, 4, lora_int_id=2)
+    assert len({*base, *one, *two}) == 9  # no block shared across adapters, or with the base
+    assert one == extend_block_hashes([], tokens, 4, lora_int_id=1)
+    # an adapter id is not a salt: no salt spells one
+    assert hash_block(None, [1, 2], lora_int_id=1) != hash_block(None, [1, 2], "\x00lora\x00")

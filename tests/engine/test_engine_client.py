@@ -11,8 +11,10 @@ import pytest
 from pagedserve.engine import AsyncLLM, EngineArgs, EngineClient
 
 SERVER_SRC = Path(__file__).parents[2] / "packages/server/src/pagedserve/server"
-METHODS = ["generate", "abort", "check_health", "get_stats", "shutdown"]
-ATTRIBUTES = ["tokenizer", "model_config", "scheduler_config"]
+METHODS = [
+    "generate", "abort", "check_health", "get_stats", "shutdown", "add_lora", "remove_lora"
+]  # fmt: skip
+ATTRIBUTES = ["tokenizer", "model_config", "scheduler_config", "lora_enabled"]
 
 
 def test_protocol_members_are_the_ones_listed_here():

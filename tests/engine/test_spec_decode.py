@@ -35,13 +35,14 @@ def repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run(path, prompts, params, speculative: bool, **engine_kwargs):
+def run(path, prompts, params, speculative: bool | dict, after_step=None, **engine_kwargs):
     """Step an engine to the end; returns (final outputs by id, tokens emitted per step by id,
     engine). After every step each running sequence holds exactly the blocks its computed
-    tokens need: none kept for rejected proposals."""
+    tokens need: none kept for rejected proposals. ``speculative``: True for NGRAM, or a
+    speculative config; ``after_step(engine)`` runs after every step (more invariants)."""
     engine_kwargs.setdefault("block_size", BLOCK_SIZE)
     engine_kwargs.setdefault("num_gpu_blocks_override", 256)
-    spec = NGRAM if speculative else None
+    spec = NGRAM if speculative is True else (speculative or None)
     engine = LLMEngine(EngineArgs(model=path, speculative_config=spec, **engine_kwargs))
     params = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -59,6 +60,8 @@ def run(path, prompts, params, speculative: bool, **engine_kwargs):
         for request in engine.scheduler.running:
             needed = -(-request.num_computed_tokens // kv.block_size)
             assert len(kv.block_tables[request.request_id]) == needed
+        if after_step is not None:
+            after_step(engine)
     return final, chunks, engine
 
 
@@ -138,7 +141,9 @@ def inside_runs(chunks: list[int]) -> list[int]:
     return positions
 
 
-def stop_inside_a_run(path, kind: str) -> tuple[list[int], SamplingParams, int]:
+def stop_inside_a_run(
+    path, kind: str, speculative: bool | dict = True
+) -> tuple[list[int], SamplingParams, int]:
     """A prompt and a stop of ``kind`` that ends its greedy output at index i, where the
     speculative run emitted token i with more tokens after it in the same verify step.
 
@@ -149,7 +154,7 @@ def stop_inside_a_run(path, kind: str) -> tuple[list[int], SamplingParams, int]:
     tokenizer = load_tokenizer(path)
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for prompt in repetitive_prompts(8, seed=4):
-        final, chunks, _ = run(path, [prompt], free, speculative=True)
+        final, chunks, _ = run(path, [prompt], free, speculative=speculative)
         tokens = final["0"].outputs[0].token_ids
         candidates = inside_runs(chunks["0"])
         for i in candidates:
@@ -217,20 +222,22 @@ def test_beam_search_with_speculation_is_refused_at_request_time(tiny_checkpoint
     assert not engine.has_unfinished_requests()
 
 
-def test_streaming_and_abort_with_speculation(tiny_checkpoint):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_streaming_and_abort_with_speculation(method, tiny_checkpoint):
     """AsyncLLM streams cumulative outputs that may grow by several tokens a step; a stream
-    aborted mid-way frees every block at once."""
+    aborted mid-way frees every block at once. (draft_model: the target as its own draft.)"""
     import asyncio
 
     from pagedserve.engine import AsyncLLM
 
     path = tiny_checkpoint("llama")
+    spec = NGRAM if method == "ngram" else {"method": method, "model": path}
     prompts = repetitive_prompts(2, seed=5)
     base, _, _ = run(path, prompts[:1], GREEDY, speculative=False)
 
     async def main():
         args = EngineArgs(
-            model=path, block_size=BLOCK_SIZE, num_gpu_blocks_override=64, speculative_config=NGRAM
+            model=path, block_size=BLOCK_SIZE, num_gpu_blocks_override=64, speculative_config=spec
         )
         llm = AsyncLLM.from_engine_args(args)
         try:

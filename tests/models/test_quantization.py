@@ -98,15 +98,20 @@ def test_every_projection_holds_8_bit_weights_and_a_quarter_of_the_bytes(tiny_ch
 
 
 def test_unknown_method_is_refused_naming_the_choices(tiny_checkpoint):
-    with pytest.raises(ModelLoadError, match=r"'awq' is not supported.*int8.*fp8"):
+    with pytest.raises(ModelLoadError, match=r"'bitsandbytes' is not supported.*awq.*fp8.*int8"):
+        LLM(model=tiny_checkpoint("llama"), quantization="bitsandbytes")
+
+
+def test_a_checkpoint_method_on_an_unquantized_checkpoint_is_refused(tiny_checkpoint):
+    with pytest.raises(ModelLoadError, match=r"awq needs a checkpoint stored as awq"):
         LLM(model=tiny_checkpoint("llama"), quantization="awq")
 
 
-def test_a_pre_quantized_checkpoint_is_refused_at_load_time(tiny_checkpoint, tmp_path):
-    folder = tmp_path / "gptq"
+def test_a_pre_quantized_format_we_do_not_read_is_refused_naming_it(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "bnb"
     shutil.copytree(tiny_checkpoint("llama"), folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"already quantized.*'gptq'"):
+    with pytest.raises(ModelLoadError, match=r"quant_method = 'bitsandbytes'.*awq.*gptq.*fp8"):
         LLM(model=str(folder))

@@ -35,3 +35,13 @@ def test_a_tiny_run_prints_the_table_and_checks_equality(tiny_checkpoint, capsys
     out = capsys.readouterr().out
     assert out.count("repeat ") == 1 and out.count("random ") == 1
     assert "identical with and without speculation: True" in out
+
+
+def test_a_tiny_run_with_a_truncated_draft_model(tiny_checkpoint, capsys):
+    argv = ["--model", tiny_checkpoint("llama"), "--requests-per-run", "2", "--max-tokens", "6"]
+    argv += ["--concurrency", "2", "--passage-words", "8", "--random-prompt-len", "8"]
+    argv += ["--num-gpu-blocks-override", "64", "--method", "draft_model", "--draft-layers", "1"]
+    assert bench_spec_decode.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "draft_model k=4: the model's first 1 layers" in out
+    assert "identical with and without speculation: True" in out

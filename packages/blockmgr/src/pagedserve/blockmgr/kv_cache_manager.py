@@ -122,7 +122,7 @@ class KVCacheManager:
         return ids
 
     def get_computed_blocks(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
+        self, token_ids: Sequence[int], cache_salt: str | None = None, lora_int_id: int = 0
     ) -> tuple[list[KVBlock], int]:
         """Look up the longest cached prefix of ``token_ids``, in whole blocks.
 
@@ -135,7 +135,11 @@ class KVCacheManager:
             return [], 0
         max_blocks = max(0, len(token_ids) - 1) // self.block_size
         hashes = extend_block_hashes(
-            [], token_ids[: max_blocks * self.block_size], self.block_size, cache_salt
+            [],
+            token_ids[: max_blocks * self.block_size],
+            self.block_size,
+            cache_salt,
+            lora_int_id=lora_int_id,
         )
         hits: list[KVBlock] = []
         for block_hash in hashes:
@@ -155,6 +159,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: Sequence[KVBlock] = (),
         cache_salt: str | None = None,
+        lora_int_id: int = 0,
     ) -> bool:
         """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens``.
 
@@ -171,17 +176,14 @@ class KVCacheManager:
             if self._decodes_in_place(seq_id, table, num_computed_tokens):
                 self._free_out_of_window(seq_id, table, num_computed_tokens)
                 return True
-        if num_new_tokens < 0 or num_computed_tokens < 0:
-            raise ValueError("token counts must be non-negative")
+        _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
         self._block_ids.pop(seq_id, None)
         is_new = table is None
-        if not is_new and computed_blocks:
-            raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")
-        hit_hashes = (
-            self._check_hits(token_ids, num_computed_tokens, computed_blocks, cache_salt)
-            if computed_blocks
-            else None
-        )
+        hit_hashes = None
+        if computed_blocks:
+            hit_hashes = self._check_hits(
+                token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
+            )
         table = [] if table is None else table
         total = num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-total // self.block_size) - len(table) - len(computed_blocks))
@@ -204,7 +206,7 @@ class KVCacheManager:
             self._block_hashes[seq_id] = hit_hashes  # hit blocks are registered already
         if is_new and self.enable_prefix_caching:
             self.prefix_cache_stats.record(len(token_ids), len(computed_blocks) * self.block_size)
-        self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt)
+        self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
         self._free_out_of_window(seq_id, table, num_computed_tokens)
         return True
 
@@ -305,6 +307,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         hits: Sequence[KVBlock],
         cache_salt: str | None,
+        lora_int_id: int = 0,
     ) -> list[bytes]:
         """Refuse hit blocks that do not (any longer) hold this sequence's prefix.
 
@@ -317,7 +320,11 @@ class KVCacheManager:
                 f"not num_computed_tokens={num_computed_tokens}"
             )
         expected = extend_block_hashes(
-            [], token_ids[:num_computed_tokens], self.block_size, cache_salt
+            [],
+            token_ids[:num_computed_tokens],
+            self.block_size,
+            cache_salt,
+            lora_int_id=lora_int_id,
         )
         for block, block_hash in zip(hits, expected, strict=True):
             if block.block_hash != block_hash:
@@ -348,6 +355,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_tokens: int,
         cache_salt: str | None,
+        lora_int_id: int = 0,
     ) -> None:
         """Hash the newly full blocks among the first ``num_tokens`` tokens and register them.
 
@@ -358,8 +366,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(seq_id, [])
-        extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, num_tokens)
+        extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, num_tokens, lora_int_id)
         first = self._num_registered.get(seq_id, 0)
         for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])
         self._num_registered[seq_id] = len(hashes)
+
+
+def _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks) -> None:
+    if num_new_tokens < 0 or num_computed_tokens < 0:
+        raise ValueError("token counts must be non-negative")
+    if table is not None and computed_blocks:
+        raise ValueError(f"sequence {seq_id!r} already has blocks; hits are for new ones")

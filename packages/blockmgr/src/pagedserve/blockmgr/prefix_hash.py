@@ -1,8 +1,10 @@
 """Chained block hashes for prefix caching.
 
 The hash of block ``i`` covers the hash of block ``i-1`` (and so every token before it), the
-block's own tokens, and extra keys such as a cache salt. Two requests get the same hash for a
-block only when their whole prefix up to the end of that block is identical.
+block's own tokens, and extra keys: the LoRA adapter the tokens were computed with (its keys
+and values differ from the base model's and every other adapter's) and a cache salt. Two
+requests get the same hash for a block only when their whole prefix up to the end of that block
+is identical and was computed with the same adapter.
 
 SHA-256 (not Python's ``hash``) with a per-process random seed: a collision would silently
 serve one request another request's keys and values, so it must be infeasible to find or forge.
@@ -19,12 +21,18 @@ _PROCESS_SEED = os.urandom(16)
 
 
 def hash_block(
-    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    extra_key: str | None = None,
+    lora_int_id: int = 0,
 ) -> bytes:
-    """Hash one full block given its parent's hash (None for the first block)."""
+    """Hash one full block given its parent's hash (None for the first block);
+    ``lora_int_id`` 0 is the base model."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _PROCESS_SEED)
     h.update(array("q", token_ids).tobytes())  # fixed width: the token/salt boundary is unambiguous
+    if lora_int_id:  # fixed width too, and before the salt: no salt can spell an adapter
+        h.update(b"\x00lora\x00" + lora_int_id.to_bytes(8, "little", signed=True))
     if extra_key:
         h.update(b"\x00salt\x00" + extra_key.encode("utf-8"))
     return h.digest()
@@ -36,6 +44,7 @@ def extend_block_hashes(
     block_size: int,
     extra_key: str | None = None,
     num_tokens: int | None = None,
+    lora_int_id: int = 0,
 ) -> list[bytes]:
     """Append the hashes of any full blocks of ``token_ids`` not yet in ``hashes`` (in place).
 
@@ -47,6 +56,8 @@ def extend_block_hashes(
     for i in range(len(hashes), num_full):
         parent = hashes[-1] if hashes else None
         hashes.append(
-            hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
+            hash_block(
+                parent, token_ids[i * block_size : (i + 1) * block_size], extra_key, lora_int_id
+            )
         )
     return hashes

@@ -2,9 +2,11 @@
 
 Also everything a front end (the server, the CLI) needs from the layers below, so that it
 imports this package alone: the errors a request can meet (``pagedserve.engine.errors``), the
-chat template, and the default model.
+chat template, the default model, and the block manager's chained prefix hash (the cluster's
+prefix-aware routing hashes a prompt's first blocks the way the prefix cache does).
 """
 
+from pagedserve.blockmgr import extend_block_hashes
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.config import EngineArgs
@@ -18,6 +20,7 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats, FinishedRequestStats
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -37,6 +40,7 @@ __all__ = [
     "FinishedRequestStats",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejectedError",
@@ -45,4 +49,5 @@ __all__ = [
     "TensorParallelError",
     "apply_chat_template",
     "ensure_default_model",
+    "extend_block_hashes",
 ]

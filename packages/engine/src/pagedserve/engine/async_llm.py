@@ -22,12 +22,14 @@ import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -43,11 +45,20 @@ class _AddCommand:
     priority: int
     arrival_time: float
     done: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
 class _AbortCommand:
     request_ids: list[str]
+
+
+@dataclass
+class _CallCommand:
+    """Run ``fn(engine)`` on the engine thread between steps (LoRA adapters in and out)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
 
 
 _SHUTDOWN = object()
@@ -86,6 +97,7 @@ class AsyncLLM:
         self.model_config = self.engine.model_config
         self.scheduler_config = self.engine.scheduler_config
         self.cache_config = self.engine.cache_config
+        self.lora_enabled = self.engine.lora_manager is not None
         self.dead_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _RequestStream] = {}
@@ -125,6 +137,7 @@ class AsyncLLM:
         request_id: str,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs of one request; the last has ``finished=True``.
 
@@ -142,6 +155,7 @@ class AsyncLLM:
             priority,
             time.monotonic(),
             done,
+            lora_request,
         )
         self._register_and_submit(request_id, stream, command)
         finished = False
@@ -165,6 +179,30 @@ class AsyncLLM:
             rejected = done.done() and done.exception() is not None
             if not finished and not rejected:
                 self._submit(_AbortCommand([request_id]))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter while requests run: its files are read and checked in a worker
+        thread, then it is registered between two steps. Raises ``InvalidRequestError``."""
+        manager = self.engine.lora_manager
+        if manager is None:
+            self.engine.add_lora(lora_request)  # raises: LoRA is not enabled
+        weights = await asyncio.to_thread(manager.read, lora_request)
+        await self._call(lambda engine: engine.add_lora(lora_request, weights))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter: no new request may use it; its in-flight requests finish."""
+        return await self._call(lambda engine: engine.remove_lora(lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await self._call(lambda engine: engine.list_loras())
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._raise_if_unavailable()
+            self._start_loop()
+            self._commands.put(_CallCommand(fn, done))
+        return await asyncio.wrap_future(done)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a finished output (finish_reason "abort")."""
@@ -191,12 +229,16 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._engine_loop, name="pagedserve-engine", daemon=True
-                )
-                self._thread.start()
+            self._start_loop()
             self._commands.put(command)
+
+    def _start_loop(self) -> None:
+        """Start the engine thread on first use (with ``_lock`` held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._engine_loop, name="pagedserve-engine", daemon=True
+            )
+            self._thread.start()
 
     def _submit(self, command) -> None:
         with self._lock:
@@ -234,6 +276,11 @@ class AsyncLLM:
                 return False
             if isinstance(command, _AbortCommand):
                 self._deliver(self.engine.abort_request(command.request_ids))
+            elif isinstance(command, _CallCommand):
+                try:
+                    command.done.set_result(command.fn(self.engine))
+                except Exception as error:  # a refused adapter, not an engine failure
+                    command.done.set_exception(error)
             else:
                 self._add(command)
 
@@ -246,6 +293,7 @@ class AsyncLLM:
                 prompt=command.prompt,
                 arrival_time=command.arrival_time,
                 priority=command.priority,
+                lora_request=command.lora_request,
             )
         except Exception as error:  # a rejected request, not an engine failure
             command.done.set_exception(error)

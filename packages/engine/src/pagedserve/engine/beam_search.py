@@ -244,6 +244,7 @@ class BeamDecision:
                 max_tokens=parent.max_tokens,
                 priority=parent.priority,
                 arrival_time=parent.arrival_time,
+                lora_int_id=parent.lora_int_id,
                 payload=group.new_state(0, ctx.tokenizer, ctx.device),
             )
             child.output_token_ids.extend(output_ids)

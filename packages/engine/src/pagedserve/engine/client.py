@@ -2,7 +2,7 @@
 
 The OpenAI server talks to one online engine (``AsyncLLM``) through this Protocol, so that what
 the server depends on is written down in one place: streams of outputs per request, abort,
-health, metrics, shutdown, the tokenizer for callers, and the two configs whose limits the server
+LoRA adapters in and out, health, metrics, shutdown, the tokenizer for callers, and the two configs whose limits the server
 checks requests against (``model_config.vocab_size``, ``scheduler_config.max_model_len``). A
 test double, or another engine (a remote one, a data-parallel front), serves the same server by
 satisfying it. ``runtime_checkable`` lets a test check the members' presence; their signatures
@@ -19,6 +19,7 @@ from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.engine.lora import LoRARequest
     from pagedserve.models import ModelConfig
     from pagedserve.scheduler import SchedulerConfig
 
@@ -30,6 +31,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # a transformers tokenizer, safe to use from the server's thread
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
+    lora_enabled: bool  # whether LoRA adapters can be loaded (``enable_lora``)
 
     def generate(
         self,
@@ -38,10 +40,19 @@ class EngineClient(Protocol):
         request_id: str,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; the last has ``finished=True``. A request the
         engine refuses raises from the first ``__anext__``; a caller that stops iterating
-        aborts its request."""
+        aborts its request. ``lora_request``: the adapter it runs with (None: the base)."""
+        ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter while requests run; a bad one raises ``InvalidRequestError``."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter: new requests may not use it, its in-flight requests finish."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -20,6 +20,7 @@ from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
+    from pagedserve.engine.lora.config import LoRAConfig
     from pagedserve.engine.spec_decode.config import SpeculativeConfig
 
 
@@ -35,7 +36,9 @@ class EngineArgs:
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     dtype: str = option("auto", "weights and activations: auto, float32, float16, bfloat16")
     quantization: str | None = option(
-        None, "weight-only quantization at load time: int8 or fp8 (per-channel scales)"
+        None,
+        "int8 or fp8: quantize at load time; awq, gptq or fp8: the checkpoint's stored format "
+        "(default: what its quantization_config says)",
     )
     device: str = option("auto", "auto (CUDA if present, else CPU), cuda or cpu")
     num_cpu_threads: int | None = option(
@@ -91,13 +94,25 @@ class EngineArgs:
     speculative_config: dict | None = option(
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}',
         unit="json",
+    )
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) beside the base model")
+    max_loras: int = option(1, "most distinct LoRA adapters in one batch (device slots)")
+    max_lora_rank: int = option(16, "largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept read in host memory, LRU (default: max_loras)"
     )
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # a bad config fails here, before any loading
             self.create_speculative_config()
+        if self.enable_lora:
+            self.create_lora_config()
+            if self.tensor_parallel_size > 1:
+                raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -109,6 +124,13 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        from pagedserve.engine.lora.config import LoRAConfig
+
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def cuda_graph_config(self) -> CUDAGraphConfig:
         return CUDAGraphConfig(max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager)
@@ -145,5 +167,6 @@ class EngineArgs:
             policy=self.scheduling_policy,
             max_num_waiting=self.max_num_waiting,
             max_num_waiting_tokens=self.max_num_waiting_tokens,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
         return model_config, cache_config, scheduler_config

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.models import apply_chat_template
@@ -45,21 +46,24 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the order given.
 
         ``prompts``: strings, or ``{"prompt_token_ids": [...]}`` dicts. ``sampling_params``: one
         for all prompts, or one per prompt; None takes the model's generation_config defaults
-        (an explicit SamplingParams is used as given, as in vLLM).
+        (an explicit SamplingParams is used as given, as in vLLM). ``lora_request``: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model), as in vLLM.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_per_prompt(len(prompts), sampling_params)
+        loras = _loras_per_prompt(len(prompts), lora_request)
         order: list[str] = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             text, token_ids = self._tokenize(prompt)
             request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            self.engine.add_request(request_id, token_ids, params, prompt=text, lora_request=lora)
             order.append(request_id)
         return self._run(order, use_tqdm)
 
@@ -69,6 +73,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -76,7 +81,7 @@ class LLM:
             {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, add_generation_prompt)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -141,3 +146,11 @@ class LLM:
             )
         bar.close()
         return [finished[r] for r in order]
+
+
+def _loras_per_prompt(count: int, lora_request) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {count} prompts")
+    return list(lora_request)

@@ -24,10 +24,11 @@ from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
-from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
+from pagedserve.engine.executor import create_runner
+from pagedserve.engine.lora import LoRAManager, LoRARequest
+from pagedserve.engine.lora.engine_mixin import LoRAEngineMixin
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
-from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
@@ -43,7 +44,7 @@ from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOut
 logger = logging.getLogger("pagedserve.engine")
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
@@ -55,14 +56,11 @@ class LLMEngine:
             if spec_config is not None
             else None
         )
-        if args.tensor_parallel_size == 1:
-            self.runner = ModelRunner(
-                self.model_config, self.cache_config, graph_config=args.cuda_graph_config()
-            )
-        else:  # rank 0 of a tensor-parallel group; same interface
-            self.runner = TensorParallelExecutor(
-                self.model_config, self.cache_config, args.tensor_parallel_size
-            )
+        block_size = self.cache_config.block_size
+        draft_bytes = self.speculator.kv_block_bytes(block_size) if self.speculator else 0
+        self.runner = create_runner(args, self.model_config, self.cache_config, draft_bytes)
+        if self.speculator is not None:  # a draft model's cache: the same blocks
+            self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             self.cache_config.block_size,
@@ -71,6 +69,7 @@ class LLMEngine:
             sliding_window=self.model_config.kv_cache_window,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         logger.info(
@@ -119,10 +118,12 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
-        request leaves no trace: no group, no seed drawn."""
+        request leaves no trace: no group, no seed drawn. ``lora_request`` (None: the base
+        model) is registered if it is new, its files read and checked now."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
@@ -133,6 +134,7 @@ class LLMEngine:
                 "use_beam_search",
             )
         check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
+        lora_int_id = self._lora_id(lora_request)
         prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
         max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
@@ -152,6 +154,7 @@ class LLMEngine:
             # prefix cache from serving this prompt's blocks
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
             needs_prompt_logits=params.prompt_logprobs is not None,
+            lora_int_id=lora_int_id,
         )
         try:
             self.scheduler.add_request(request)
@@ -260,6 +263,7 @@ class LLMEngine:
         decisions = self._decide(scheduled, logits, seq_ids)
         updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
         outputs = self._apply(decisions, updated, scheduled.num_scheduled_tokens)
+        self._release_removed_loras()
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
         return outputs
@@ -270,6 +274,8 @@ class LLMEngine:
             metrics = item.request.payload.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        if self.speculator is not None:  # a draft model proposes once the slots exist
+            self.speculator.prepare_step(scheduled)
         return self.runner.execute(scheduled)
 
     def _decide(

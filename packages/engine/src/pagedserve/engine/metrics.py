@@ -60,6 +60,11 @@ class EngineStats:
     spec_decode_num_emitted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)
 
+    # LoRA (vLLM's lora_requests_info): adapter names of the running and the waiting requests
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+
     @property
     def spec_decode_acceptance_rate(self) -> float:
         """Accepted proposals / proposals verified (0 before any)."""
@@ -161,6 +166,15 @@ class StatsCollector:
                 if j == len(per_position):
                     per_position.append(0)
                 per_position[j] += n
+
+    def record_lora(self, max_lora: int, running: tuple[str, ...], waiting: tuple[str, ...]):
+        with self._lock:
+            s = self._stats
+            s.max_lora, s.running_lora_adapters, s.waiting_lora_adapters = (
+                max_lora,
+                running,
+                waiting,
+            )
 
     def record_finished(self, finished: FinishedRequestStats) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from pagedserve.engine.kv_cache import (
     log_cache_size,
     num_blocks_for_memory,
 )
+from pagedserve.engine.lora import LoRAConfig, LoRAManager
 from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
@@ -46,6 +47,8 @@ class ModelInput:
     # the decode bucket this batch was padded to (its tensors are views of the runner's
     # persistent buffers); None for an unpadded batch
     padded_batch_size: int | None = None
+    # each token's LoRA slot (-1: the base model); None when no row has an adapter
+    lora_token_slot: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -59,6 +62,9 @@ class ModelRunner:
     than ``num_blocks`` (the one the KVCacheManager hands out): block ``num_blocks`` is the
     padding rows' own (cuda_graph.py). Without one (tensor-parallel ranks, tools), every step
     runs eagerly and unpadded.
+
+    ``extra_block_bytes``: KV bytes per block kept elsewhere for the same block ids (a draft
+    model's cache, spec_decode/draft_model.py); a memory budget is split between both.
     """
 
     def __init__(
@@ -67,16 +73,22 @@ class ModelRunner:
         cache_config: CacheConfig,
         par: ParallelContext | None = None,
         graph_config: CUDAGraphConfig | None = None,
+        lora_config: LoRAConfig | None = None,
+        extra_block_bytes: int = 0,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.par = par or ParallelContext()
+        self.extra_block_bytes = extra_block_bytes
         self.device = model_config.torch_device
         torch.manual_seed(model_config.seed)
         self.kv_cache_dtype = kv_cache_torch_dtype(
             cache_config.cache_dtype, model_config.torch_dtype
         )
         self.model = self._load_model()
+        self.lora_manager = (  # its slots are allocated before the KV cache is sized
+            LoRAManager(self.model, model_config, lora_config) if lora_config else None
+        )
         self.num_blocks = self.par.min_over_ranks(self._num_blocks())
         pads = graph_config is not None and graph_config.pads_decode(self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
@@ -155,7 +167,7 @@ class ModelRunner:
             budget = self._profile_gpu_kv_cache_budget(block_bytes)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-        return num_blocks_for_memory(budget, block_bytes)
+        return num_blocks_for_memory(budget, block_bytes + self.extra_block_bytes)
 
     @torch.inference_mode()
     def _profile_gpu_kv_cache_budget(self, block_bytes: int) -> int:
@@ -253,7 +265,15 @@ class ModelRunner:
             attn_metadata=_attention_metadata(batch, dev),
             logits_indices=logits_indices,
             sample_request_ids=sample_ids,
+            lora_token_slot=self._lora_token_slot(output, counts),
         )
+
+    def _lora_token_slot(self, output: SchedulerOutput, counts: list[int]) -> torch.Tensor | None:
+        """Each token's adapter slot, the step's adapters put into slots first."""
+        if self.lora_manager is None:
+            return None
+        lora_ids = [item.request.lora_int_id for item in output.scheduled]
+        return self.lora_manager.token_slots(lora_ids, counts)
 
     def _decode_bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         """The padded batch size of a pure-decode step (one new token per sequence), or None
@@ -288,6 +308,8 @@ class ModelRunner:
             pairs = torch.tensor(blocks_to_copy, dtype=torch.long, device=self.device)
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
         bucket = model_input.padded_batch_size
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(model_input.lora_token_slot)
         if self.cuda_graphs is not None and bucket in self.cuda_graphs.graphs:
             hidden = self.cuda_graphs.replay(bucket)
         else:

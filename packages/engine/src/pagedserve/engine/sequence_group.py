@@ -205,6 +205,7 @@ class SequenceGroup:
             stop_token_ids=parent.stop_token_ids,
             priority=parent.priority,
             arrival_time=parent.arrival_time,
+            lora_int_id=parent.lora_int_id,  # the parent's blocks were computed with it
             payload=state,
         )
         child.append_output_token(token)

@@ -10,6 +10,7 @@ from pagedserve.kernels.dispatch import use_triton
 from pagedserve.kernels.fused_moe import fused_moe, fused_moe_ref
 from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
+from pagedserve.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
 from pagedserve.kernels.paged_attention import paged_attention, paged_attention_ref
 from pagedserve.kernels.penalties import apply_penalties, apply_penalties_ref
 from pagedserve.kernels.rms_norm import rms_norm, rms_norm_ref
@@ -33,6 +34,10 @@ __all__ = [
     "gelu_tanh_ref",
     "layer_norm",
     "layer_norm_ref",
+    "lora_expand",
+    "lora_expand_ref",
+    "lora_shrink",
+    "lora_shrink_ref",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_warmup",

@@ -95,3 +95,29 @@ def make_paged_batch(
         keys=[k.to(device) for k in keys],
         values=[v.to(device) for v in values],
     )
+
+
+# Byte offsets of the fp16 fields (scales, mins) in one block of each GGUF block type.
+_GGUF_HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_gguf_rows(
+    qtype: int, n: int, k: int, seed: int = 0, scale: float = 0.02
+) -> torch.Tensor:
+    """``uint8 [N, row_bytes]`` GGUF rows with every quant and sub-block scale bit drawn at
+    random and every fp16 field a finite value near ``scale`` (random bytes there could be
+    infinities or NaN), so a decoder meets every bit pattern a real file can hold. The float
+    types are random normal weights in their own encoding."""
+    from pagedserve.kernels.gguf_dequant import gguf_type, row_bytes
+
+    t = gguf_type(qtype)
+    gen = torch.Generator().manual_seed(seed)
+    if t.name in ("F32", "F16", "BF16"):
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.name]
+        return torch.randn(n, k, generator=gen).to(dtype).view(torch.uint8).reshape(n, -1)
+    shape = (n * k // t.block_size, t.block_bytes)
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    for offset in _GGUF_HALF_OFFSETS[t.name]:
+        half = (torch.rand(raw.shape[0], generator=gen) + 0.5) * scale
+        raw[:, offset : offset + 2] = half.to(torch.float16).view(torch.uint8).reshape(-1, 2)
+    return raw.reshape(n, row_bytes(qtype, k))

@@ -30,28 +30,49 @@ _DTYPES = {
 
 # Weight-only methods applied at load time (quantization.py); "int8" and "fp8" (e4m3).
 QUANTIZATION_METHODS = ("int8", "fp8")
+# Methods a checkpoint's config.json names in ``quantization_config.quant_method`` that
+# pagedserve loads as they are stored (quantization_int4.py, quantization_fp8.py).
+CHECKPOINT_QUANTIZATION_METHODS = ("awq", "gptq", "fp8")
 
 
 class ModelLoadError(ValueError):
     """The model folder is missing, malformed, or holds an architecture we do not support."""
 
 
-def check_quantization(method: str | None, hf_config: dict) -> None:
-    """Refuse, at load time, what pagedserve would otherwise load wrongly: an unknown method,
-    or a checkpoint that is already quantized (its packed tensors are not a plain weight)."""
-    if method is not None and method not in QUANTIZATION_METHODS:
-        raise ModelLoadError(
-            f"quantization {method!r} is not supported; one of {list(QUANTIZATION_METHODS)} "
-            "(weight-only, applied at load time to an unquantized checkpoint)"
-        )
+def check_quantization(method: str | None, hf_config: dict) -> str | None:
+    """The quantization to serve with, or an error at load time for what pagedserve would
+    otherwise load wrongly: an unknown method, a pre-quantized format it does not read, or a
+    ``--quantization`` that disagrees with the checkpoint. A quantized checkpoint's own
+    method is used when none is asked for (as vLLM does)."""
     stored = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if stored is not None:
+    known = sorted(set(QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION_METHODS))
+    if method is not None and method not in known:
         raise ModelLoadError(
-            f"this checkpoint is already quantized (quantization_config.quant_method = "
-            f"{stored!r}); pagedserve does not load pre-quantized {stored} checkpoints yet. "
-            "Serve the unquantized checkpoint, with --quantization int8 or fp8 to quantize it "
-            "at load time."
+            f"quantization {method!r} is not supported; one of {known} (int8 and fp8 quantize "
+            "an unquantized checkpoint at load time; awq, gptq and fp8 also load checkpoints "
+            "stored in those formats)"
         )
+    if stored is None:
+        if method is not None and method not in QUANTIZATION_METHODS:
+            raise ModelLoadError(
+                f"--quantization {method} needs a checkpoint stored as {method} (config.json "
+                f"with quantization_config.quant_method = {method!r}); this one is not "
+                f"quantized. Quantize it at load time with one of {list(QUANTIZATION_METHODS)}."
+            )
+        return method
+    if stored not in CHECKPOINT_QUANTIZATION_METHODS:
+        raise ModelLoadError(
+            f"this checkpoint is quantized with quantization_config.quant_method = {stored!r}, "
+            f"which pagedserve does not load; it loads {list(CHECKPOINT_QUANTIZATION_METHODS)} "
+            "checkpoints, or an unquantized one with --quantization int8 or fp8."
+        )
+    if method is not None and method != stored:
+        raise ModelLoadError(
+            f"--quantization {method} disagrees with the checkpoint, which is quantized with "
+            f"{stored!r} (quantization_config.quant_method in config.json): pass "
+            f"--quantization {stored} or leave it out"
+        )
+    return stored
 
 
 MODEL_FOLDER_LAYOUT = (
@@ -75,6 +96,16 @@ def _not_a_model_folder(model: str) -> str:
             f"{MODEL_FOLDER_LAYOUT}"
         )
     return f"{model!r} is not a model folder: no config.json in it (a folder holds: {MODEL_FOLDER_LAYOUT})"
+
+
+def _read_config_json(model: str) -> dict[str, Any]:
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(_not_a_model_folder(model))
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
 
 
 def resolve_dtype(
@@ -114,23 +145,24 @@ class ModelConfig:
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
     generation_defaults: GenerationDefaults = field(init=False)
+    gguf_file: Path | None = field(init=False, default=None)  # a .gguf served as it is
 
     def __post_init__(self) -> None:
         path = Path(self.model)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelLoadError(_not_a_model_folder(self.model))
-        try:
-            self.hf_config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+        if path.suffix == ".gguf":
+            from pagedserve.models.gguf_config import gguf_hf_config, open_gguf
+
+            self.gguf_file = path
+            self.hf_config = gguf_hf_config(open_gguf(path), path)
+        else:
+            self.hf_config = _read_config_json(self.model)
         archs = self.hf_config.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not known:
             raise ModelLoadError(
                 f"unsupported architecture {archs}; pagedserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        check_quantization(self.quantization, self.hf_config)
+        self.quantization = check_quantization(self.quantization, self.hf_config)
         self.architecture = known[0]
         self.arch = SUPPORTED_ARCHITECTURES[self.architecture]
         if self.device == "auto":
@@ -161,6 +193,11 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's limit of {limit} positions"
             )
+
+    @property
+    def checkpoint_quantization(self) -> dict[str, Any] | None:
+        """config.json's ``quantization_config`` when the checkpoint is stored quantized."""
+        return self.hf_config.get("quantization_config") or None
 
     @property
     def max_position_embeddings(self) -> int:

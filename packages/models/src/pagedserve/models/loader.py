@@ -8,13 +8,19 @@ import torch
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.gemma import GemmaForCausalLM
+from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.interface import ModelForCausalLM
+from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
-from pagedserve.models.quantization import quantize_linear_layers
+from pagedserve.models.quantization import (
+    checkpoint_linear_methods,
+    process_weights_after_loading,
+    quantize_linear_layers,
+)
 from pagedserve.models.weights import iterate_weights
 
 MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
@@ -30,13 +36,19 @@ MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
 def load_model(config: ModelConfig, par: ParallelContext | None = None) -> ModelForCausalLM:
     """Build the model on ``config.torch_device`` in ``config.torch_dtype`` and load its weights."""
     model_cls = MODEL_CLASSES[config.arch]
-    with torch.device(config.torch_device):
+    if config.gguf_file is not None:
+        return load_gguf_model(config, model_cls, par)
+    stored_quantized = checkpoint_linear_methods(config)
+    with torch.device(config.torch_device), linear_methods_for(stored_quantized):
         model = model_cls(config, par)
-    model.load_weights(
-        (name, tensor.to(config.torch_dtype)) for name, tensor in iterate_weights(config.model)
-    )
-    if config.quantization is not None:
+    weights = iterate_weights(config.model)
+    if stored_quantized is None:
+        model.load_weights((name, tensor.to(config.torch_dtype)) for name, tensor in weights)
+    else:  # packed integers and fp8 stay as stored; each parameter's copy casts the rest
+        model.load_weights(weights)
+        process_weights_after_loading(model)
+    if config.quantization is not None and stored_quantized is None:
         quantize_linear_layers(model, config.quantization)
-        if config.torch_device.type == "cuda":
-            torch.cuda.empty_cache()  # the freed full-precision weights count for the KV cache
+    if config.quantization is not None and config.torch_device.type == "cuda":
+        torch.cuda.empty_cache()  # the freed full-precision weights count for the KV cache
     return model.eval()

@@ -24,14 +24,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.weight_only_linear import (
     WeightFormat,
     quantize_per_channel,
     weight_only_linear,
 )
-from pagedserve.models.config import QUANTIZATION_METHODS, ModelLoadError
+from pagedserve.models.config import QUANTIZATION_METHODS, ModelConfig, ModelLoadError
 from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
+from pagedserve.models.layers.linear_method import LinearMethodFactory, UnquantizedLinearMethod
+from pagedserve.models.quantization_fp8 import fp8_method_factory
+from pagedserve.models.quantization_int4 import Int4LinearMethod, int4_method_factory
 
 
 class WeightOnly8BitLinearMethod(UnquantizedLinearMethod):
@@ -69,4 +72,53 @@ def quantize_linear_layers(model: nn.Module, method: WeightFormat) -> int:
     return count
 
 
-__all__ = ["QUANTIZATION_METHODS", "WeightOnly8BitLinearMethod", "quantize_linear_layers"]
+# What a pre-quantized checkpoint's quant_method is built with; architectures whose loaders
+# split or transpose fused checkpoint tensors (GPT-2's Conv1D c_attn, Phi-3's fused qkv) or
+# whose experts are not linear layers (MoE) would cut packed tensors wrongly, so are refused.
+CHECKPOINT_METHOD_FACTORIES = {
+    "awq": int4_method_factory,
+    "gptq": int4_method_factory,
+    "fp8": fp8_method_factory,
+}
+CHECKPOINT_QUANTIZED_ARCHS = ("llama", "gemma")
+
+
+def checkpoint_linear_methods(config: ModelConfig) -> LinearMethodFactory | None:
+    """The linear method to build the model's projections with when its checkpoint is stored
+    quantized (AWQ, GPTQ, fp8), else None; a ModelLoadError for what cannot be served."""
+    qc = config.checkpoint_quantization
+    if qc is None:
+        return None
+    method = qc["quant_method"]
+    if config.arch not in CHECKPOINT_QUANTIZED_ARCHS:
+        raise ModelLoadError(
+            f"{config.model}: {method} checkpoints of {config.architecture} are not supported "
+            "(pre-quantized checkpoints load for the Llama family and Gemma)"
+        )
+    try:
+        return CHECKPOINT_METHOD_FACTORIES[method](qc)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{config.model}/config.json: {e}") from e
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every linear layer's method repack what it loaded (checkpoint-format methods)."""
+    methods = set()
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.linear_method.process_weights_after_loading(module)
+            methods.add(type(module.linear_method))
+    cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if Int4LinearMethod in methods and cpu and kernel_path(torch.empty(0), True) == "numba":
+        from pagedserve.kernels.int4_linear_numba import warm_up
+
+        warm_up()  # numba compiles its decode loop now, not in the first request
+
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "WeightOnly8BitLinearMethod",
+    "checkpoint_linear_methods",
+    "process_weights_after_loading",
+    "quantize_linear_layers",
+]

@@ -10,6 +10,7 @@ next-token distribution is peaked and greedy decoding does not sit on near-ties.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,70 @@ def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> li
                 torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
             )
     return tokens
+
+
+def make_peft_adapter(
+    base_model: str | Path,
+    out_dir: str | Path,
+    target_modules: list[str],
+    r: int = 8,
+    lora_alpha: int = 16,
+    seed: int = 0,
+    use_rslora: bool = False,
+    std: float = 0.1,
+) -> Path:
+    """A PEFT LoRA adapter for ``base_model``, saved by peft itself, with random A and B.
+
+    peft initialises B to zero (an untrained adapter changes nothing); both are drawn from a
+    seeded normal here so that every adapter moves the model's tokens, and a test that served
+    the wrong adapter (or none) would see it. Returns ``out_dir``.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    if (out_dir / "adapter_config.json").is_file():
+        return out_dir
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    config = LoraConfig(
+        r=r, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora
+    )
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_greedy(
+    base_model: str | Path, adapter: str | Path | None, prompt_ids: list[int], max_new_tokens: int
+) -> list[int]:
+    """transformers + peft running ``adapter`` alone (None: the plain base model), greedy, fp32:
+    the reference a LoRA-serving test holds each row of a mixed batch to."""
+    return list(
+        _peft_greedy(str(base_model), adapter and str(adapter), tuple(prompt_ids), max_new_tokens)
+    )
+
+
+@functools.cache
+def _peft_reference_model(base_model: str, adapter: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
+@functools.cache
+def _peft_greedy(base_model: str, adapter: str | None, prompt_ids: tuple, n: int) -> tuple:
+    return tuple(
+        transformers_greedy(_peft_reference_model(base_model, adapter), list(prompt_ids), n)
+    )

@@ -8,10 +8,19 @@ from pagedserve.models.config import ModelLoadError
 
 
 def load_tokenizer(model_dir: str):
-    """A transformers fast tokenizer for ``model_dir`` (tokenizer.json; never downloads)."""
+    """A transformers fast tokenizer for ``model_dir`` (tokenizer.json; never downloads), or
+    for a ``.gguf`` file the one transformers builds from its ``tokenizer.ggml.*`` metadata
+    (vocabulary, merges, special ids, ``tokenizer.chat_template``)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    path = Path(model_dir)
     try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, local_files_only=True
+            )
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from e

@@ -49,6 +49,14 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     )
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
 class CheckpointTensor:
     """A lazy view of one tensor in a safetensors file: ``narrow``, ``t``, ``chunk``, ``to``.
 
@@ -73,6 +81,16 @@ class CheckpointTensor:
     @property
     def shape(self) -> torch.Size:
         return torch.Size(self._ranges[d][1] - self._ranges[d][0] for d in self._dims)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype ``read()`` returns: the target of ``to``, else the stored one."""
+        if self._dtype is not None:
+            return self._dtype
+        stored = self._source.get_dtype()
+        if stored not in _SAFETENSORS_DTYPES:
+            raise ModelLoadError(f"checkpoint tensor of unsupported dtype {stored}")
+        return _SAFETENSORS_DTYPES[stored]
 
     def dim(self) -> int:
         return len(self._dims)
@@ -183,18 +201,26 @@ def load_stacked_weights(
         name = rename(ckpt_name)
         if name is None:
             continue
-        for fused, part, shard_id in stacked_params:
-            if f".{part}." in name:
-                target = name.replace(f".{part}.", f".{fused}.")
-                param = _param(params, target, ckpt_name)
-                param.weight_loader(param, tensor, shard_id)
-                loaded.add(f"{target}#{shard_id}")
-                break
-        else:
-            param = _param(params, name, ckpt_name)
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
+        try:
+            loaded.add(_load_one(params, name, ckpt_name, tensor, stacked_params))
+        except ModelLoadError as e:  # say which tensor, whichever layer found the fault
+            if ckpt_name in str(e):
+                raise
+            raise ModelLoadError(f"{ckpt_name}: {e}") from e
     _check_complete(params, loaded, stacked_params)
+
+
+def _load_one(params, name: str, ckpt_name: str, tensor, stacked_params) -> str:
+    """Route one checkpoint tensor into its (fused) parameter; returns what was loaded."""
+    for fused, part, shard_id in stacked_params:
+        if f".{part}." in name:
+            target = name.replace(f".{part}.", f".{fused}.")
+            param = _param(params, target, ckpt_name)
+            param.weight_loader(param, tensor, shard_id)
+            return f"{target}#{shard_id}"
+    param = _param(params, name, ckpt_name)
+    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    return name
 
 
 def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Parameter:

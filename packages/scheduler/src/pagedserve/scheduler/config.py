@@ -20,6 +20,10 @@ class SchedulerConfig:
     The waiting queue is bounded so that an overloaded server refuses at once (503) instead of
     queueing without end: at most ``max_num_waiting`` requests and ``max_num_waiting_tokens``
     tokens (0 = no token cap) wait at a time.
+
+    ``max_loras`` (0 = no cap) is how many distinct LoRA adapters the running requests may use
+    at once: the adapter slots of the model runner. A waiting request whose adapter would be
+    one too many waits at the head of the queue until a running adapter's requests finish.
     """
 
     max_num_seqs: int = 64
@@ -30,6 +34,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_num_waiting: int = 1024
     max_num_waiting_tokens: int = 0
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -49,6 +54,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be >= 1, got {self.max_num_waiting}")
         if self.max_num_waiting_tokens and self.max_num_waiting_tokens < self.max_model_len:

@@ -105,6 +105,8 @@ class Request(Generic[PayloadT]):
     decoding): the next decode step verifies them with it, and takes them off the request.
     ``waiting_for_grammar`` is another: while it is set (structured outputs, the grammar still
     compiling) the request stays in the waiting queue, and requests behind it may pass.
+    ``lora_int_id`` is the LoRA adapter it runs with (0: the base model): part of its blocks'
+    prefix hashes, and counted against ``SchedulerConfig.max_loras``.
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -119,6 +121,7 @@ class Request(Generic[PayloadT]):
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    lora_int_id: int = 0
     payload: PayloadT | None = None
     needs_prompt_logits: bool = False
     waiting_for_grammar: bool = False

@@ -293,13 +293,7 @@ class Scheduler:
                     num_new += len(spec)
             else:
                 num_new = self._num_new_tokens(request, num_computed, budget)
-            if spec and not kv.allocate_slots(
-                request.request_id,
-                request.all_token_ids,
-                num_computed,
-                num_new,
-                cache_salt=request.cache_salt,
-            ):
+            if spec and not self._allocate(request, num_computed, num_new):
                 spec, num_new = [], 1  # proposals never cost another request its place
             if not spec and not self._allocate_or_preempt(request, num_new, output):
                 break  # the request was the last one running, and preempted itself
@@ -314,19 +308,34 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Get ``request`` the slots for its chunk, preempting from the tail of ``running`` until
         the pool can give them. False when ``request`` itself had to go."""
-        while not self.kv.allocate_slots(
-            request.request_id,
-            request.all_token_ids,
-            request.num_computed_tokens,
-            num_new,
-            cache_salt=request.cache_salt,
-        ):
+        while not self._allocate(request, request.num_computed_tokens, num_new):
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
             if victim is request:
                 return False
         return True
+
+    def _allocate(self, request: Request, num_computed: int, num_new: int, hits=()) -> bool:
+        """``allocate_slots`` for ``request``, its blocks hashed with its salt and adapter."""
+        return self.kv.allocate_slots(
+            request.request_id,
+            request.all_token_ids,
+            num_computed,
+            num_new,
+            computed_blocks=hits,
+            cache_salt=request.cache_salt,
+            lora_int_id=request.lora_int_id,
+        )
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Admitting ``request`` keeps the running requests within ``max_loras`` adapters (so
+        every step's adapters have slots). One that does not fit waits at the head: the running
+        adapters' requests finish, and it is next, so it never starves."""
+        if not request.lora_int_id or not self.config.max_loras:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_int_id}
+        return request.lora_int_id in running or len(running) < self.config.max_loras
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         max_seqs = self.config.max_num_seqs
@@ -339,20 +348,15 @@ class Scheduler:
             request = self.waiting.first_ready()
             if request is None:
                 break  # every waiting request is held for its grammar
+            if not self._adapter_fits(request):
+                break  # the head waits for an adapter slot; nothing behind it jumps the queue
             hits, num_cached = self.kv.get_computed_blocks(
-                request.all_token_ids, request.cache_salt
+                request.all_token_ids, request.cache_salt, request.lora_int_id
             )
             num_new = self._num_new_tokens(request, num_cached, budget)
             if not self.config.enable_chunked_prefill and num_cached + num_new < request.num_tokens:
                 break  # the whole prompt must fit in this step's budget
-            if not self.kv.allocate_slots(
-                request.request_id,
-                request.all_token_ids,
-                num_cached,
-                num_new,
-                computed_blocks=hits,
-                cache_salt=request.cache_salt,
-            ):
+            if not self._allocate(request, num_cached, num_new, hits):
                 break  # the head waits for blocks; nothing behind it jumps the queue
             self.waiting.take(request)
             request.num_computed_tokens = num_cached

@@ -5,7 +5,7 @@ ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGI
 Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
-    GET /v1/models[/{id}]
+    GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
 """
@@ -58,16 +58,22 @@ from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_completion import create_completion
+from pagedserve.server.serving_lora import (
+    load_lora_adapter,
+    load_startup_adapters,
+    unload_lora_adapter,
+)
 from pagedserve.server.serving_responses import create_response
-from pagedserve.server.state import ServerState, now_s
+from pagedserve.server.state import ServedModels, ServerState, now_s
 from pagedserve.server.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
 
 
-def state_of(request: Request) -> ServerState:
-    return request.app.state.server
+def state_of(request: Request, model: str | None = None) -> ServerState:
+    """The state of the served model a request names (the first model when it names none)."""
+    return request.app.state.models.state_for(model)
 
 
 async def read_json(request: Request) -> dict:
@@ -95,49 +101,65 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
 
 async def completions(request: Request) -> Response:
     body = await read_body(request, CompletionRequest)
-    return await create_completion(request, state_of(request), body)
+    return await create_completion(request, state_of(request, body.model), body)
 
 
 async def chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
-    return await create_chat_completion(request, state_of(request), body)
+    return await create_chat_completion(request, state_of(request, body.model), body)
 
 
 async def responses(request: Request) -> Response:
     body = await read_body(request, ResponsesRequest)
-    return await create_response(request, state_of(request), body)
+    return await create_response(request, state_of(request, body.model), body)
 
 
-def _model_card(state: ServerState) -> ModelCard:
+def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
+    """The base model's card, or a LoRA adapter's (its root the adapter's folder, its parent
+    the base model, as vLLM lists them)."""
     engine = state.engine
+    lora = state.lora_modules.get(lora_name) if lora_name else None
     return ModelCard(
-        id=state.model_name,
+        id=lora.lora_name if lora else state.model_name,
         created=state.created,
-        root=str(engine.model_config.model),
+        root=lora.lora_path if lora else str(engine.model_config.model),
+        parent=state.model_name if lora else None,
         max_model_len=engine.scheduler_config.max_model_len,
         default_sampling_params=dict(engine.model_config.generation_defaults.sampling),
     )
 
 
 async def list_models(request: Request) -> Response:
-    state = state_of(request)
-    return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
+    cards = [
+        model_card(state, name)
+        for state in request.app.state.models.states()
+        for name in (None, *state.lora_modules)
+    ]
+    return JSONResponse(ModelList(data=cards).model_dump())
 
 
 async def retrieve_model(request: Request) -> Response:
-    state = state_of(request)
+    state = state_of(request, request.path_params["model_id"])
     check_model(state, request.path_params["model_id"])
-    return JSONResponse(_model_card(state).model_dump())
+    return JSONResponse(model_card(state, request.path_params["model_id"]).model_dump())
+
+
+async def load_lora(request: Request) -> Response:
+    return await load_lora_adapter(state_of(request), await read_json(request), request)
+
+
+async def unload_lora(request: Request) -> Response:
+    return await unload_lora_adapter(state_of(request), await read_json(request), request)
 
 
 async def tokenize(request: Request) -> Response:
-    state = state_of(request)
     data = await read_json(request)
     kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
     try:
         body = kind.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from e
+    state = state_of(request, body.model)
     check_model(state, body.model)
     tokenizer = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
@@ -160,8 +182,8 @@ async def tokenizer_info(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    state = state_of(request)
     body = await read_body(request, DetokenizeRequest)
+    state = state_of(request, body.model)
     check_model(state, body.model)
     vocab = state.engine.model_config.vocab_size
     if any(t >= vocab for t in body.tokens):
@@ -227,6 +249,8 @@ ROUTES = [
     Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+    Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
@@ -258,6 +282,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        await load_startup_adapters(state)  # a bad --lora-modules adapter stops the start
         refresher = asyncio.create_task(_refresh_metrics(app.state.metrics))
         try:
             yield
@@ -265,8 +290,21 @@ def build_app(
             refresher.cancel()
             await engine.shutdown()
 
+    app = assemble_app(ServedModels([state]), config, lifespan)
+    app.state.server = state
+    app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
+    return app
+
+
+def assemble_app(
+    models: ServedModels, config: ServerConfig, lifespan, routes: list | None = None
+) -> Starlette:
+    """The Starlette app over ``models`` with the server's middleware (CORS, the gate, internal
+    errors, request ids) and error shapes: ``build_app`` gives it one engine, the cluster's
+    ingress a set of remote ones and its own /health and /metrics (``routes`` first: the first
+    match wins). The caller sets ``app.state.metrics`` (anything with ``render() -> bytes``)."""
     app = Starlette(
-        routes=ROUTES,
+        routes=[*(routes or []), *ROUTES],
         middleware=[
             # outermost: a browser's preflight (OPTIONS, no key) is answered before the gate
             Middleware(
@@ -290,8 +328,7 @@ def build_app(
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.state.server = state
-    app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
+    app.state.models = models
     return app
 
 

@@ -22,6 +22,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import fields
+from importlib import metadata
 
 from pagedserve.engine import (
     DEFAULT_MODEL_NAME,
@@ -83,6 +84,10 @@ def add_config_args(
         if kind is bool:
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, action=action, default=default, help=help_)
+        elif "nargs" in f.metadata:
+            group.add_argument(
+                flag, type=kind, nargs=f.metadata["nargs"], default=default, help=help_
+            )
         else:
             group.add_argument(flag, type=kind, default=default, help=help_)
 
@@ -108,6 +113,8 @@ def _flag_type(name: str, hint, metadata) -> type | Callable[[str], object]:
         return json.loads
     if metadata.get("unit") == "list":
         return parse_list
+    if metadata.get("unit") == "lora_modules":
+        return str  # each checked by ServerConfig
     kind = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None takes an X
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -291,7 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
     add_serve_parser(sub)
     add_generate_parser(sub)
+    add_plugin_parsers(sub)
     return parser
+
+
+def add_plugin_parsers(sub) -> None:
+    """Subcommands of installed members that the server must not import (``pagedserve cluster``
+    from pagedserve.cluster): each names a ``pagedserve.cli`` entry point that adds its parser."""
+    for entry_point in metadata.entry_points(group="pagedserve.cli"):
+        entry_point.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,13 @@ class ServerConfig:
     tool_call_parser: str = option(
         "hermes", "how tool calls are read from a reply under tool_choice auto: hermes, llama3_json"
     )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "LoRA adapters to serve, each name=path or vLLM's JSON "
+        '\'{"name": ..., "path": ...}\' (needs --enable-lora)',
+        unit="lora_modules",
+        nargs="+",
+    )
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in ("hermes", "llama3_json"):
@@ -81,6 +89,22 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to disable auth)")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
         for name in ("max_body_bytes", "max_header_bytes", "max_n", "max_prompts", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def parse_lora_module(text: str) -> str:
+    """``name=path``, or vLLM's JSON form ``{"name": ..., "path": ...}``, as ``name=path``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            module = json.loads(text)
+            text = f"{module['name']}={module['path']}"
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"a LoRA module in JSON needs name and path: {text!r} ({e})") from e
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"a LoRA module is name=path, got {text!r}")
+    return f"{name.strip()}={path.strip()}"

@@ -22,6 +22,7 @@ two servers in one process (tests) never share series.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -226,7 +227,21 @@ class EngineMetrics(Collector):
             gauge = GaugeMetricFamily(PREFIX + name, help_, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+        if stats.max_lora:
+            yield _lora_requests_info(stats)
         for attr, (name, help_) in _COUNTERS.items():
             counter = CounterMetricFamily(PREFIX + name, help_, labels=["model_name"])
             counter.add_metric(labels, getattr(stats, attr))
             yield counter
+
+
+def _lora_requests_info(stats) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``: the adapters of the running and the waiting requests
+    as labels (comma-separated names), the value the time of the reading."""
+    labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    gauge = GaugeMetricFamily(
+        PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.", labels=labels
+    )
+    running, waiting = ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters)
+    gauge.add_metric([str(stats.max_lora), running, waiting], time.time())
+    return gauge

@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from pagedserve.server import protocol as p
 from pagedserve.server import protocol_responses as r
+from pagedserve.server import serving_lora as lora
 
 REF = "#/components/schemas/{model}"
 
@@ -58,6 +59,20 @@ OPERATIONS = [
     ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),
+    Operation(
+        "post",
+        "/v1/load_lora_adapter",
+        "Load a LoRA adapter and serve it under its name (with --enable-lora)",
+        (lora.LoadLoRAAdapterRequest,),
+        media_type="text/plain",
+    ),
+    Operation(
+        "post",
+        "/v1/unload_lora_adapter",
+        "Unload a LoRA adapter; its running requests finish with it",
+        (lora.UnloadLoRAAdapterRequest,),
+        media_type="text/plain",
+    ),
     Operation(
         "post",
         "/tokenize",

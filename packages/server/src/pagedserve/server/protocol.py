@@ -288,6 +288,7 @@ class ModelCard(OpenAIBaseModel):
     created: int
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     # the model's generation_config sampling defaults a request inherits (vLLM's names)
     default_sampling_params: dict[str, Any] = {}

@@ -13,23 +13,18 @@ from __future__ import annotations
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.structured_output import StructuredOutputsParams
-from pagedserve.server.errors import APIError, bad_request, from_invalid_request
+from pagedserve.server.errors import bad_request, from_invalid_request
 from pagedserve.server.protocol import SamplingRequest
-from pagedserve.server.state import ServerState
+from pagedserve.server.state import ServerState, model_not_found
 from pagedserve.server.vllm_fields import check_stream_options, extra_sampling_kwargs
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    """A request may name the served model, or no model at all."""
-    if name is not None and name != state.model_name:
-        raise APIError(
-            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-            404,
-            param="model",
-            code="model_not_found",
-        )
+    """A request may name the served model, one of its LoRA adapters, or no model at all."""
+    if name is not None and name != state.model_name and name not in state.lora_modules:
+        raise model_not_found(name, [state.model_name, *state.lora_modules])
 
 
 def check_caps(state: ServerState, body: SamplingRequest) -> None:

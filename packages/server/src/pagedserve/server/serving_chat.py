@@ -147,7 +147,7 @@ async def create_chat_completion(
     state.check_admitting()
     prompt, aliases, tools = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
-    streams = EngineStreams(state, request_id, [prompt], body.priority, aliases)
+    streams = EngineStreams(state, request_id, [prompt], body.priority, aliases, body.model)
     view = _ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
     return await answer(
         request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
@@ -210,7 +210,7 @@ class _ChatView:
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             choices=choices,
             usage=self.usage(tokens),
             **self._prompt_extras(final),
@@ -220,7 +220,7 @@ class _ChatView:
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             choices=choices,
             usage=usage,
             **extras,

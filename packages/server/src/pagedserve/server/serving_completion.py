@@ -94,7 +94,7 @@ async def create_completion(
     prompts = plan_prompts(state, body)
     request_id = new_id("cmpl")
     aliases = structured_output_aliases(body)
-    streams = EngineStreams(state, request_id, prompts, body.priority, aliases)
+    streams = EngineStreams(state, request_id, prompts, body.priority, aliases, body.model)
     view = _CompletionView(state, body, request_id, prompts)
     return await answer(request, streams, view.stream, view.response, body.stream)
 
@@ -157,7 +157,7 @@ class _CompletionView:
         return CompletionResponse(
             id=self.id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             choices=choices,
             usage=usage,
         )

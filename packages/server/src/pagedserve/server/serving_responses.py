@@ -161,7 +161,7 @@ async def create_response(request: Request, state: ServerState, body: ResponsesR
         raise renamed(error) from error
     aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input"}
     view = _ResponsesView(state, body, prompt, tools)
-    streams = EngineStreams(state, view.id, [prompt], 0, aliases)
+    streams = EngineStreams(state, view.id, [prompt], 0, aliases, body.model)
     return await answer(
         request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
     )
@@ -184,7 +184,7 @@ class _ResponsesView:
         common = dict(
             id=self.id,
             created_at=self.created,
-            model=self.state.model_name,
+            model=self.state.served_name(self.body.model),
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,
             temperature=body.temperature,

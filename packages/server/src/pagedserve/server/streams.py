@@ -49,6 +49,7 @@ class EngineStreams:
         prompts: list[PromptRequest],
         priority: int,
         aliases: dict[str, str] | None = None,
+        model: str | None = None,
     ):
         self.state = state
         self.prompts = prompts
@@ -57,13 +58,20 @@ class EngineStreams:
         self._first: list[asyncio.Future] = []
         self._pumps: list[asyncio.Task] = []
         loop = asyncio.get_running_loop()
+        lora = state.lora_request_for(model)  # the adapter, if ``model`` names one
+        extra = {} if lora is None else {"lora_request": lora}
         for prompt in prompts:
             engine_id = f"{request_id}-{prompt.index}"
             state.in_flight[engine_id] = None  # at once, so a drain never misses a request
             first = loop.create_future()
             self._first.append(first)
             generator = state.engine.generate(
-                prompt.prompt_token_ids, prompt.params, engine_id, prompt.prompt_text, priority
+                prompt.prompt_token_ids,
+                prompt.params,
+                engine_id,
+                prompt.prompt_text,
+                priority,
+                **extra,
             )
             pump = asyncio.create_task(self._pump(prompt.index, generator, first))
             # Out of in_flight only once the pump is done (its abort, if any, is submitted).

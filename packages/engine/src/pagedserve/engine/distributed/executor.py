@@ -147,7 +147,13 @@ class WorkerProcesses:
 class TensorParallelExecutor:
     """Rank 0: schedules in this process, runs its shard here, drives the workers' shards."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tp_size: int):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        tp_size: int,
+        extra_block_bytes: int = 0,
+    ):
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
         rv = Rendezvous.from_environment(tp_size)
@@ -164,7 +170,12 @@ class TensorParallelExecutor:
             )
             configs = [(model_config, cache_config)]
             dist.broadcast_object_list(configs, src=0, group=self.group.control)
-            self.driver = ModelRunner(model_config, cache_config, self.group.parallel_context())
+            self.driver = ModelRunner(  # a draft model's cache lives on rank 0 only
+                model_config,
+                cache_config,
+                self.group.parallel_context(),
+                extra_block_bytes=extra_block_bytes,
+            )
             self.group.finish_startup()
         except Exception as e:
             error = self._failure("starting the tensor-parallel group", e)

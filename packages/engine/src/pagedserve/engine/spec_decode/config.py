@@ -5,6 +5,10 @@ The same dict from Python (``LLM(..., speculative_config={...})``) and from the 
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
+    {"model": PATH, "num_speculative_tokens": 4}     # vLLM's older spelling: method inferred
+
+Without "method", vLLM infers it from "model": "ngram" (or "[ngram]") is the n-gram proposer,
+anything else a draft model's folder.
 
 Every check runs at start-up, and each failure names the field at fault as
 ``speculative_config.<field>``: a bad configuration never reaches a request.
@@ -58,7 +62,9 @@ class SpeculativeConfig:
             if key not in known:
                 raise SpeculativeConfigError(key, f"unknown field; known: {sorted(known)}")
         if "method" not in value:
-            raise SpeculativeConfigError("method", f"required: one of {list(METHODS)}")
+            value = {**value, "method": _inferred_method(value)}
+            if value["method"] == "ngram":
+                del value["model"]
         return cls(**value)
 
     def __post_init__(self) -> None:
@@ -92,3 +98,13 @@ class SpeculativeConfig:
             )
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
+
+
+def _inferred_method(value: dict[str, Any]) -> str:
+    """vLLM's older spelling names no method: ``model`` says which proposer is meant."""
+    model = value.get("model")
+    if not model:
+        raise SpeculativeConfigError(
+            "method", f"required (or a draft 'model' to infer it from): one of {list(METHODS)}"
+        )
+    return "ngram" if model in ("ngram", "[ngram]") else "draft_model"

@@ -6,7 +6,8 @@ next step (the token budget counts them, the block manager allocates their slots
 model runner scores every proposed position in the same forward. ``verification_batch`` then
 collects those rows for ``VerificationBatch.verify`` (verify.py), and ``scheduler.update``
 appends what was accepted, rewinds past what was not and frees the blocks only rejected tokens
-used.
+used. A draft model (draft_model.py) proposes inside the next step instead: after a step only
+placeholders are set, and ``prepare_step`` fills them before the target's forward.
 
 A proposal never runs past what the sequence may still emit: with r tokens left under
 ``max_tokens``, at most r - 1 are proposed (the step adds one token of the target's own), so
@@ -17,57 +18,57 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
 from pagedserve.engine.spec_decode.ngram import NgramProposer
 from pagedserve.engine.spec_decode.verify import VerificationBatch, VerifyCounts
-from pagedserve.models import ModelConfig, load_tokenizer
-from pagedserve.models.config import ModelLoadError
+from pagedserve.models import ModelConfig
 from pagedserve.scheduler import Request, SchedulerOutput
 
 
-def check_draft_model(path: str, target: ModelConfig, target_tokenizer) -> None:
-    """A draft proposes token ids the target scores: both must share one vocabulary and one
-    tokenizer. Refused at start-up, naming ``speculative_config.model``."""
-    try:
-        draft = ModelConfig(model=path, dtype=target.dtype, device=target.device)
-        draft_tokenizer = load_tokenizer(path)
-    except ModelLoadError as e:
-        raise SpeculativeConfigError("model", f"cannot load the draft model: {e}") from e
-    if draft.vocab_size != target.vocab_size:
-        raise SpeculativeConfigError(
-            "model",
-            f"the draft's vocabulary has {draft.vocab_size} tokens, the target's "
-            f"{target.vocab_size}: a draft must share the target's tokenizer",
-        )
-    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise SpeculativeConfigError(
-            "model", "the draft's tokenizer maps tokens to other ids than the target's"
-        )
-
-
 class Speculator:
-    """The proposer, and the bridge from a step's rows to the verification batch."""
+    """The proposer, and the bridge from a step's rows to the verification batch.
+
+    With the n-gram proposer the proposals are made after each step, on the host. With a
+    draft model (draft_model.py) only the number of proposals is decided then (placeholders
+    the scheduler budgets and allocates slots for); ``prepare_step`` runs the draft model at
+    the start of the next step, once those slots exist, and fills them in.
+    """
 
     def __init__(
         self, config: SpeculativeConfig, model_config: ModelConfig, tokenizer: object
     ) -> None:
-        if config.method == "draft_model":
-            check_draft_model(config.model, model_config, tokenizer)
-            raise SpeculativeConfigError(
-                "method",
-                "the draft_model proposer is not available in this build (the draft checks "
-                "out against the target); use 'ngram'",
-            )
         self.config = config
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.proposer: NgramProposer | None = None
+        self.draft: DraftModelProposer | None = None
+        if config.method == "draft_model":
+            self.draft = DraftModelProposer(config, model_config, tokenizer)
+        else:
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """KV bytes per block that live beside the target's (the draft's cache), so that the
+        memory budget gives both caches the same number of blocks."""
+        return 0 if self.draft is None else self.draft.block_bytes(block_size)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
+        """The draft's KV tensors, once the target's block count is known."""
+        if self.draft is not None:
+            self.draft.allocate_kv_caches(num_blocks, block_size)
+
+    def prepare_step(self, scheduled: SchedulerOutput) -> None:
+        """Before the target's forward: the draft model writes the step's tokens into its
+        cache and fills the placeholders with its proposals (nothing to do for n-gram)."""
+        if self.draft is not None:
+            self.draft.propose(scheduled)
 
     def propose(self, running: list[Request]) -> None:
         """Proposals for every running sequence whose next step is a decode. A sequence under
         a structured-output grammar gets none: its proposals would be verified without the
         grammar's mask at each position."""
-        propose = self.proposer.propose
+        propose = self.proposer.propose if self.proposer is not None else None
         for request in running:
             num_tokens = request.num_tokens
             if request.num_computed_tokens + 1 != num_tokens or request.spec_token_ids:
@@ -75,7 +76,9 @@ class Speculator:
             if request.payload.params.structured_outputs is not None:
                 continue
             room = request.max_tokens - request.num_output_tokens - 1
-            if room > 0:
+            if room > 0 and propose is None:
+                request.spec_token_ids = self.draft.placeholders(room)
+            elif room > 0:
                 request.spec_token_ids = propose(
                     request.prompt_token_ids, request.output_token_ids, room
                 )
@@ -95,7 +98,8 @@ class Speculator:
                     list(range(row, row + len(drafts))),
                 )
                 row += len(drafts)
-        return VerificationBatch(logits), proposals
+        draft_probs = self.draft.draft_probs if self.draft is not None else {}
+        return VerificationBatch(logits, draft_probs), proposals
 
 
-__all__ = ["Speculator", "VerificationBatch", "VerifyCounts", "check_draft_model"]
+__all__ = ["Speculator", "VerificationBatch", "VerifyCounts"]

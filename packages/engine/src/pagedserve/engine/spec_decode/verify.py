@@ -52,6 +52,9 @@ class VerificationBatch:
     """The speculative decodes of one step: ``add`` each, ``verify`` all, read ``tokens``."""
 
     logits: torch.Tensor  # every row of the step's logits: sampled, prompt and proposal rows
+    # a draft model's distributions [n, V] per request id, for its sampling rows; a request
+    # without (n-gram proposals, greedy rows) has a one-hot q at each proposal
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     _entries: list[tuple[Request, SequenceState, list[int], list[int]]] = field(
         default_factory=list
     )
@@ -93,7 +96,7 @@ class VerificationBatch:
         )  # fmt: skip
         out = rejection_sample(
             *self._padded_drafts(logits.device),
-            None,  # n-gram proposals: a one-hot draft distribution
+            self._padded_draft_probs(logits.shape[1], logits.device),
             self._padded(probs[~is_bonus], 0.0),
             bonus,
             draws.uniform,
@@ -132,6 +135,22 @@ class VerificationBatch:
             torch.tensor(padded, dtype=torch.int64, device=device),
             torch.tensor(counts, dtype=torch.int32, device=device),
         )
+
+    def _padded_draft_probs(self, vocab: int, device: torch.device) -> torch.Tensor | None:
+        """``[R, K, V]`` draft distributions, or None when every proposal's q is one-hot (the
+        kernel's default): a draft model's sampling rows, one-hot rows for the rest."""
+        if not self.draft_probs:
+            return None
+        k = max(len(d) for _, _, d, _ in self._entries)
+        out = torch.zeros(len(self._entries), k, vocab, device=device)
+        for r, (request, _, drafts, _) in enumerate(self._entries):
+            q = self.draft_probs.get(request.request_id)
+            if q is not None:
+                out[r, : len(drafts)] = q[: len(drafts)]
+            else:
+                index = torch.tensor(drafts, dtype=torch.long, device=device)[:, None]
+                out[r, : len(drafts)].scatter_(1, index, 1.0)
+        return out
 
     def _padded(self, flat: torch.Tensor, fill: float) -> torch.Tensor:
         """``[R, K, V]`` from the proposal positions' rows, rows without K proposals padded."""

@@ -8,7 +8,8 @@ gate_up (column) before down (row), so each block needs one all-reduce.
 With ``tp_size == 1`` these are plain linear layers. Each parameter carries a ``weight_loader``
 that takes the whole checkpoint tensor (a lazy ``CheckpointTensor`` handle when loading from
 disk): the layer works out this rank's rows or columns (a ``WeightShard``) and its linear method
-(linear_method.py; ``linear_method=None`` means unquantized) creates the weights, reads only
+(linear_method.py; ``linear_method=None`` means the build's default, unquantized unless the
+loader builds the model inside ``linear_methods_for``) creates the weights, reads only
 that shard into them, and applies them.
 """
 
@@ -22,10 +23,10 @@ from torch import nn
 from pagedserve.models.layers.linear_method import (
     LinearMethodBase,
     Loaded,
-    UnquantizedLinearMethod,
     WeightShard,
     load_shard,
     loadable_param,
+    new_linear_method,
 )
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.models.weights import default_weight_loader
@@ -49,9 +50,10 @@ class ColumnParallelLinear(nn.Module):
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_rank = output_size // tp_size
-        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method = linear_method or new_linear_method()
         parts = [size // tp_size for size in output_sizes or [output_size]]
         self.linear_method.create_weights(self, input_size, parts, dtype, self.weight_loader)
         size = self.output_size_per_rank
@@ -186,8 +188,9 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.input_size = input_size
         self.input_size_per_rank = input_size // tp_size
+        self.output_size = output_size
         self.all_reduce = all_reduce
-        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method = linear_method or new_linear_method()
         self.linear_method.create_weights(
             self, self.input_size_per_rank, [output_size], dtype, self.weight_loader
         )

@@ -12,7 +12,9 @@ them on the layer, ``load_weight`` maps a logical shard onto each of them, ``app
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +122,29 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+LinearMethodFactory = Callable[[], LinearMethodBase]
+# The method the linear layers built inside ``linear_methods_for(...)`` get, like the default
+# device of ``with torch.device(...)``: set while a model is constructed, never during a step.
+_BUILD_LINEAR_METHOD: ContextVar[LinearMethodFactory | None] = ContextVar(
+    "pagedserve_build_linear_method", default=None
+)
+
+
+@contextmanager
+def linear_methods_for(factory: LinearMethodFactory | None) -> Iterator[None]:
+    """Build every linear layer constructed inside with ``factory()`` as its method (a
+    checkpoint-format method, AWQ or GPTQ, whose parameters have their own shapes), so the
+    model classes need not thread a quantization config through every constructor."""
+    token = _BUILD_LINEAR_METHOD.set(factory)
+    try:
+        yield
+    finally:
+        _BUILD_LINEAR_METHOD.reset(token)
+
+
+def new_linear_method() -> LinearMethodBase:
+    """The method for a linear layer built now: the build's factory's, else unquantized."""
+    factory = _BUILD_LINEAR_METHOD.get()
+    return factory() if factory is not None else UnquantizedLinearMethod()

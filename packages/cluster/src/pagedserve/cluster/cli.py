@@ -1,0 +1,107 @@
+"""``pagedserve cluster serve|deploy|build CONFIG``: the cluster from the command line.
+
+- ``serve``: start a Ray head here (or join one with ``--address``), deploy the config, print
+  the endpoint, and keep running until interrupted; a Ray instance it started stops with it.
+- ``deploy``: apply an edited config to a running cluster (``--address auto`` from one of its
+  nodes) and return once every model is served: models added, resized or removed in place.
+- ``build``: print the Ray Serve config the file becomes (for ``serve deploy``, or to read).
+
+The server's CLI finds this subcommand through the ``pagedserve.cli`` entry point, so that the
+server never imports the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from pagedserve.cluster.config import ClusterConfigError, build_serve_config, load_config
+
+
+def add_cluster_parser(sub) -> None:
+    cluster = sub.add_parser(
+        "cluster",
+        help="replicas of several models behind one OpenAI endpoint, on Ray Serve",
+        description="Replicas of several models behind one OpenAI-compatible endpoint.",
+    )
+    commands = cluster.add_subparsers(dest="cluster_command", required=True)
+    for name, func, help_ in (
+        ("serve", cmd_serve, "start or join a Ray cluster, deploy, and keep serving"),
+        ("deploy", cmd_deploy, "apply a config to a running cluster, then return"),
+        ("build", cmd_build, "print the Ray Serve config that the file becomes"),
+    ):
+        parser = commands.add_parser(name, help=help_, description=help_)
+        parser.add_argument("config", help="the cluster's YAML config file")
+        if name != "build":
+            parser.add_argument(
+                "--address",
+                default=None if name == "serve" else "auto",
+                help="Ray cluster to join: auto (the one this node is part of) or HOST:PORT "
+                "(default: serve starts a local head, deploy joins auto)",
+            )
+            parser.add_argument(
+                "--timeout", type=float, default=600.0, help="seconds to wait for every model"
+            )
+        parser.set_defaults(func=func)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    import yaml
+
+    schema = build_serve_config(load_config(args.config))
+    yaml.safe_dump(schema, sys.stdout, sort_keys=False)
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.deploy import connect, deploy
+
+    config = load_config(args.config)
+    connect(args.address)
+    deploy(config, timeout_s=args.timeout)
+    print(f"deployed {[m.name for m in config.models]} at http://{config.host}:{config.port}/v1")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from pagedserve.cluster.deploy import connect, deploy, shutdown
+
+    config = load_config(args.config)
+    connect(args.address)
+    # after ray.init, which installs a SIGTERM handler of its own: stop as on Ctrl-C instead
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        deploy(config, timeout_s=args.timeout)
+        print(f"serving {[m.name for m in config.models]} at http://{config.host}:{config.port}/v1")
+        sys.stdout.flush()
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if args.address is None:  # the Ray instance is this process's: stop it with us
+            shutdown()
+            ray.shutdown()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    add_cluster_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["cluster", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ClusterConfigError as error:
+        print(f"pagedserve cluster: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
