@@ -48,6 +48,9 @@ MODELS = [
 ]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BLOCK_SIZES = [16, 32]
+# Models whose fp32 attention is also launched over 16-bit caches (--kv-cache-dtype float16 /
+# bfloat16 under an fp32 model): SmolLM2's head_dim 64 and llama's 128 cover the tile shapes.
+HALF_CACHE_MODELS = ("smollm2", "llama3-8b")
 
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
@@ -76,23 +79,38 @@ def attention_steps(block_size: int) -> dict[str, list[tuple[int, int]]]:
 
 
 def attention_launches(
-    m: ModelShape, dtype: torch.dtype, block_size: int, record: Callable, label: str
+    m: ModelShape,
+    dtype: torch.dtype,
+    block_size: int,
+    record: Callable,
+    label: str,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """Every attention step shape through paged_attention_triton, then store_kv."""
+    """Every attention step shape through paged_attention_triton, then store_kv; with
+    ``cache_dtype``, over a cache of that type (``--kv-cache-dtype``)."""
     mods = _wrappers()
     for step, seqs in attention_steps(block_size).items():
-        batch = make_paged_batch(seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype)
+        batch = make_paged_batch(
+            seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype,
+            cache_dtype=cache_dtype,
+        )  # fmt: skip
         mods["paged_attention"].paged_attention_triton(*batch.args())
         record(f"{label} {step}")
         if m.sliding_window is not None:  # windowed (and capped) layers: variants of their own
             window = dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap)
             mods["paged_attention"].paged_attention_triton(*batch.args(), **window)
             record(f"{label} {step} window")
-    store_launches(m, dtype, block_size, n_tokens=3)
+    store_launches(m, dtype, block_size, n_tokens=3, cache_dtype=cache_dtype)
     record(f"{label} store")
 
 
-def store_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens: int) -> None:
+def store_launches(
+    m: ModelShape,
+    dtype: torch.dtype,
+    block_size: int,
+    n_tokens: int,
+    cache_dtype: torch.dtype | None = None,
+) -> None:
     """store_kv with key and value as the models hand them over: llama's key is a strided
     view of the fused qkv output, the value (and qwen3's / gpt2's key) contiguous."""
     width = m.n_q_heads * m.head_dim + 2 * m.n_kv_heads * m.head_dim
@@ -100,7 +118,7 @@ def store_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens:
     key = qkv[:, m.n_q_heads * m.head_dim :][:, : m.n_kv_heads * m.head_dim]
     key = key.reshape(n_tokens, m.n_kv_heads, m.head_dim)
     value = torch.randn(n_tokens, m.n_kv_heads, m.head_dim).to(dtype)
-    cache = torch.empty(4, block_size, m.n_kv_heads, m.head_dim, dtype=dtype)
+    cache = torch.empty(4, block_size, m.n_kv_heads, m.head_dim, dtype=cache_dtype or dtype)
     slots = torch.randint(-1, 4 * block_size, (n_tokens,))
     mods = _wrappers()
     mods["store_kv"].store_kv_triton(key, value, cache, cache.clone(), slots)
@@ -296,5 +314,11 @@ def engine_launches(
             gguf_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
+        if "fp32" in block_sizes and m.name in HALF_CACHE_MODELS:  # --kv-cache-dtype 16-bit
+            for name in ("fp16", "bf16"):
+                label = f"{m.name} fp32 kv-{name} bs{block_sizes['fp32'][0]}"
+                attention_launches(
+                    m, torch.float32, block_sizes["fp32"][0], record, label, DTYPES[name]
+                )
     for dtype_name in block_sizes:
         moe_launches(DTYPES[dtype_name], record, dtype_name)

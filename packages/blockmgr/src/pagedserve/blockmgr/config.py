@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The KV cache's element types, by vLLM's names; "auto" stores K/V in the model's dtype.
+CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
 
 @dataclass
 class CacheConfig:
@@ -14,6 +17,8 @@ class CacheConfig:
     bytes, else on a GPU from ``total * gpu_memory_utilization`` less what a profiling forward of
     the largest step (``profile_num_tokens``, the scheduler's token budget) needs, else (CPU)
     1 GiB. ``watermark``: the fraction of blocks a newly admitted request must leave free.
+    ``cache_dtype``: what K and V are stored as (``auto``: the model's dtype); a 16-bit cache
+    under an fp32 model halves the bytes per token while attention still computes in fp32.
     """
 
     block_size: int = 16
@@ -23,6 +28,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     profile_num_tokens: int = 2048
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -35,5 +41,12 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
+        if self.cache_dtype.startswith("fp8"):
+            raise ValueError(
+                f"cache_dtype {self.cache_dtype!r}: an fp8 KV cache is not implemented; use "
+                "float16 or bfloat16 for a cache of half the size"
+            )
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.profile_num_tokens < 1:
             raise ValueError(f"profile_num_tokens must be positive, got {self.profile_num_tokens}")

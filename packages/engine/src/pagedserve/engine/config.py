@@ -41,6 +41,11 @@ class EngineArgs:
         "(default: what its quantization_config says)",
     )
     device: str = option("auto", "auto (CUDA if present, else CPU), cuda or cpu")
+    num_cpu_threads: int | None = option(
+        None,
+        "threads of the CPU work (torch's pool; numba's attention follows it, up to "
+        "NUMBA_NUM_THREADS); default: OMP_NUM_THREADS, else every core",
+    )
     seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
     max_model_len: int | None = option(
         None, "longest sequence, prompt plus completion (default: the model's)"
@@ -48,6 +53,11 @@ class EngineArgs:
     block_size: int = option(16, "tokens per KV-cache block")
     kv_cache_memory: int | None = option(
         None, "bytes for the KV cache on CPU, e.g. 2GiB, 512MB or 1073741824", unit="bytes"
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "what the KV cache stores: auto (the model's dtype), float32, float16 or bfloat16; a "
+        "16-bit cache under an fp32 model holds twice the tokens, attention still in fp32",
     )
     gpu_memory_utilization: float = option(0.9, "fraction of free GPU memory for the KV cache")
     num_gpu_blocks_override: int | None = option(
@@ -146,6 +156,7 @@ class EngineArgs:
             num_blocks=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             profile_num_tokens=budget,
+            cache_dtype=self.kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -11,6 +11,16 @@ logger = logging.getLogger("pagedserve.engine")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
 
 
+_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV cache tensors: ``CacheConfig.cache_dtype``, or the model's
+    dtype for ``auto``. Keys and values are cast to it as ``store_kv`` writes them, and every
+    attention path widens what it reads to fp32."""
+    return model_dtype if cache_dtype == "auto" else _CACHE_DTYPES[cache_dtype]
+
+
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:

@@ -22,6 +22,7 @@ import torch
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.cpu_threads import set_cpu_threads
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
@@ -47,6 +48,7 @@ class LLMEngine(LoRAEngineMixin):
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
+        set_cpu_threads(args.num_cpu_threads)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         spec_config = args.create_speculative_config()  # checked before the model is loaded
         self.speculator = (

@@ -25,6 +25,7 @@ from pagedserve.engine.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
     gpu_kv_cache_budget,
+    kv_cache_torch_dtype,
     log_cache_size,
     num_blocks_for_memory,
 )
@@ -81,6 +82,9 @@ class ModelRunner:
         self.extra_block_bytes = extra_block_bytes
         self.device = model_config.torch_device
         torch.manual_seed(model_config.seed)
+        self.kv_cache_dtype = kv_cache_torch_dtype(
+            cache_config.cache_dtype, model_config.torch_dtype
+        )
         self.model = self._load_model()
         self.lora_manager = (  # its slots are allocated before the KV cache is sized
             LoRAManager(self.model, model_config, lora_config) if lora_config else None
@@ -92,7 +96,7 @@ class ModelRunner:
         if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
             from pagedserve.kernels.paged_attention_numba import warm_up
 
-            warm_up((model_config.torch_dtype,))
+            warm_up((self.kv_cache_dtype,))
         if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
             mc, heads = model_config, model_config.num_attention_heads // self.par.tp_size
             paged_attention_warmup(
@@ -105,6 +109,7 @@ class ModelRunner:
                 self.device,
                 layer_windows=mc.sliding_windows,
                 logits_soft_cap=mc.attention_logits_soft_cap,
+                cache_dtype=self.kv_cache_dtype,
             )
         self.decode_buffers: DecodeInputBuffers | None = None
         self.cuda_graphs: DecodeCUDAGraphs | None = None
@@ -136,7 +141,7 @@ class ModelRunner:
             self.cache_config.block_size,
             self._kv_heads_per_rank(),
             mc.head_dim,
-            mc.torch_dtype,
+            self.kv_cache_dtype,
             self.device,
         )
 
@@ -150,7 +155,11 @@ class ModelRunner:
         if cc.num_blocks is not None:
             return cc.num_blocks
         block_bytes = bytes_per_block(
-            mc.num_layers, cc.block_size, self._kv_heads_per_rank(), mc.head_dim, mc.torch_dtype
+            mc.num_layers,
+            cc.block_size,
+            self._kv_heads_per_rank(),
+            mc.head_dim,
+            self.kv_cache_dtype,
         )
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
@@ -187,7 +196,7 @@ class ModelRunner:
             cc.block_size,
             self._kv_heads_per_rank(),
             mc.head_dim,
-            mc.torch_dtype,
+            self.kv_cache_dtype,
             dev,
         )
         meta = _attention_metadata(batch, dev)

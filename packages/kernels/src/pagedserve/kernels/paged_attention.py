@@ -18,7 +18,9 @@ to ``c * tanh(s / c)`` before the softmax.
 Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
 ``seq_len`` may hold anything, NaN included, and never reach an output; softmax runs in
-fp32; the output has the query's dtype.
+fp32; the output has the query's dtype. The cache may hold another dtype than the query
+(``--kv-cache-dtype``: a 16-bit cache under an fp32 model): what is read is widened to fp32
+(or, for a 16-bit query on a GPU, taken as the query's type for the tensor-core dots).
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def _paged_attention_kernel(
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             if DOT_FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            else:  # a cache of another 16-bit type than the query's is read as the query's
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
             if SLIDING:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -150,7 +152,7 @@ def _paged_attention_kernel(
             if DOT_FP32:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
-                pv = tl.dot(p.to(v.dtype), v)
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

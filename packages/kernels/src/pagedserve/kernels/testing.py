@@ -47,6 +47,7 @@ def make_paged_batch(
     pad_value: int = -1,
     spare_blocks: int = 3,
     sliding_window: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """A batch of sequences given as ``(seq_len, q_len)``: q_len new tokens at the end.
 
@@ -54,15 +55,15 @@ def make_paged_batch(
     chunk or a prompt over a cached prefix. Block tables are padded with ``pad_value`` to
     the longest sequence plus one, so every table has at least one padding entry. With
     ``sliding_window``, blocks wholly before the first new token's window are "freed" as the
-    block manager frees them: their entries point at a spare all-NaN block.
+    block manager frees them: their entries point at a spare all-NaN block. ``cache_dtype``
+    (default: ``dtype``): the caches' own, as ``--kv-cache-dtype`` gives it.
     """
+    cache_dtype = cache_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
-    shape = (num_blocks, block_size, n_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    order = torch.randperm(sum(blocks_per_seq) + spare_blocks, generator=gen)
+    shape = (len(order), block_size, n_kv_heads, head_dim)
+    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=cache_dtype) for _ in range(2))
     block_tables = torch.full((len(seqs), max(blocks_per_seq, default=0) + 1), pad_value)
     keys, values, queries, starts, next_block = [], [], [0], [], 0
     for b, (seq_len, q_len) in enumerate(seqs):
@@ -74,13 +75,12 @@ def make_paged_batch(
         if sliding_window is not None:  # positions < horizon are out of every window
             horizon = max(0, seq_len - q_len - sliding_window + 1)
             block_tables[b, : horizon // block_size] = order[-1]
-        k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(cache_dtype)
         pos = torch.arange(seq_len)
         k_cache[blocks[pos // block_size], pos % block_size] = k
         v_cache[blocks[pos // block_size], pos % block_size] = v
-        keys.append(k)
-        values.append(v)
+        keys, values = keys + [k], values + [v]
         starts.append(torch.randn(q_len, n_q_heads, head_dim, generator=gen).to(dtype))
         queries.append(queries[-1] + q_len)
     query = torch.cat(starts) if starts else torch.empty(0, n_q_heads, head_dim, dtype=dtype)

@@ -57,19 +57,21 @@ def paged_attention_warmup(
     device: torch.device | str,
     layer_windows: Sequence[int | None] = (None,),
     logits_soft_cap: float | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
     returns the number of launches. Does nothing off a GPU (CPU tensors outside
     ``taken_as_cuda``) or where dispatch would not pick Triton (``PAGEDSERVE_KERNELS=ref``).
     ``layer_windows``: every layer's window (None: global), as ``ModelConfig.sliding_windows``
-    gives them; ``logits_soft_cap``: the model's attention soft cap, if any."""
+    gives them; ``logits_soft_cap``: the model's attention soft cap, if any; ``cache_dtype``:
+    the KV cache's element type when it differs from the model's (``--kv-cache-dtype``)."""
     probe = torch.empty(0, device=device)
     if not (is_cuda(probe) and use_triton(probe)):
         return 0
     max_blocks = triton.cdiv(max_model_len, block_size)
     splits = reachable_kv_splits(n_kv_heads, max_blocks * block_size, multi_processor_count(probe))
     caches = [
-        torch.zeros(2, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        torch.zeros(2, block_size, n_kv_heads, head_dim, dtype=cache_dtype or dtype, device=device)
         for _ in range(2)
     ]
     block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)

@@ -1,0 +1,91 @@
+"""bench_llamacpp's pure pieces: the build, convert and server command lines, and the ratios.
+
+The benchmark itself (a ~10-minute build, two servers) is not part of the suite; these check
+that what it would run is what its docstring promises.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_llamacpp  # noqa: E402
+import bench_serving  # noqa: E402
+import llamacpp_build  # noqa: E402
+
+from pagedserve.server.cli import build_parser  # noqa: E402
+
+
+def test_build_is_the_server_target_only_niced_and_offline(tmp_path):
+    configure = llamacpp_build.configure_command("cmake", tmp_path / "src", tmp_path / "build")
+    for flag in ("-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"):
+        assert flag in configure
+    build = llamacpp_build.build_command("cmake", tmp_path / "build", jobs=2)
+    assert build[:3] == ["nice", "-n", "19"]
+    assert build[build.index("--target") + 1] == "llama-server" and build[-2:] == ["-j", "2"]
+    source = llamacpp_build.source_dir(tmp_path)
+    assert source.parts[-2:] == ("vendor", "llama.cpp")
+    convert = llamacpp_build.convert_command(source, tmp_path / "model", tmp_path / "m.gguf")
+    assert convert[1].endswith("convert_hf_to_gguf.py")
+    assert convert[convert.index("--outtype") + 1] == "f32"
+
+
+def test_llama_server_runs_the_asked_threads_slots_and_kv_type(tmp_path):
+    cmd = bench_llamacpp.llama_server_command(
+        tmp_path / "llama-server", tmp_path / "m.gguf", 9000, 2, "f16", 16, 18400
+    )
+    pairs = dict(zip(cmd, cmd[1:]))
+    assert pairs["-t"] == pairs["-tb"] == "2" and pairs["-np"] == "16"
+    assert pairs["-ctk"] == pairs["-ctv"] == "f16" and pairs["-c"] == "18400"
+    assert pairs["--port"] == "9000" and "--kv-unified" in cmd
+
+
+def test_pagedserve_command_is_accepted_by_the_real_cli():
+    cmd = bench_llamacpp.pagedserve_command("/models/x", 9001, 2, "float16")
+    assert cmd[1:3] == ["-m", "pagedserve.server.cli"]
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.port, args.num_cpu_threads, args.kv_cache_dtype) == (9001, 2, "float16")
+    assert bench_llamacpp.thread_env(2) == {"OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+
+
+def test_each_level_gets_its_own_seed_and_request_count():
+    args = bench_llamacpp.parse_args(["--model", "/m", "--concurrency", "1", "16"] + [
+        "--num-requests", "8", "64"
+    ])  # fmt: skip
+    one, sixteen = (
+        bench_llamacpp.level_args(args, "http://h", c, n) for c, n in ((1, 8), (16, 64))
+    )
+    assert (one.concurrency, one.num_requests, sixteen.num_requests) == ([1], 8, 64)
+    assert one.seed != sixteen.seed
+    workload = bench_serving.make_workload(one, one.vocab_size)
+    assert workload == bench_serving.make_workload(one, one.vocab_size)  # seeded: same ids
+    with pytest.raises(SystemExit):
+        bench_llamacpp.parse_args(["--model", "/m", "--concurrency", "1", "16"])
+
+
+def _summary(mode: str, tokens_per_s: float, tpot: float, ttft: float):
+    pct = {name: {"p50": value, "p90": value, "p99": value} for name, value in (
+        ("ttft", ttft), ("tpot", tpot), ("itl", tpot), ("e2e", 1.0))}  # fmt: skip
+    return bench_serving.RunSummary(mode, 4, 0, 1.0, 4.0, tokens_per_s, pct)
+
+
+def test_ratios_are_ours_over_each_peer():
+    results = {
+        "pagedserve kv auto": {
+            "runs": [_summary("c=1", 40.0, 25.0, 100.0), _summary("c=16", 300.0, 50.0, 400.0)],
+            "long_ttft_ms": [900.0, 1000.0, 1100.0],
+        },
+        "llama.cpp kv f16": {
+            "runs": [_summary("c=1", 50.0, 20.0, 50.0), _summary("c=16", 200.0, 80.0, 500.0)],
+            "long_ttft_ms": [2000.0, 1900.0, 2100.0],
+        },
+    }
+    rows = bench_llamacpp.ratio_rows(results, "pagedserve kv auto")
+    assert rows[0] == ("llama.cpp kv f16", "c=1", 0.8, 1.25, 2.0)
+    assert rows[1] == ("llama.cpp kv f16", "c=16", 1.5, 0.625, 0.8)
+    assert rows[2][:2] == ("llama.cpp kv f16", "long prompt") and rows[2][4] == 1000.0 / 2000.0
