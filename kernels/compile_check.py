@@ -119,9 +119,19 @@ def _amd_resources(kernel) -> tuple[int, int]:
     return field("vgpr_count"), field("vgpr_spill_count")
 
 
+def computes_in_half(launch: Launch) -> bool:
+    """Whether a launch computes in fp16/bf16 (whose variants must not spill): the compute
+    dtype its label names (engine_launches labels each launch with the model's dtype; a 16-bit
+    KV cache under an fp32 model is "fp32 kv-fp16" and computes in fp32), else whether any
+    tensor argument is 16-bit."""
+    named = {"fp16", "bf16", "fp32"} & set(launch.variant.split())
+    if named:
+        return named != {"fp32"}
+    return any(torch.is_tensor(a) and a.dtype in HALF for a in launch.args)
+
+
 def compile_row(launch: Launch, count: int, target: Target) -> Row:
-    half = any(torch.is_tensor(a) and a.dtype in HALF for a in launch.args)
-    row = Row(launch.name, launch.variant, target.name, count, half)
+    row = Row(launch.name, launch.variant, target.name, count, computes_in_half(launch))
     start = time.perf_counter()
     log = io.StringIO()
     try:

@@ -15,7 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from compile_check import Row, violations
+import torch
+from compile_check import Row, computes_in_half, violations
+from launch_capture import Launch
 
 SUITE = Path(__file__).parent
 
@@ -106,3 +108,17 @@ def test_what_fails_the_check():
     assert "shared memory 170000 B > 166912 B" in violations([_row(shared=170000)])[0]
     assert violations([_row(shared=170000, target="sm90")]) == []  # sm90 gives 227 KB
     assert "compile error" in violations([_row(error="PTXASError: boom")])[0]
+
+
+def test_a_16_bit_cache_under_an_fp32_model_computes_in_fp32():
+    """Its launches hold 16-bit tensors (the cache) but compute in fp32, whose spills are
+    allowed; the label's dtype decides, the tensors only where a label names none."""
+    half, full = torch.empty(2, dtype=torch.float16), torch.empty(2)
+
+    def launch(variant: str, *args) -> Launch:
+        return Launch(kernel=None, grid=(1,), args=args, kwargs={}, variant=variant)
+
+    assert computes_in_half(launch("llama3-8b bf16 bs16 decode", full))
+    assert not computes_in_half(launch("llama3-8b fp32 kv-fp16 bs16 decode", full, half))
+    assert computes_in_half(launch("unlabelled", full, half))
+    assert not computes_in_half(launch("unlabelled", full))

@@ -211,3 +211,23 @@ def test_a_row_parallel_shard_must_fall_on_block_boundaries():
     assert tensor.narrow(0, 1, 2).dequantize().equal(tensor.dequantize()[1:3])
     with pytest.raises(ModelLoadError, match="block boundaries"):
         tensor.narrow(1, 128, 256)
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_a_gguf_as_one_process(gguf_file):
+    """Output rows shard as unquantized rows do; a row-parallel shard is whole Q4_1 blocks
+    (32 weights) here, so each rank multiplies its own run of the blocks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # two ranks on two cores
+    _, path = gguf_file("llama-q4_1-tied")
+    kw = dict(block_size=8, kv_cache_memory=4 * 2**20)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [7, 8, 9]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
+    llm = LLM(model=path, tensor_parallel_size=2, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+    finally:
+        llm.engine.runner.shutdown()
+        torch.set_num_threads(before)
