@@ -111,3 +111,15 @@ def test_triton_kernels_are_exempt(decorator):
 
 def test_other_decorators_are_not_exempt():
     assert [n for n, _, _ in long_functions(_function("f", 61, "@torch.inference_mode()"))] == ["f"]
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ has no __init__.py files, so pytest imports each test module by its basename: two
+    files of one name in different folders stop the whole run at collection."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, clashes
