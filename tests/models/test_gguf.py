@@ -17,7 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_quantization import prompt_token_logprobs, transformers_token_logprobs
+from test_quantization import (
+    assert_two_ranks_serve_as_one_process,
+    prompt_token_logprobs,
+    transformers_token_logprobs,
+)
 from transformers import AutoModelForCausalLM
 
 from pagedserve.engine import LLM, SamplingParams
@@ -217,17 +221,5 @@ def test_a_row_parallel_shard_must_fall_on_block_boundaries():
 def test_two_ranks_serve_a_gguf_as_one_process(gguf_file):
     """Output rows shard as unquantized rows do; a row-parallel shard is whole Q4_1 blocks
     (32 weights) here, so each rank multiplies its own run of the blocks."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on two cores
     _, path = gguf_file("llama-q4_1-tied")
-    kw = dict(block_size=8, kv_cache_memory=4 * 2**20)
-    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [7, 8, 9]}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-    llm = LLM(model=path, tensor_parallel_size=2, **kw)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == expected
-    finally:
-        llm.engine.runner.shutdown()
-        torch.set_num_threads(before)
+    assert_two_ranks_serve_as_one_process(path, PROMPT, block_size=8, kv_cache_memory=4 * 2**20)

@@ -47,6 +47,23 @@ def fake_quantized_transformers(path: str, fmt: str | None):
     return hf
 
 
+def assert_two_ranks_serve_as_one_process(path: str, prompt: list[int], **kw) -> None:
+    """Greedy tokens of ``path`` over two tensor-parallel ranks equal one process's (torch held
+    to one thread meanwhile: two ranks on two cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    prompts = [{"prompt_token_ids": prompt}, {"prompt_token_ids": [7, 8, 9]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
+    llm = LLM(model=path, tensor_parallel_size=2, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+    finally:
+        llm.engine.runner.shutdown()
+        torch.set_num_threads(before)
+
+
 def prompt_token_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

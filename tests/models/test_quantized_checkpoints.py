@@ -13,7 +13,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_quantization import prompt_token_logprobs, transformers_token_logprobs
+from test_quantization import (
+    assert_two_ranks_serve_as_one_process,
+    prompt_token_logprobs,
+    transformers_token_logprobs,
+)
 from transformers import AutoModelForCausalLM
 
 from pagedserve.engine import LLM, SamplingParams
@@ -164,17 +168,5 @@ def test_a_pre_quantized_gpt2_is_refused_naming_the_architecture(tiny_checkpoint
 def test_two_ranks_serve_a_quantized_checkpoint_as_one_process(quantized, case):
     """Column shards hold whole words of output channels; row shards start on a group
     boundary, or (act-order) hold every group's scales with their sorted g_idx."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on two cores
     path = quantized(case)[0]
-    kw = dict(block_size=8, kv_cache_memory=KV)
-    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [7, 8, 9]}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-    llm = LLM(model=path, tensor_parallel_size=2, **kw)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == expected
-    finally:
-        llm.engine.runner.shutdown()
-        torch.set_num_threads(before)
+    assert_two_ranks_serve_as_one_process(path, PROMPT, block_size=8, kv_cache_memory=KV)

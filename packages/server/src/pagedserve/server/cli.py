@@ -303,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_plugin_parsers(sub) -> None:
-    """Subcommands of installed members that the server must not import (``pagedserve cluster``
-    from pagedserve.cluster): each names a ``pagedserve.cli`` entry point that adds its parser."""
+    """Subcommands of installed members that the server must not import (the cluster member's
+    ``pagedserve cluster``): each names a ``pagedserve.cli`` entry point that adds its parser,
+    so the dependency points from that member to the server, never back."""
     for entry_point in metadata.entry_points(group="pagedserve.cli"):
         entry_point.load()(sub)
 
