@@ -172,9 +172,8 @@ class KVCacheManager:
         cannot supply the blocks (the scheduler then preempts or waits).
         """
         table = self.block_tables.get(seq_id)
-        if table is not None and not computed_blocks and num_new_tokens == 1 <= num_computed_tokens:
-            if self._decodes_in_place(seq_id, table, num_computed_tokens):
-                self._free_out_of_window(seq_id, table, num_computed_tokens)
+        if table is not None and not computed_blocks and num_new_tokens == 1:
+            if self.decode_in_place(seq_id, num_computed_tokens) is not None:
                 return True
         _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
         self._block_ids.pop(seq_id, None)
@@ -209,6 +208,26 @@ class KVCacheManager:
         self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
         self._free_out_of_window(seq_id, table, num_computed_tokens)
         return True
+
+    def decode_in_place(self, seq_id: str, num_computed_tokens: int) -> list[int] | None:
+        """The decode fast path: one new token at ``num_computed_tokens`` that needs no block.
+
+        When ``_decodes_in_place`` holds there is nothing to allocate, copy, hash or register:
+        this does what ``allocate_slots(seq_id, ..., num_computed_tokens, 1)`` would (release
+        blocks behind a sliding window) and returns ``block_ids``; None (nothing changed) when
+        the general path is needed. O(1), asked for every running decode at every step.
+        """
+        table = self.block_tables.get(seq_id)
+        if (
+            table is None
+            or num_computed_tokens < 1
+            or not self._decodes_in_place(seq_id, table, num_computed_tokens)
+        ):
+            return None
+        if self.sliding_window is not None:
+            self._free_out_of_window(seq_id, table, num_computed_tokens)
+        ids = self._block_ids.get(seq_id)
+        return ids if ids is not None else self.block_ids(seq_id)
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first, so the cached head of a prefix outlives it."""

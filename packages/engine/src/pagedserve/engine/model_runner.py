@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
+from pagedserve.engine.block_table import BlockTable
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
 from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
@@ -111,6 +112,10 @@ class ModelRunner:
                 logits_soft_cap=mc.attention_logits_soft_cap,
                 cache_dtype=self.kv_cache_dtype,
             )
+        # Pure-decode steps build their inputs on the fast path (tests turn it off to hold it
+        # equal to the general path), their block tables in the persistent array.
+        self.decode_fast_path = True
+        self.block_table = BlockTable(-(-model_config.max_model_len // cache_config.block_size))
         self.decode_buffers: DecodeInputBuffers | None = None
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if pads:
@@ -216,8 +221,57 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     def prepare_input(self, output: SchedulerOutput) -> ModelInput:
-        """The flat batch of a step. Runs for every scheduled request at every step, so a
-        decode (one new token, an output token) takes its token without slicing."""
+        """The flat batch of a step: a pure-decode step (every request runs its one last token)
+        through ``_prepare_decodes``, any other through ``_prepare_general``."""
+        items = output.scheduled
+        if (
+            self.decode_fast_path
+            and items
+            and output.num_scheduled_tokens == len(items)
+            and not output.num_spec_tokens
+        ):
+            model_input = self._prepare_decodes(output)
+            if model_input is not None:
+                return model_input
+        return self._prepare_general(output)
+
+    def _prepare_decodes(self, output: SchedulerOutput) -> ModelInput | None:
+        """The decode fast path, as vLLM's persistent ``InputBatch``: one list comprehension
+        per field over the batch, numpy for the arithmetic, one tensor per input, and block
+        tables from the persistent ``BlockTable`` (a row is rewritten only when its sequence's
+        table changed). None (the general path) unless every request runs one token, its last
+        known one (it needs a sample; no prompt-logits row can remain at that position)."""
+        items = output.scheduled
+        requests = [item.request for item in items]
+        starts = np.array([item.num_computed_tokens for item in items], dtype=np.int64)
+        num_tokens = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in requests]
+        if not np.array_equal(starts + 1, num_tokens):
+            return None
+        token_ids = np.array(
+            [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests], dtype=np.int64
+        )
+        num_seqs, block_size = len(items), self.cache_config.block_size
+        tables = self.block_table.fill([item.block_table for item in items])
+        slots = tables[np.arange(num_seqs), starts // block_size].astype(np.int64) * block_size
+        batch = PagedBatch(
+            positions=starts,
+            slot_mapping=slots + starts % block_size,
+            block_tables=tables,
+            seq_lens=(starts + 1).astype(np.int32),
+            query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        )
+        return self._model_input(
+            output,
+            token_ids,
+            batch,
+            list(range(num_seqs)),
+            [1] * num_seqs,
+            [r.request_id for r in requests],
+        )
+
+    def _prepare_general(self, output: SchedulerOutput) -> ModelInput:
+        """The flat batch of any step (prefill chunks, prompt logprobs, proposals to verify).
+        A decode (one new token, an output token) takes its token without slicing."""
         tokens, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
         prompt_rows: list[int] = []
         spec_rows: list[int] = []
@@ -252,10 +306,23 @@ class ModelRunner:
                 logits_rows.append(offset - 1)
         batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
         token_ids = np.array(tokens, dtype=np.int64)
-        dev = self.device
         rows = logits_rows + prompt_rows + spec_rows if spec_rows else logits_rows + prompt_rows
+        return self._model_input(output, token_ids, batch, rows, counts, sample_ids)
+
+    def _model_input(
+        self,
+        output: SchedulerOutput,
+        token_ids: np.ndarray,
+        batch: PagedBatch,
+        rows: list[int],
+        counts: list[int],
+        sample_ids: list[str],
+    ) -> ModelInput:
+        """A laid-out step as tensors: into the padded decode buffers when it is a pure-decode
+        step with a bucket, else one tensor per input."""
+        dev = self.device
         logits_indices = torch.tensor(rows, dtype=torch.long, device=dev)
-        bucket = self._decode_bucket(offset, len(counts))
+        bucket = self._decode_bucket(len(token_ids), len(counts))
         if bucket is not None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
             return ModelInput(input_ids, positions, meta, logits_indices, sample_ids, bucket)

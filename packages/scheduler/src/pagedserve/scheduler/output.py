@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pagedserve.scheduler.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on.
 
@@ -32,19 +32,33 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     """One step: what each scheduled request computes, the block copies to run first, and the
-    requests preempted while making room."""
+    requests preempted while making room.
+
+    The step's token counts are read several times a step (the engine, the metrics): the
+    scheduler counts them while it schedules and records them with ``finish``; a hand-built
+    output (tests) sums its requests on every read instead.
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    _totals: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def finish(self, num_scheduled_tokens: int, num_spec_tokens: int) -> None:
+        """Record the step's totals (the output is complete: nothing is scheduled after)."""
+        self._totals = (num_scheduled_tokens, num_spec_tokens)
 
     @property
     def num_spec_tokens(self) -> int:
         """Proposed tokens scheduled for verification in this step."""
+        if self._totals is not None:
+            return self._totals[1]
         return sum(len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def num_scheduled_tokens(self) -> int:
+        if self._totals is not None:
+            return self._totals[0]
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property

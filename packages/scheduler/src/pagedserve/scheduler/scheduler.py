@@ -33,9 +33,10 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.update import StepUpdate
 
 
-class Scheduler:
+class Scheduler(StepUpdate):
     """Continuous batching under one token budget, with chunked prefill, preemption and
     admission control."""
 
@@ -50,6 +51,9 @@ class Scheduler:
         self._num_steps = 0
         self._total_scheduled_tokens = 0
         self._last_step = (0, 0)  # scheduled tokens, scheduled sequences
+        # The decode fast paths of schedule and update (on; tests turn them off to hold them
+        # equal to the general paths).
+        self.decode_fast_path = True
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -194,73 +198,16 @@ class Scheduler:
         new request would only take the blocks that the preempted one needs to return.
         """
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget, num_spec = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
-        num_tokens = output.num_scheduled_tokens
+        num_tokens = self.config.max_num_batched_tokens - budget
+        output.finish(num_tokens, num_spec)
         self._last_step = (num_tokens, len(output.scheduled))
         self._num_steps += 1
         self._total_scheduled_tokens += num_tokens
         return output
-
-    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, and finish requests that stop.
-
-        ``sampled`` maps request id -> next token for the requests whose chunk reached their
-        last known token (``needs_sample``); for a speculative decode, the list of its accepted
-        proposals and then the target's own token (``_update_verified``). A request finished
-        between ``schedule`` and here (an abort, a stop string) is skipped. Returns the requests
-        that got new tokens, finished ones included; finished requests have already freed their
-        blocks.
-        """
-        updated = []
-        stopped = False
-        for item in output.scheduled:
-            request = item.request
-            if request.is_finished:
-                continue
-            if item.spec_token_ids:
-                stopped |= self._update_verified(item, sampled[request.request_id])
-                updated.append(request)
-                continue
-            request.num_computed_tokens += item.num_new_tokens
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk short of the last known token: nothing to sample
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            updated.append(request)
-            stop = request.check_stop()
-            if stop is not None:
-                self._finish(request, stop)
-                stopped = True
-        if stopped:
-            self.running = [r for r in self.running if not r.is_finished]
-        return updated
-
-    def _update_verified(self, item: ScheduledRequest, tokens: list[int]) -> bool:
-        """A speculative decode's outcome: ``tokens`` are the accepted proposals, then one token
-        of the target's own (the first rejection's resample, or the bonus token).
-
-        They are appended in order and each meets the stop rules (EOS, stop ids, max_tokens):
-        a stop inside the run ends the output there. Otherwise the request is rewound past the
-        rejected proposals (their keys and values are garbage) and the blocks that only they
-        used go back to the pool. True when the request finished.
-        """
-        request = item.request
-        request.num_computed_tokens += item.num_new_tokens
-        for token in tokens:
-            request.append_output_token(token)
-            stop = request.check_stop()
-            if stop is not None:
-                self._finish(request, stop)
-                return True
-        num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
-        self.rewind(request.request_id, num_rejected)
-        self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
-        return False
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -273,37 +220,65 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, int]:
         """Each running request's next chunk, in order, preempting from the tail as needed.
 
-        A decode (one token left to compute) takes its one token without the chunking rules,
-        and ``allocate_slots`` answers it in O(1) when its block has room.
+        The decode fast path first: a request whose next chunk is its one last token, with no
+        proposals to verify and room in its last block (``kv.decode_in_place``), needs no
+        chunking rules, no hashing and no allocation, and can never cause a preemption. Every
+        other request takes the general path (``_schedule_chunk``). Returns the budget left
+        and the proposals scheduled for verification.
         """
         max_seqs = self.config.max_num_seqs
-        scheduled, running, kv = output.scheduled, self.running, self.kv
-        index = 0
+        scheduled, running = output.scheduled, self.running
+        decode_in_place = self.kv.decode_in_place if self.decode_fast_path else None
+        index = num_spec = 0
         while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
             request = running[index]
             num_computed = request.num_computed_tokens
-            spec: list[int] = []
-            if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
-                num_new = 1  # what _num_new_tokens gives a decode under any budget left (> 0)
-                if request.spec_token_ids:  # verify the proposals too, as far as the budget goes
-                    spec, request.spec_token_ids = request.spec_token_ids[: budget - 1], []
-                    num_new += len(spec)
-            else:
-                num_new = self._num_new_tokens(request, num_computed, budget)
-            if spec and not self._allocate(request, num_computed, num_new):
-                spec, num_new = [], 1  # proposals never cost another request its place
-            if not spec and not self._allocate_or_preempt(request, num_new, output):
+            if (
+                decode_in_place is not None
+                and not request.spec_token_ids
+                and num_computed + 1
+                == len(request.prompt_token_ids) + len(request.output_token_ids)
+            ):
+                block_ids = decode_in_place(request.request_id, num_computed)
+                if block_ids is not None:
+                    scheduled.append(ScheduledRequest(request, num_computed, 1, block_ids))
+                    budget -= 1
+                    index += 1
+                    continue
+            item = self._schedule_chunk(request, budget, output)
+            if item is None:
                 break  # the request was the last one running, and preempted itself
-            request_id = request.request_id
-            scheduled.append(
-                ScheduledRequest(request, num_computed, num_new, kv.block_ids(request_id), spec)
-            )
-            budget -= num_new
+            budget -= item.num_new_tokens
+            num_spec += len(item.spec_token_ids)
             index += 1
-        return budget
+        return budget, num_spec
+
+    def _schedule_chunk(
+        self, request: Request, budget: int, output: SchedulerOutput
+    ) -> ScheduledRequest | None:
+        """The general path for one running request: its next chunk (a decode takes its one
+        token and any proposals, as far as the budget goes; a prefill the chunking rules),
+        allocated, preempting from the tail as needed. None when ``request`` itself had to go."""
+        num_computed = request.num_computed_tokens
+        spec: list[int] = []
+        if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
+            num_new = 1  # what _num_new_tokens gives a decode under any budget left (> 0)
+            if request.spec_token_ids:  # verify the proposals too, as far as the budget goes
+                spec, request.spec_token_ids = request.spec_token_ids[: budget - 1], []
+                num_new += len(spec)
+        else:
+            num_new = self._num_new_tokens(request, num_computed, budget)
+        if spec and not self._allocate(request, num_computed, num_new):
+            spec, num_new = [], 1  # proposals never cost another request its place
+        if not spec and not self._allocate_or_preempt(request, num_new, output):
+            return None
+        block_ids = self.kv.block_ids(request.request_id)
+        item = ScheduledRequest(request, num_computed, num_new, block_ids, spec)
+        output.scheduled.append(item)
+        return item
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Get ``request`` the slots for its chunk, preempting from the tail of ``running`` until
@@ -337,7 +312,7 @@ class Scheduler:
         running = {r.lora_int_id for r in self.running if r.lora_int_id}
         return request.lora_int_id in running or len(running) < self.config.max_loras
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         max_seqs = self.config.max_num_seqs
         while (
             self.waiting
@@ -370,6 +345,7 @@ class Scheduler:
                 )
             )
             budget -= num_new
+        return budget
 
     def _add_running(self, request: Request) -> None:
         """Keep ``running`` in policy order, so that its tail is the next preemption victim."""

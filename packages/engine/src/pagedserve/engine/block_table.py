@@ -1,0 +1,63 @@
+"""The model runner's persistent block-table array, as vLLM V1's ``BlockTable``.
+
+Every step needs the scheduled sequences' block tables as one ``[B, max_blocks]`` int32 array.
+Building it afresh walks every block id of every sequence at every step, though a decode adds a
+block only once every ``block_size`` steps. So the array persists between steps, one row per
+batch position, and a row is rewritten only when the list it was written from changes: the
+KVCacheManager's ``block_ids`` lists are replaced, never changed in place, whenever a table
+changes, so a row whose source is the very same list object (``is``) is still up to date.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class BlockTable:
+    """``[rows, max_blocks]`` int32, row i holding the table last written to batch position i.
+
+    Invariant: ``array[i, :lengths[i]]`` is ``sources[i]`` and the rest of row i is 0, so the
+    first B rows, cut to the longest table, equal ``block_table_array`` of the same tables.
+    The array grows (doubling its rows) when a batch has more sequences than rows.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, rows: int = 64) -> None:
+        self.array = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
+        self._sources: list[Sequence[int] | None] = [None] * rows
+        self._lengths = [0] * rows
+
+    def fill(self, tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """Rows ``[0, len(tables))`` hold ``tables``; a copy of them, cut to the longest table
+        (a copy, so that a step's array stays that step's when the next step rewrites rows)."""
+        num_seqs = len(tables)
+        if num_seqs > len(self._sources):
+            self._grow(num_seqs)
+        array, sources, lengths = self.array, self._sources, self._lengths
+        for row, ids in enumerate(tables):
+            if sources[row] is not ids:
+                length, old = len(ids), lengths[row]
+                if length > array.shape[1]:
+                    array = self._widen(length)
+                array[row, :length] = ids
+                if old > length:
+                    array[row, length:old] = 0
+                sources[row], lengths[row] = ids, length
+        width = max(lengths[:num_seqs], default=0)
+        return array[:num_seqs, :width].copy()
+
+    def _grow(self, num_seqs: int) -> None:
+        rows = max(num_seqs, 2 * len(self._sources))
+        grown = np.zeros((rows, self.array.shape[1]), dtype=np.int32)
+        grown[: len(self.array)] = self.array
+        self.array = grown
+        self._sources += [None] * (rows - len(self._sources))
+        self._lengths += [0] * (rows - len(self._lengths))
+
+    def _widen(self, width: int) -> np.ndarray:
+        """Room for a table longer than any so far (``max_blocks_per_seq`` was an estimate)."""
+        wider = np.zeros((len(self.array), width), dtype=np.int32)
+        wider[:, : self.array.shape[1]] = self.array
+        self.array = wider
+        return wider
