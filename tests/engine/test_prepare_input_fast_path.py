@@ -12,8 +12,8 @@ import torch
 
 from pagedserve.blockmgr import CacheConfig, KVCacheManager
 from pagedserve.blockmgr.slot_mapping import block_table_array
-from pagedserve.engine.block_table import BlockTable
 from pagedserve.engine.cuda_graph import CUDAGraphConfig
+from pagedserve.engine.input_batch import BlockTable
 from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import Request, Scheduler, SchedulerConfig

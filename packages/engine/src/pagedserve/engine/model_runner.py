@@ -19,8 +19,8 @@ import torch
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
-from pagedserve.engine.block_table import BlockTable
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
+from pagedserve.engine.input_batch import BlockTable, _attention_metadata, _token_slice, to_device
 from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
@@ -35,7 +35,7 @@ from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
-from pagedserve.scheduler import Request, ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -264,7 +264,7 @@ class ModelRunner:
             output,
             token_ids,
             batch,
-            list(range(num_seqs)),
+            np.arange(num_seqs),
             [1] * num_seqs,
             [r.request_id for r in requests],
         )
@@ -314,21 +314,21 @@ class ModelRunner:
         output: SchedulerOutput,
         token_ids: np.ndarray,
         batch: PagedBatch,
-        rows: list[int],
+        rows: list[int] | np.ndarray,
         counts: list[int],
         sample_ids: list[str],
     ) -> ModelInput:
         """A laid-out step as tensors: into the padded decode buffers when it is a pure-decode
         step with a bucket, else one tensor per input."""
         dev = self.device
-        logits_indices = torch.tensor(rows, dtype=torch.long, device=dev)
+        logits_indices = to_device(np.asarray(rows, dtype=np.int64), dev)
         bucket = self._decode_bucket(len(token_ids), len(counts))
         if bucket is not None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
             return ModelInput(input_ids, positions, meta, logits_indices, sample_ids, bucket)
         return ModelInput(
-            input_ids=torch.from_numpy(token_ids).to(dev),
-            positions=torch.from_numpy(batch.positions).to(dev),
+            input_ids=to_device(token_ids, dev),
+            positions=to_device(batch.positions, dev),
             attn_metadata=_attention_metadata(batch, dev),
             logits_indices=logits_indices,
             sample_request_ids=sample_ids,
@@ -396,25 +396,3 @@ def prompt_logit_positions(item: ScheduledRequest) -> range:
         return range(0)
     start = item.num_computed_tokens
     return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))
-
-
-def _token_slice(request: Request, start: int, count: int) -> list[int]:
-    """Tokens ``[start, start + count)`` of prompt + output, without concatenating the two
-    (``all_token_ids`` would copy the whole sequence for every request at every step)."""
-    prompt, end = request.prompt_token_ids, start + count
-    if end <= len(prompt):
-        return prompt[start:end]
-    output = request.output_token_ids
-    if start >= len(prompt):
-        return output[start - len(prompt) : end - len(prompt)]
-    return prompt[start:] + output[: end - len(prompt)]
-
-
-def _attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
-    """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
-        block_tables=torch.from_numpy(batch.block_tables).to(device),
-        seq_lens=torch.from_numpy(batch.seq_lens).to(device),
-        query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
-    )

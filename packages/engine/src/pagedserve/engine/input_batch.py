@@ -1,4 +1,5 @@
-"""The model runner's persistent block-table array, as vLLM V1's ``BlockTable``.
+"""The host side of a step's inputs: the persistent block-table array (vLLM V1's
+``BlockTable``), the tokens read from a request, and the arrays' way to the device.
 
 Every step needs the scheduled sequences' block tables as one ``[B, max_blocks]`` int32 array.
 Building it afresh walks every block id of every sequence at every step, though a decode adds a
@@ -13,6 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+
+from pagedserve.blockmgr.slot_mapping import PagedBatch
+from pagedserve.models import AttentionMetadata
+from pagedserve.scheduler import Request
 
 
 class BlockTable:
@@ -61,3 +67,40 @@ class BlockTable:
         wider[:, : self.array.shape[1]] = self.array
         self.array = wider
         return wider
+
+
+def _token_slice(request: Request, start: int, count: int) -> list[int]:
+    """Tokens ``[start, start + count)`` of prompt + output, without concatenating the two
+    (``all_token_ids`` would copy the whole sequence for every request at every step)."""
+    prompt, end = request.prompt_token_ids, start + count
+    if end <= len(prompt):
+        return prompt[start:end]
+    output = request.output_token_ids
+    if start >= len(prompt):
+        return output[start - len(prompt) : end - len(prompt)]
+    return prompt[start:] + output[: end - len(prompt)]
+
+
+def _attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
+    """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
+    return AttentionMetadata(
+        slot_mapping=to_device(batch.slot_mapping, device),
+        block_tables=to_device(batch.block_tables, device),
+        seq_lens=to_device(batch.seq_lens, device),
+        query_start_loc=to_device(batch.query_start_loc, device),
+    )
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device``: on CPU the array itself (no copy); on CUDA through
+    pinned memory, copied without blocking the host (vLLM's pinned CPU staging tensors).
+
+    ``pin_memory`` draws from torch's caching host allocator, which keeps a pinned block from
+    reuse until the copy that reads it has completed (it records an event on the stream), so
+    the step's host arrays may be dropped at once and the next step cannot overwrite an
+    in-flight copy; the kernels that read the result run on the same stream, after the copy.
+    """
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
