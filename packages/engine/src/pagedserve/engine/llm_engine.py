@@ -52,7 +52,9 @@ class LLMEngine(LoRAEngineMixin):
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         spec_config = args.create_speculative_config()  # checked before the model is loaded
         self.speculator = (
-            Speculator(spec_config, self.model_config, self.tokenizer)
+            Speculator(
+                spec_config, self.model_config, self.tokenizer, self.cache_config.cache_dtype
+            )
             if spec_config is not None
             else None
         )

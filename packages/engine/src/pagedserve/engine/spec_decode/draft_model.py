@@ -37,7 +37,7 @@ import logging
 import torch
 
 from pagedserve.blockmgr.slot_mapping import build_paged_batch
-from pagedserve.engine.kv_cache import allocate_kv_caches, bytes_per_block
+from pagedserve.engine.kv_cache import allocate_kv_caches, bytes_per_block, kv_cache_torch_dtype
 from pagedserve.engine.model_runner import _attention_metadata, _token_slice
 from pagedserve.engine.sampler import BatchSettings
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
@@ -91,14 +91,23 @@ def load_draft_config(path: str, target: ModelConfig, target_tokenizer) -> Model
 
 
 class DraftModelProposer:
-    """The draft model, its KV tensors, and one step's proposals (see the module docstring)."""
+    """The draft model, its KV tensors, and one step's proposals (see the module docstring).
+
+    ``cache_dtype`` is the engine's ``CacheConfig.cache_dtype``: the draft's cache stores what
+    the target's stores (a 16-bit cache under an fp32 model halves both caches' bytes), so the
+    memory budget's split and the attention paths are the same for both."""
 
     def __init__(
-        self, config: SpeculativeConfig, target: ModelConfig, target_tokenizer: object
+        self,
+        config: SpeculativeConfig,
+        target: ModelConfig,
+        target_tokenizer: object,
+        cache_dtype: str = "auto",
     ) -> None:
         self.k = config.num_speculative_tokens
         self.model_config = load_draft_config(config.model, target, target_tokenizer)
         self.device = self.model_config.torch_device
+        self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.model_config.torch_dtype)
         self.model = load_model(self.model_config)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -110,7 +119,7 @@ class DraftModelProposer:
         """KV bytes one block takes in the draft's cache (the budget split counts them)."""
         mc = self.model_config
         return bytes_per_block(
-            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, mc.torch_dtype
+            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.kv_cache_dtype
         )
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
@@ -119,17 +128,18 @@ class DraftModelProposer:
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(
             mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-            mc.torch_dtype, self.device,
+            self.kv_cache_dtype, self.device,
         )  # fmt: skip
         logger.info(
-            "draft model %s: %d layers, KV cache of %d blocks beside the target's",
-            mc.model, mc.num_layers, num_blocks,
+            "draft model %s: %d layers, KV cache of %d %s blocks beside the target's",
+            mc.model, mc.num_layers, num_blocks, str(self.kv_cache_dtype).removeprefix("torch."),
         )  # fmt: skip
         if self.device.type == "cuda":  # compile the draft's attention variants now
             paged_attention_warmup(
                 mc.num_attention_heads, mc.num_kv_heads, mc.head_dim, mc.torch_dtype,
                 block_size, mc.max_model_len, self.device,
                 layer_windows=mc.sliding_windows, logits_soft_cap=mc.attention_logits_soft_cap,
+                cache_dtype=self.kv_cache_dtype,
             )  # fmt: skip
 
     def placeholders(self, room: int) -> list[int]:

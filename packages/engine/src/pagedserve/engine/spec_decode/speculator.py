@@ -36,13 +36,17 @@ class Speculator:
     """
 
     def __init__(
-        self, config: SpeculativeConfig, model_config: ModelConfig, tokenizer: object
+        self,
+        config: SpeculativeConfig,
+        model_config: ModelConfig,
+        tokenizer: object,
+        cache_dtype: str = "auto",
     ) -> None:
         self.config = config
         self.proposer: NgramProposer | None = None
         self.draft: DraftModelProposer | None = None
-        if config.method == "draft_model":
-            self.draft = DraftModelProposer(config, model_config, tokenizer)
+        if config.method == "draft_model":  # its cache stores what the target's stores
+            self.draft = DraftModelProposer(config, model_config, tokenizer, cache_dtype)
         else:
             self.proposer = NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
