@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedserve.engine.detokenizer import (
+    ByteLevelDetokenizer,
+    IncrementalDetokenizer,
+    detokenizer_for,
+    find_stop_string,
+)
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledGrammar, GrammarMatcher
 from pagedserve.scheduler import (
     Request,
@@ -40,17 +45,22 @@ class SequenceState:
     unconstrained, or while the grammar compiles); it fills the sequence's row of each step's
     bitmask and accepts each new token. Speculative decoding rolls it back with the scheduler's
     ``rewind`` (``grammar_matcher.rollback(n)``).
+
+    ``text_sent``/``tokens_sent``: how much of the visible text and of the output tokens the
+    request's DELTA outputs have carried already.
     """
 
     group: SequenceGroup
     index: int
     generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
+    detokenizer: ByteLevelDetokenizer | IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     text_checked: int = 0  # characters of text already searched for stop strings
     stop_string_hit: str | None = None
     grammar_matcher: GrammarMatcher | None = None
+    text_sent: int = 0
+    tokens_sent: int = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -130,6 +140,7 @@ class SequenceGroup:
     params: SamplingParams
     metrics: RequestMetrics
     seed: int = 0
+    output_kind: RequestOutputKind = field(init=False)
     sequences: list[Request[SequenceState]] = field(default_factory=list)
     forked: bool = False
     aborted: bool = False
@@ -138,6 +149,7 @@ class SequenceGroup:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
+        self.output_kind = self.params.output_kind
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 
@@ -145,6 +157,19 @@ class SequenceGroup:
     def needs_fork(self) -> bool:
         """True until an ``n > 1`` request has split into its ``n`` sequences."""
         return self.params.n > 1 and not self.forked
+
+    @property
+    def has_new_output(self) -> bool:
+        """Whether a step that touched this request makes it an output: always, except a
+        FINAL_ONLY request, which has none until it finishes (vLLM's FINAL_ONLY)."""
+        return self.output_kind is not RequestOutputKind.FINAL_ONLY or self.is_finished
+
+    def num_output_tokens(self, output: RequestOutput) -> int:
+        """Tokens generated in all, for the finished-request stats: ``output``'s when it is a
+        snapshot, the sequences' own when it is a delta."""
+        if self.output_kind is RequestOutputKind.DELTA:
+            return sum(len(s.output_token_ids) for s in self.sequences)
+        return sum(len(o.token_ids) for o in output.outputs)
 
     @property
     def is_finished(self) -> bool:
@@ -164,7 +189,7 @@ class SequenceGroup:
             group=self,
             index=index,
             generator=torch.Generator(device=device).manual_seed((self.seed + index) % 2**64),
-            detokenizer=IncrementalDetokenizer(
+            detokenizer=detokenizer_for(
                 tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
             ),
             logprobs=[] if self.params.logprobs is not None else None,
@@ -237,16 +262,38 @@ class SequenceGroup:
         return text[: max(0, len(text) - hold)]
 
     def completion(self, request: Request) -> CompletionOutput:
+        """The sequence's whole output so far (CUMULATIVE and FINAL_ONLY)."""
         state: SequenceState = request.payload
         logprobs = state.logprobs
         return CompletionOutput(  # positional: this runs for every request at every step
             state.index,
-            self.visible_text(request),
+            self.visible_text(request) if self.params.stop_strings else state.detokenizer.text,
             request.output_token_ids.copy(),
             None if logprobs is None else state.cumulative_logprob,
             None if logprobs is None else logprobs.copy(),
             request.status.finish_reason,
-            self.stop_reason(request),
+            None if request.stop_reason is None else self.stop_reason(request),
+        )
+
+    def completion_delta(self, request: Request) -> CompletionOutput:
+        """What the sequence added since its last output (DELTA, vLLM's delta outputs): the
+        new visible text, token ids and logprobs; ``cumulative_logprob`` stays cumulative.
+        Visible text only grows (``visible_text`` holds back what a stop string may cut), so
+        a delta never has to take text back."""
+        state: SequenceState = request.payload
+        logprobs = state.logprobs
+        text = self.visible_text(request) if self.params.stop_strings else state.detokenizer.text
+        tokens = request.output_token_ids
+        text_sent, tokens_sent = state.text_sent, state.tokens_sent
+        state.text_sent, state.tokens_sent = len(text), len(tokens)
+        return CompletionOutput(
+            state.index,
+            text[text_sent:],
+            tokens[tokens_sent:],
+            None if logprobs is None else state.cumulative_logprob,
+            None if logprobs is None else logprobs[tokens_sent:],
+            request.status.finish_reason,
+            None if request.stop_reason is None else self.stop_reason(request),
         )
 
     def stop_reason(self, request: Request) -> int | str | None:
@@ -258,16 +305,20 @@ class SequenceGroup:
         return reason
 
     def make_output(self) -> RequestOutput:
-        """A cumulative snapshot: every sequence's whole text and tokens so far."""
+        """Every sequence's output: a snapshot of its whole text and tokens so far, or with
+        ``output_kind`` DELTA what it added since the request's last output."""
         sequences = self.sequences
+        completion = (
+            self.completion_delta
+            if self.output_kind is RequestOutputKind.DELTA
+            else self.completion
+        )
         first = sequences[0]
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [self.completion(first)]
-            if len(sequences) == 1
-            else [self.completion(s) for s in sequences],
+            [completion(first)] if len(sequences) == 1 else [completion(s) for s in sequences],
             self.is_finished,
             max(first.num_cached_tokens, 0),
             self.metrics,
