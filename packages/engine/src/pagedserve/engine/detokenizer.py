@@ -22,9 +22,9 @@ otherwise.
 
 from __future__ import annotations
 
-import codecs
 import random
 import weakref
+from codecs import utf_8_decode as _utf_8_decode
 from functools import lru_cache
 
 _WINDOW = 6
@@ -190,8 +190,12 @@ class IncrementalDetokenizer:
 
 class ByteLevelDetokenizer:
     """The output's text for a tokenizer with a ``ByteLevelDecodeTable``: one incremental
-    UTF-8 decoder over the output tokens' bytes (vLLM's FastIncrementalDetokenizer idea, with
+    UTF-8 decode over the output tokens' bytes (vLLM's FastIncrementalDetokenizer idea, with
     the table in place of the tokenizers library's DecodeStream).
+
+    The decoder is ``codecs.getincrementaldecoder("utf-8")("replace")`` without its Python
+    wrapper: ``codecs.utf_8_decode(pending + bytes, "replace", final)`` is what that decoder
+    runs, and ``_pending`` is its buffer (the bytes of an unfinished character).
 
     Invariant, as ``IncrementalDetokenizer``'s: ``text`` is the decode of the output tokens
     added so far, less what is held back: bytes of an unfinished character, or a trailing
@@ -203,43 +207,55 @@ class ByteLevelDetokenizer:
     alone gives it.
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "text", "_table", "_decoder", "_held")
+    __slots__ = ("tokenizer", "skip_special_tokens", "text", "_table", "_pending", "_held")
 
     def __init__(self, tokenizer, table: list[bytes | None], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self._table = table
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._held = ""  # decoded text not yet emitted (ends in U+FFFD, or bytes are pending)
+        self._pending = b""  # the decoder's buffer: bytes of an unfinished character
+        self._held = ""  # decoded text not yet emitted: it ends in U+FFFD, or bytes are pending
 
     def _token_bytes(self, token_id: int) -> bytes:
         try:
             piece = self._table[token_id]
         except IndexError:
             piece = None
-        if piece is None:  # an id outside the vocabulary: the wrapper's bytes for it
+        if piece is None:  # an id outside the vocabulary: the wrapper's text of it
             text = self.tokenizer.decode([token_id], skip_special_tokens=self.skip_special_tokens)
             piece = text.encode("utf-8")
         return piece
 
     def add_token(self, token_id: int) -> str:
         """Append a token; return the newly complete text (possibly empty)."""
-        decoded = self._decoder.decode(self._token_bytes(token_id))
+        data = self._token_bytes(token_id)
+        if self._pending:
+            data = self._pending + data
+        decoded, consumed = _utf_8_decode(data, "replace", False)
+        self._pending = data[consumed:]
         if self._held:
             decoded = self._held + decoded
-        if not decoded or decoded[-1] == "\ufffd" or self._decoder.getstate()[0]:
+        if not decoded or decoded[-1] == "\ufffd" or self._pending:
             self._held = decoded
             return ""
         self._held = ""
-        self.text += decoded
+        self._append(decoded)
         return decoded
+
+    def _append(self, delta: str) -> None:
+        # ``text`` is dropped from the object while it grows, so that CPython extends it in
+        # place (a string with one reference): amortised O(len(delta)), not O(len(text)).
+        text = self.text
+        self.text = ""
+        text += delta
+        self.text = text
 
     def flush(self) -> str:
         """At the end, emit what is held back (an unfinished character decodes as U+FFFD)."""
-        delta = self._held + self._decoder.decode(b"", final=True)
-        self._held = ""
-        self.text += delta
+        delta = self._held + _utf_8_decode(self._pending, "replace", True)[0]
+        self._pending, self._held = b"", ""
+        self._append(delta)
         return delta
 
 

@@ -26,7 +26,8 @@ from pagedserve.engine.detokenizer import (
     detokenizer_for,
     find_stop_string,
 )
-from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.engine.group_outputs import GroupOutputs
+from pagedserve.engine.outputs import RequestMetrics
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledGrammar, GrammarMatcher
 from pagedserve.scheduler import (
@@ -35,6 +36,8 @@ from pagedserve.scheduler import (
     RequestStatus,
     SchedulerOverloadedError,
 )
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(eq=False)
@@ -48,6 +51,9 @@ class SequenceState:
 
     ``text_sent``/``tokens_sent``: how much of the visible text and of the output tokens the
     request's DELTA outputs have carried already.
+
+    ``plain``: no logprobs, no grammar, no stop strings, so a running decode's new token only
+    needs detokenizing (``process_new_token``'s lean path, the common request's).
     """
 
     group: SequenceGroup
@@ -61,6 +67,16 @@ class SequenceState:
     grammar_matcher: GrammarMatcher | None = None
     text_sent: int = 0
     tokens_sent: int = 0
+    plain: bool = False
+    lean_path_enabled = True  # a class switch, for the test that holds the two paths equal
+
+    def __post_init__(self) -> None:
+        params = self.group.params
+        self.plain = (  # a grammar's matcher may come later (once it compiles): read params
+            params.logprobs is None
+            and params.structured_outputs is None
+            and not params.stop_strings
+        )
 
     @property
     def params(self) -> SamplingParams:
@@ -84,6 +100,14 @@ class SequenceState:
         decoding's accepted run, processed in order); only the last one can have ended it."""
         ctx.record_token(self.group)
         ctx.num_generation_tokens += 1
+        if (
+            self.plain
+            and token_index == -1
+            and request.status is _RUNNING
+            and self.lean_path_enabled
+        ):  # the common decode: its token is not the last, and has no logprobs or stops
+            self.detokenizer.add_token(request.output_token_ids[-1])
+            return
         output = request.output_token_ids
         token = output[token_index]
         last = token_index == -1 or token_index == len(output) - 1
@@ -131,8 +155,9 @@ class SequenceState:
 
 
 @dataclass(eq=False)
-class SequenceGroup:
-    """The sequences of one request. ``sequences[i]`` is the scheduler Request of output i."""
+class SequenceGroup(GroupOutputs):
+    """The sequences of one request. ``sequences[i]`` is the scheduler Request of output i;
+    its outputs are made as group_outputs.py says."""
 
     request_id: str
     prompt: str | None
@@ -157,19 +182,6 @@ class SequenceGroup:
     def needs_fork(self) -> bool:
         """True until an ``n > 1`` request has split into its ``n`` sequences."""
         return self.params.n > 1 and not self.forked
-
-    @property
-    def has_new_output(self) -> bool:
-        """Whether a step that touched this request makes it an output: always, except a
-        FINAL_ONLY request, which has none until it finishes (vLLM's FINAL_ONLY)."""
-        return self.output_kind is not RequestOutputKind.FINAL_ONLY or self.is_finished
-
-    def num_output_tokens(self, output: RequestOutput) -> int:
-        """Tokens generated in all, for the finished-request stats: ``output``'s when it is a
-        snapshot, the sequences' own when it is a delta."""
-        if self.output_kind is RequestOutputKind.DELTA:
-            return sum(len(s.output_token_ids) for s in self.sequences)
-        return sum(len(o.token_ids) for o in output.outputs)
 
     @property
     def is_finished(self) -> bool:
@@ -248,82 +260,6 @@ class SequenceGroup:
             except (RequestRejectedError, SchedulerOverloadedError):
                 ctx.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
         state.process_new_token(child, logprobs, ctx)
-
-    def visible_text(self, request: Request) -> str:
-        """The text a caller may see now. While a sequence with stop strings runs, its last
-        ``max(len(stop)) - 1`` characters are held back: they may yet begin a stop string that
-        will be cut, and streamed text cannot be taken back."""
-        state: SequenceState = request.payload
-        text = state.detokenizer.text
-        stops = self.params.stop_strings
-        if not stops or request.is_finished or self.params.include_stop_str_in_output:
-            return text
-        hold = max(len(s) for s in stops) - 1
-        return text[: max(0, len(text) - hold)]
-
-    def completion(self, request: Request) -> CompletionOutput:
-        """The sequence's whole output so far (CUMULATIVE and FINAL_ONLY)."""
-        state: SequenceState = request.payload
-        logprobs = state.logprobs
-        return CompletionOutput(  # positional: this runs for every request at every step
-            state.index,
-            self.visible_text(request) if self.params.stop_strings else state.detokenizer.text,
-            request.output_token_ids.copy(),
-            None if logprobs is None else state.cumulative_logprob,
-            None if logprobs is None else logprobs.copy(),
-            request.status.finish_reason,
-            None if request.stop_reason is None else self.stop_reason(request),
-        )
-
-    def completion_delta(self, request: Request) -> CompletionOutput:
-        """What the sequence added since its last output (DELTA, vLLM's delta outputs): the
-        new visible text, token ids and logprobs; ``cumulative_logprob`` stays cumulative.
-        Visible text only grows (``visible_text`` holds back what a stop string may cut), so
-        a delta never has to take text back."""
-        state: SequenceState = request.payload
-        logprobs = state.logprobs
-        text = self.visible_text(request) if self.params.stop_strings else state.detokenizer.text
-        tokens = request.output_token_ids
-        text_sent, tokens_sent = state.text_sent, state.tokens_sent
-        state.text_sent, state.tokens_sent = len(text), len(tokens)
-        return CompletionOutput(
-            state.index,
-            text[text_sent:],
-            tokens[tokens_sent:],
-            None if logprobs is None else state.cumulative_logprob,
-            None if logprobs is None else logprobs[tokens_sent:],
-            request.status.finish_reason,
-            None if request.stop_reason is None else self.stop_reason(request),
-        )
-
-    def stop_reason(self, request: Request) -> int | str | None:
-        """The stop string or stop token id that ended ``request``; None when it ended on EOS
-        (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
-        reason = request.stop_reason
-        if isinstance(reason, int) and reason not in self.params.stop_token_ids:
-            return None
-        return reason
-
-    def make_output(self) -> RequestOutput:
-        """Every sequence's output: a snapshot of its whole text and tokens so far, or with
-        ``output_kind`` DELTA what it added since the request's last output."""
-        sequences = self.sequences
-        completion = (
-            self.completion_delta
-            if self.output_kind is RequestOutputKind.DELTA
-            else self.completion
-        )
-        first = sequences[0]
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            [completion(first)] if len(sequences) == 1 else [completion(s) for s in sequences],
-            self.is_finished,
-            max(first.num_cached_tokens, 0),
-            self.metrics,
-            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-        )
 
 
 @dataclass
