@@ -12,6 +12,7 @@ from test_detokenizer import TEXT, metaspace_tokenizer
 
 from pagedserve.engine.detokenizer import (
     ByteLevelDetokenizer,
+    FinalTextDetokenizer,
     IncrementalDetokenizer,
     byte_level_table,
     detokenizer_for,
@@ -96,3 +97,27 @@ def test_a_prompt_that_ends_inside_a_character_reads_as_the_output_alone(tokeniz
 def test_tokenizers_without_a_table_keep_the_windowed_detokenizer():
     tokenizer = metaspace_tokenizer()
     assert isinstance(detokenizer_for(tokenizer, [1], True), IncrementalDetokenizer)
+
+
+def test_final_text_is_the_incremental_text_whether_flushed_or_not(tokenizer):
+    """FINAL_ONLY's deferred decode: one decode at the end, or (unflushed, as an aborted
+    request leaves it) token by token, gives the incremental detokenizer's text."""
+    partial = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+    rng = random.Random(8)
+    for n in range(100):
+        skip, flush = bool(n % 2), bool(n % 3)
+        outputs = random_stream(tokenizer, partial, rng)
+        eager = detokenizer_for(tokenizer, [], skip)
+        deferred = detokenizer_for(tokenizer, [], skip, final_text=True)
+        assert isinstance(deferred, FinalTextDetokenizer)
+        cut = rng.randrange(len(outputs) + 1)  # text read midway, then more tokens
+        for detok in (eager, deferred):
+            for t in outputs[:cut]:
+                detok.add_token(t)
+        assert deferred.text == eager.text
+        for detok in (eager, deferred):
+            for t in outputs[cut:]:
+                detok.add_token(t)
+            if flush:
+                detok.flush()
+        assert deferred.text == eager.text

@@ -243,6 +243,18 @@ class ByteLevelDetokenizer:
         self._append(decoded)
         return decoded
 
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append several tokens at once, in one decode; the text then holds back what
+        ``add_token`` of the last one would (an ``add_tokens`` then ``flush`` gives exactly
+        what adding them one by one and flushing gives: one decode of the same bytes)."""
+        data = self._pending + b"".join([self._token_bytes(t) for t in token_ids])
+        decoded, consumed = _utf_8_decode(data, "replace", False)
+        self._pending = data[consumed:]
+        self._held += decoded
+        if self._held and self._held[-1] != "\ufffd" and not self._pending:
+            self._append(self._held)
+            self._held = ""
+
     def _append(self, delta: str) -> None:
         # ``text`` is dropped from the object while it grows, so that CPython extends it in
         # place (a string with one reference): amortised O(len(delta)), not O(len(text)).
@@ -259,17 +271,64 @@ class ByteLevelDetokenizer:
         return delta
 
 
+class FinalTextDetokenizer:
+    """A byte-level detokenizer whose text nobody reads before the request ends (FINAL_ONLY,
+    no stop strings): tokens are only recorded, and decoded together when ``text`` is read.
+
+    Exact: after ``flush`` the recorded tokens go through ``ByteLevelDetokenizer.add_tokens``
+    then its ``flush``, one decode of the same bytes as adding them one by one; without a
+    flush (a request aborted while it ran) they are added one by one, as they would have been.
+    ``add_token`` and ``flush`` return "" (no text is made before it is read)."""
+
+    __slots__ = ("tokenizer", "_inner", "_ids", "_flushed")
+
+    def __init__(self, inner: ByteLevelDetokenizer) -> None:
+        self.tokenizer = inner.tokenizer
+        self._inner = inner
+        self._ids: list[int] = []
+        self._flushed = False
+
+    def add_token(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return ""
+
+    def flush(self) -> str:
+        self._flushed = True
+        return ""
+
+    @property
+    def text(self) -> str:
+        if self._ids or self._flushed:
+            self._catch_up()
+        return self._inner.text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._catch_up()
+        self._inner.text = value
+
+    def _catch_up(self) -> None:
+        ids, self._ids = self._ids, []
+        if self._flushed:
+            self._flushed = False
+            self._inner.add_tokens(ids)
+            self._inner.flush()
+        else:
+            for token_id in ids:
+                self._inner.add_token(token_id)
+
+
 def detokenizer_for(
-    tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
-) -> ByteLevelDetokenizer | IncrementalDetokenizer:
+    tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True, final_text=False
+) -> ByteLevelDetokenizer | FinalTextDetokenizer | IncrementalDetokenizer:
     """The fastest exact detokenizer for ``tokenizer``: the byte-level one where the
-    tokenizer has a decode table, else the windowed ``IncrementalDetokenizer``."""
+    tokenizer has a decode table (``final_text``: one whose text is read only at the end),
+    else the windowed ``IncrementalDetokenizer``."""
     table = byte_level_table(tokenizer)
-    if table is not None:
-        return ByteLevelDetokenizer(
-            tokenizer, table.tables[skip_special_tokens], skip_special_tokens
-        )
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    if table is None:
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    detok = ByteLevelDetokenizer(tokenizer, table.tables[skip_special_tokens], skip_special_tokens)
+    return FinalTextDetokenizer(detok) if final_text else detok
 
 
 def find_stop_string(text: str, new_len: int, stop_strings: list[str]) -> tuple[str, int] | None:

@@ -22,6 +22,7 @@ import torch
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.detokenizer import (
     ByteLevelDetokenizer,
+    FinalTextDetokenizer,
     IncrementalDetokenizer,
     detokenizer_for,
     find_stop_string,
@@ -59,7 +60,7 @@ class SequenceState:
     group: SequenceGroup
     index: int
     generator: torch.Generator
-    detokenizer: ByteLevelDetokenizer | IncrementalDetokenizer
+    detokenizer: ByteLevelDetokenizer | FinalTextDetokenizer | IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     text_checked: int = 0  # characters of text already searched for stop strings
@@ -202,7 +203,12 @@ class SequenceGroup(GroupOutputs):
             index=index,
             generator=torch.Generator(device=device).manual_seed((self.seed + index) % 2**64),
             detokenizer=detokenizer_for(
-                tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
+                tokenizer,
+                self.prompt_token_ids,
+                self.params.skip_special_tokens,
+                # FINAL_ONLY without stop strings: no text is read before the request ends
+                final_text=self.output_kind is RequestOutputKind.FINAL_ONLY
+                and not self.params.stop_strings,
             ),
             logprobs=[] if self.params.logprobs is not None else None,
             grammar_matcher=None
