@@ -228,19 +228,31 @@ class ByteLevelDetokenizer:
         return piece
 
     def add_token(self, token_id: int) -> str:
-        """Append a token; return the newly complete text (possibly empty)."""
-        data = self._token_bytes(token_id)
+        """Append a token; return the newly complete text (possibly empty). This runs for
+        every running sequence at every step: the table lookup and the append are inline."""
+        try:
+            data = self._table[token_id]
+        except IndexError:
+            data = None
+        if data is None:
+            data = self._token_bytes(token_id)
         if self._pending:
             data = self._pending + data
         decoded, consumed = _utf_8_decode(data, "replace", False)
-        self._pending = data[consumed:]
+        if consumed != len(data):
+            self._pending = data[consumed:]
+        elif self._pending:
+            self._pending = b""
         if self._held:
             decoded = self._held + decoded
         if not decoded or decoded[-1] == "\ufffd" or self._pending:
             self._held = decoded
             return ""
         self._held = ""
-        self._append(decoded)
+        text = self.text  # grown in place, as in ``_append``
+        self.text = ""
+        text += decoded
+        self.text = text
         return decoded
 
     def add_tokens(self, token_ids: list[int]) -> None:
