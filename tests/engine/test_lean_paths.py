@@ -57,9 +57,13 @@ def run(engine, kind: RequestOutputKind, lean: bool, monkeypatch) -> list:
     return steps
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint("llama"), block_size=8, num_gpu_blocks_override=256).engine
+
+
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_lean_paths_equal_the_general_ones(tiny_checkpoint, kind, monkeypatch):
-    engine = LLM(model=tiny_checkpoint("llama"), block_size=8, num_gpu_blocks_override=256).engine
+def test_lean_paths_equal_the_general_ones(engine, kind, monkeypatch):
     calls = []
     real = GroupOutputs._running_plain_output
 
