@@ -138,6 +138,7 @@ def measure(
     seed: int = 0,
     pad_decode: bool = False,
     clock=time.thread_time,
+    output_kind: str = "cumulative",
 ) -> dict:
     """ms per decode step in each phase at ``num_seqs`` running greedy decodes."""
     from pagedserve.engine import LLMEngine, SamplingParams
@@ -165,7 +166,9 @@ def measure(
     phases = instrument(engine, timer, PHASES)
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind
+    )
     for i in range(num_seqs):
         engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
     while engine.scheduler.waiting or any(
@@ -233,6 +236,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="build decode inputs in the CUDA-graph path's padded buffers (eager here)",
     )
+    parser.add_argument(
+        "--output-kind",
+        choices=["cumulative", "delta", "final_only"],
+        default="cumulative",
+        help="the requests' RequestOutputKind (a server streams DELTA; LLM.generate: FINAL_ONLY)",
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         from pagedserve.models.default_model import ensure_default_model
@@ -246,13 +255,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall_time else time.thread_time
     results = {
-        n: measure(args.model, n, args.steps, args.prompt_len, args.seed, args.pad_decode, clock)
+        n: measure(
+            args.model,
+            n,
+            args.steps,
+            args.prompt_len,
+            args.seed,
+            args.pad_decode,
+            clock,
+            args.output_kind,
+        )
         for n in args.num_seqs
     }
     print(
         f"model config + tokenizer: {args.model} (forward: a stand-in that returns logits of the "
         f"real shape at no cost); greedy decodes, prompts of {args.prompt_len} random tokens, "
-        f"{args.steps} decode steps measured, seed {args.seed}, padded decode inputs "
+        f"{args.steps} decode steps measured, seed {args.seed}, {args.output_kind} outputs, "
+        f"padded decode inputs "
         f"{'on' if args.pad_decode else 'off'}; {os.cpu_count()} CPUs "
         f"({platform.machine()}), {args.threads} torch thread(s), "
         f"{'wall' if args.wall_time else 'thread CPU'} time"

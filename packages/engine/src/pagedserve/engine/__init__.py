@@ -23,7 +23,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats, FinishedRequestStats
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import apply_chat_template
 from pagedserve.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -43,6 +43,7 @@ __all__ = [
     "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "RequestRejectedError",
     "SamplingParams",
     "SchedulerOverloadedError",

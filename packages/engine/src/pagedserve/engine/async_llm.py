@@ -32,7 +32,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import load_tokenizer
 
 
@@ -65,10 +65,15 @@ _SHUTDOWN = object()
 
 
 class _RequestStream:
-    """One request's outputs, carried from the engine thread into its caller's event loop."""
+    """One request's outputs, carried from the engine thread into its caller's event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    ``aggregate``: the outputs are deltas (``RequestOutputKind.DELTA``), so outputs collapsed
+    into one must be merged (``RequestOutput.add``), not replaced by the newest.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, aggregate: bool = False) -> None:
         self.loop = loop
+        self.aggregate = aggregate
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -79,10 +84,15 @@ class _RequestStream:
             pass  # the consumer's event loop is closed: nobody is listening any more
 
     async def get(self) -> RequestOutput | BaseException:
-        """The newest item. Outputs are cumulative, so older ones waiting behind it are skipped."""
+        """Everything queued, as one item: cumulative outputs waiting behind the newest are
+        skipped, deltas are merged into one (a slow consumer gets fewer, larger outputs)."""
         item = await self.queue.get()
         while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
-            item = self.queue.get_nowait()
+            newer = self.queue.get_nowait()
+            if self.aggregate and isinstance(newer, RequestOutput):
+                item.add(newer, aggregate=True)
+            else:
+                item = newer
         return item
 
 
@@ -139,13 +149,16 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative RequestOutputs of one request; the last has ``finished=True``.
+        """RequestOutputs of one request, as ``sampling_params.output_kind`` asks (cumulative
+        snapshots, deltas, or the final output only); the last has ``finished=True``.
 
         Invalid requests raise ``InvalidRequestError`` (a ValueError naming the field at fault),
         a full queue ``SchedulerOverloadedError``, from the first ``__anext__``, before anything
         is yielded.
         """
-        stream = _RequestStream(asyncio.get_running_loop())
+        stream = _RequestStream(
+            asyncio.get_running_loop(), sampling_params.output_kind is RequestOutputKind.DELTA
+        )
         done: concurrent.futures.Future = concurrent.futures.Future()
         command = _AddCommand(
             request_id,

@@ -42,9 +42,10 @@ class EngineClient(Protocol):
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last has ``finished=True``. A request the
-        engine refuses raises from the first ``__anext__``; a caller that stops iterating
-        aborts its request. ``lora_request``: the adapter it runs with (None: the base)."""
+        """Outputs of one request (cumulative, deltas or the final one, as its
+        ``output_kind`` asks); the last has ``finished=True``. A request the engine refuses
+        raises from the first ``__anext__``; a caller that stops iterating aborts its request.
+        ``lora_request``: the adapter it runs with (None: the base)."""
         ...
 
     async def add_lora(self, lora_request: LoRARequest) -> None:

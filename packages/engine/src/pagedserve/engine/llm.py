@@ -7,6 +7,7 @@ print(outputs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import apply_chat_template
 
 PromptType = str | dict[str, Any]
@@ -54,10 +55,13 @@ class LLM:
         for all prompts, or one per prompt; None takes the model's generation_config defaults
         (an explicit SamplingParams is used as given, as in vLLM). ``lora_request``: the LoRA
         adapter of every prompt, or one per prompt (None: the base model), as in vLLM.
+
+        Only each request's final output is wanted, so every request runs as FINAL_ONLY (as
+        vLLM's LLM does): the engine makes no per-step snapshots for them.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params_list = self._params_per_prompt(len(prompts), sampling_params)
+        params_list = _final_only(self._params_per_prompt(len(prompts), sampling_params))
         loras = _loras_per_prompt(len(prompts), lora_request)
         order: list[str] = []
         for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
@@ -154,3 +158,18 @@ def _loras_per_prompt(count: int, lora_request) -> list[LoRARequest | None]:
     if len(lora_request) != count:
         raise ValueError(f"got {len(lora_request)} LoRA requests for {count} prompts")
     return list(lora_request)
+
+
+def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+    """Each SamplingParams as FINAL_ONLY: a copy (the caller's object is left as given), one
+    per distinct object."""
+    copies: dict[int, SamplingParams] = {}
+    final = RequestOutputKind.FINAL_ONLY
+    for params in params_list:
+        if id(params) not in copies:
+            copies[id(params)] = (
+                params
+                if params.output_kind is final
+                else dataclasses.replace(params, output_kind=final)
+            )
+    return [copies[id(params)] for params in params_list]

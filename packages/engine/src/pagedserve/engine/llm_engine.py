@@ -2,7 +2,8 @@
 
 ``add_request`` validates and queues; ``step`` runs one iteration: schedule, forward, decide the
 next tokens (sampling, n > 1 forks, beam steps), update (append tokens, stop, free), detokenize,
-and returns a cumulative RequestOutput for every request that advanced. Offline ``LLM`` and
+and returns a RequestOutput for every request that advanced (cumulative, a delta, or none until
+it finishes, as its ``output_kind`` asks). Offline ``LLM`` and
 online ``AsyncLLM`` both drive this loop.
 
 The scheduler sees sequences; the engine groups them into requests (sequence_group.py): a request
@@ -324,7 +325,7 @@ class LLMEngine(LoRAEngineMixin):
             if decision.apply(ctx):
                 touched.setdefault(decision.group)
         now = time.monotonic()
-        outputs = [self._group_output(group, now) for group in touched]
+        outputs = [self._group_output(group, now) for group in touched if group.has_new_output]
         self._record_step(
             ctx.num_generation_tokens,
             ctx.num_prompt_tokens,
@@ -344,7 +345,7 @@ class LLMEngine(LoRAEngineMixin):
                     group.request_id,
                     "abort" if group.aborted else output.outputs[0].finish_reason,
                     len(group.prompt_token_ids),
-                    sum(len(o.token_ids) for o in output.outputs),
+                    group.num_output_tokens(output),
                     group.metrics,
                 )
             )

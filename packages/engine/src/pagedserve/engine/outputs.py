@@ -20,6 +20,19 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add_delta(self, delta: CompletionOutput) -> None:
+        """Append a later DELTA output of this sequence: its text, token ids and logprobs
+        (this output's lists are extended in place); the rest is the newer one's."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
 
 @dataclass
 class RequestMetrics:
@@ -46,6 +59,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's news from a step: cumulative, a delta, or the final output, as its
+    ``SamplingParams.output_kind`` asks (sampling_params.RequestOutputKind)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -54,3 +70,27 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Merge a later output of the same request into this one (vLLM's ``RequestOutput.add``).
+
+        ``aggregate``: the outputs are deltas, so text, token ids and logprobs are appended;
+        else each completion is replaced by its newer snapshot. A consumer that falls behind
+        collapses what is queued into one output this way (AsyncLLM's stream). This output's
+        lists must be its own (a delta's are fresh slices), since they are extended in place.
+        """
+        self.finished |= next_output.finished
+        self.metrics = next_output.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.prompt_logprobs is not None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        by_index = {completion.index: i for i, completion in enumerate(self.outputs)}
+        for completion in next_output.outputs:
+            i = by_index.get(completion.index)
+            if i is None:
+                by_index[completion.index] = len(self.outputs)
+                self.outputs.append(completion)
+            elif not aggregate:
+                self.outputs[i] = completion
+            else:
+                self.outputs[i].add_delta(completion)

@@ -8,12 +8,29 @@ wrong. What needs the model (token ids inside the vocabulary) is the engine's ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # the engine's default cap (EngineArgs.max_logprobs), checked at add_request
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request carries (vLLM's ``SamplingParams.output_kind``).
+
+    CUMULATIVE: every output is a snapshot of the whole text and tokens so far (costs O(length)
+    per step to copy). DELTA: each output carries only what is new since the request's last
+    output (text, token ids, logprobs; ``cumulative_logprob`` stays cumulative, the finish
+    reason comes on the last): what a streaming server sends. FINAL_ONLY: no output until the
+    request finishes, then one cumulative output: what offline ``LLM.generate`` and a
+    non-streaming server need.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -43,6 +60,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +69,7 @@ class SamplingParams:
         if self.top_k in (-1, None):
             self.top_k = 0
         self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.output_kind = _output_kind(self.output_kind)
         self._validate()
 
     @property
@@ -158,10 +177,30 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} is not supported with beam search", name)
         if self.max_tokens is None:
             raise InvalidRequestError("max_tokens must be set for beam search", "max_tokens")
+        if self.output_kind is RequestOutputKind.DELTA:
+            raise InvalidRequestError(
+                "output_kind DELTA is not supported with beam search: its beams reorder and "
+                "drop as they go, so text already sent could be taken back; use CUMULATIVE or "
+                "FINAL_ONLY",
+                "output_kind",
+            )
 
     @property
     def beam_width(self) -> int:
         return self.best_of or self.n
+
+
+def _output_kind(value) -> RequestOutputKind:
+    """``output_kind`` as a RequestOutputKind, from the enum, its value or its name."""
+    try:
+        if isinstance(value, str):
+            return RequestOutputKind[value.upper()]
+        return RequestOutputKind(value)
+    except (KeyError, ValueError):
+        names = ", ".join(kind.name for kind in RequestOutputKind)
+        raise InvalidRequestError(
+            f"output_kind must be one of {names}, got {value!r}", "output_kind"
+        ) from None
 
 
 def _structured_outputs(value) -> StructuredOutputsParams | None:

@@ -20,9 +20,16 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.detokenizer import (
+    ByteLevelDetokenizer,
+    FinalTextDetokenizer,
+    IncrementalDetokenizer,
+    detokenizer_for,
+    find_stop_string,
+)
+from pagedserve.engine.group_outputs import GroupOutputs
+from pagedserve.engine.outputs import RequestMetrics
+from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledGrammar, GrammarMatcher
 from pagedserve.scheduler import (
     Request,
@@ -30,6 +37,8 @@ from pagedserve.scheduler import (
     RequestStatus,
     SchedulerOverloadedError,
 )
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(eq=False)
@@ -40,17 +49,35 @@ class SequenceState:
     unconstrained, or while the grammar compiles); it fills the sequence's row of each step's
     bitmask and accepts each new token. Speculative decoding rolls it back with the scheduler's
     ``rewind`` (``grammar_matcher.rollback(n)``).
+
+    ``text_sent``/``tokens_sent``: how much of the visible text and of the output tokens the
+    request's DELTA outputs have carried already.
+
+    ``plain``: no logprobs, no grammar, no stop strings, so a running decode's new token only
+    needs detokenizing (``process_new_token``'s lean path, the common request's).
     """
 
     group: SequenceGroup
     index: int
     generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
+    detokenizer: ByteLevelDetokenizer | FinalTextDetokenizer | IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     text_checked: int = 0  # characters of text already searched for stop strings
     stop_string_hit: str | None = None
     grammar_matcher: GrammarMatcher | None = None
+    text_sent: int = 0
+    tokens_sent: int = 0
+    plain: bool = False
+    lean_path_enabled = True  # a class switch, for the test that holds the two paths equal
+
+    def __post_init__(self) -> None:
+        params = self.group.params
+        self.plain = (  # a grammar's matcher may come later (once it compiles): read params
+            params.logprobs is None
+            and params.structured_outputs is None
+            and not params.stop_strings
+        )
 
     @property
     def params(self) -> SamplingParams:
@@ -74,6 +101,14 @@ class SequenceState:
         decoding's accepted run, processed in order); only the last one can have ended it."""
         ctx.record_token(self.group)
         ctx.num_generation_tokens += 1
+        if (
+            self.plain
+            and token_index == -1
+            and request.status is _RUNNING
+            and self.lean_path_enabled
+        ):  # the common decode: its token is not the last, and has no logprobs or stops
+            self.detokenizer.add_token(request.output_token_ids[-1])
+            return
         output = request.output_token_ids
         token = output[token_index]
         last = token_index == -1 or token_index == len(output) - 1
@@ -121,8 +156,9 @@ class SequenceState:
 
 
 @dataclass(eq=False)
-class SequenceGroup:
-    """The sequences of one request. ``sequences[i]`` is the scheduler Request of output i."""
+class SequenceGroup(GroupOutputs):
+    """The sequences of one request. ``sequences[i]`` is the scheduler Request of output i;
+    its outputs are made as group_outputs.py says."""
 
     request_id: str
     prompt: str | None
@@ -130,6 +166,7 @@ class SequenceGroup:
     params: SamplingParams
     metrics: RequestMetrics
     seed: int = 0
+    output_kind: RequestOutputKind = field(init=False)
     sequences: list[Request[SequenceState]] = field(default_factory=list)
     forked: bool = False
     aborted: bool = False
@@ -138,6 +175,7 @@ class SequenceGroup:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
+        self.output_kind = self.params.output_kind
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 
@@ -164,8 +202,13 @@ class SequenceGroup:
             group=self,
             index=index,
             generator=torch.Generator(device=device).manual_seed((self.seed + index) % 2**64),
-            detokenizer=IncrementalDetokenizer(
-                tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
+            detokenizer=detokenizer_for(
+                tokenizer,
+                self.prompt_token_ids,
+                self.params.skip_special_tokens,
+                # FINAL_ONLY without stop strings: no text is read before the request ends
+                final_text=self.output_kind is RequestOutputKind.FINAL_ONLY
+                and not self.params.stop_strings,
             ),
             logprobs=[] if self.params.logprobs is not None else None,
             grammar_matcher=None
@@ -223,56 +266,6 @@ class SequenceGroup:
             except (RequestRejectedError, SchedulerOverloadedError):
                 ctx.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
         state.process_new_token(child, logprobs, ctx)
-
-    def visible_text(self, request: Request) -> str:
-        """The text a caller may see now. While a sequence with stop strings runs, its last
-        ``max(len(stop)) - 1`` characters are held back: they may yet begin a stop string that
-        will be cut, and streamed text cannot be taken back."""
-        state: SequenceState = request.payload
-        text = state.detokenizer.text
-        stops = self.params.stop_strings
-        if not stops or request.is_finished or self.params.include_stop_str_in_output:
-            return text
-        hold = max(len(s) for s in stops) - 1
-        return text[: max(0, len(text) - hold)]
-
-    def completion(self, request: Request) -> CompletionOutput:
-        state: SequenceState = request.payload
-        logprobs = state.logprobs
-        return CompletionOutput(  # positional: this runs for every request at every step
-            state.index,
-            self.visible_text(request),
-            request.output_token_ids.copy(),
-            None if logprobs is None else state.cumulative_logprob,
-            None if logprobs is None else logprobs.copy(),
-            request.status.finish_reason,
-            self.stop_reason(request),
-        )
-
-    def stop_reason(self, request: Request) -> int | str | None:
-        """The stop string or stop token id that ended ``request``; None when it ended on EOS
-        (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
-        reason = request.stop_reason
-        if isinstance(reason, int) and reason not in self.params.stop_token_ids:
-            return None
-        return reason
-
-    def make_output(self) -> RequestOutput:
-        """A cumulative snapshot: every sequence's whole text and tokens so far."""
-        sequences = self.sequences
-        first = sequences[0]
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            [self.completion(first)]
-            if len(sequences) == 1
-            else [self.completion(s) for s in sequences],
-            self.is_finished,
-            max(first.num_cached_tokens, 0),
-            self.metrics,
-            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-        )
 
 
 @dataclass

@@ -11,7 +11,7 @@ the API's where they differ, so that a 400 names the field the client sent.
 
 from __future__ import annotations
 
-from pagedserve.engine import SamplingParams
+from pagedserve.engine import RequestOutputKind, SamplingParams
 from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import bad_request, from_invalid_request
 from pagedserve.server.protocol import SamplingRequest
@@ -58,6 +58,18 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         except ValueError:
             raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
     return parsed
+
+
+def output_kind_of(body: SamplingRequest) -> RequestOutputKind:
+    """What the route needs of the engine's outputs (as vLLM's server asks): a stream sends
+    deltas (DELTA), a plain response only reads the final output (FINAL_ONLY). A streamed beam
+    search sends its beams only at the end but starts its stream at the first output, so it
+    takes cumulative ones (beams reorder: they have no deltas)."""
+    if not body.stream:
+        return RequestOutputKind.FINAL_ONLY
+    if body.use_beam_search:
+        return RequestOutputKind.CUMULATIVE
+    return RequestOutputKind.DELTA
 
 
 def build_sampling_params(
@@ -107,6 +119,7 @@ def build_sampling_params(
             logit_bias=parse_logit_bias(body.logit_bias),
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=structured_outputs,
+            output_kind=output_kind_of(body),
             **kwargs,
         )
     except ValueError as e:  # InvalidRequestError, naming the field

@@ -233,7 +233,7 @@ class _ChatView:
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
         """The role chunks (the first carries the prompt's extras) when the engine's first
         output arrives, then a chunk per new delta of each choice."""
-        progress = StreamProgress()
+        progress = StreamProgress(delta=streams.delta)
         named_started: set[int] = set()
         started = False
         try:
@@ -248,6 +248,7 @@ class _ChatView:
                     delta = progress.advance(completion.index, completion)
                     if delta is None:
                         continue
+                    completion = progress.cumulative(completion.index, completion)
                     if self.tools.mode == "named":  # the arguments stream as they are written
                         first = completion.index not in named_started
                         named_started.add(completion.index)

@@ -187,7 +187,7 @@ class _CompletionView:
         return self._body(choices, self.usage(tokens))
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
-        progress = StreamProgress()
+        progress = StreamProgress(delta=streams.delta)
         started: set[int] = set()
         try:
             async for p, output in streams:

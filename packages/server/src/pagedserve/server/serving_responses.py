@@ -304,13 +304,13 @@ class _ResponsesView:
         live = self.live_item()
         for event in self.opened(live, 0) if live else []:
             yield event
-        progress, final = StreamProgress(), None
+        progress, final = StreamProgress(delta=streams.delta), None
         try:
             async for _, output in streams:
                 delta = progress.advance(0, output.outputs[0])
                 if live is not None and delta is not None and delta.text:
                     yield self.delta(live, 0, delta.text)
-                final = output
+                final = progress.cumulative_output(output)
         except APIError as error:
             yield self.event(
                 "error", code=error.code or error.type, message=error.message, param=error.param

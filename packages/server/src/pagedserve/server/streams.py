@@ -15,10 +15,11 @@ cancels the body iterator when the client goes away, and no ``await`` may run af
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedserve.engine import RequestOutput, SamplingParams
+from pagedserve.engine import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from pagedserve.server.errors import APIError, from_engine_error
 from pagedserve.server.state import ServerState
 
@@ -36,7 +37,9 @@ class PromptRequest:
 class EngineStreams:
     """Runs one engine request per prompt concurrently; iterate for ``(prompt index, output)``.
 
-    Outputs are cumulative, so a slow consumer skips intermediate ones harmlessly. ``admitted``
+    A streaming request's outputs are deltas (``RequestOutputKind.DELTA``, which
+    ``StreamProgress`` joins up), a non-streaming one's only its final output (FINAL_ONLY), a
+    streamed beam search's cumulative snapshots. ``admitted``
     waits until every prompt was accepted by the engine (its first output arrived) and raises the
     first refusal as an APIError, so a streaming response can still answer with a 4xx/503; the
     engine's field names in a refusal become the API's through ``aliases``.
@@ -53,6 +56,7 @@ class EngineStreams:
     ):
         self.state = state
         self.prompts = prompts
+        self.delta = all(p.params.output_kind is RequestOutputKind.DELTA for p in prompts)
         self.aliases = aliases or {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first: list[asyncio.Future] = []
@@ -137,20 +141,27 @@ class Delta:
 
 @dataclass
 class StreamProgress:
-    """What has been streamed of each choice: turns cumulative outputs into deltas.
+    """What has been streamed of each choice: turns the engine's outputs into chunks.
 
     The engine's cumulative text only grows (it holds back what a stop string may still cut), so
-    a delta is the text past what was sent.
+    a delta is the text past what was sent. With ``delta`` (the engine sends DELTA outputs)
+    each choice's deltas are first joined into its whole completion so far (``whole``), so a
+    chunk is cut exactly as from a cumulative output (a step whose text is held back sends
+    nothing; its tokens go with the next chunk).
     """
 
     chars: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    delta: bool = False
+    whole: dict[int, CompletionOutput] = field(default_factory=dict)
 
     def advance(self, index: int, completion) -> Delta | None:
         """The delta of choice ``index`` (None when there is nothing new to send)."""
         if index in self.finished:
             return None
+        if self.delta:
+            completion = self._joined(index, completion)
         sent_chars, sent_tokens = self.chars.get(index, 0), self.tokens.get(index, 0)
         finished = completion.finish_reason is not None
         text = completion.text[sent_chars:]
@@ -162,6 +173,29 @@ class StreamProgress:
             self.finished.add(index)
         logprobs = completion.logprobs[sent_tokens:] if completion.logprobs is not None else None
         return Delta(text, completion.token_ids[sent_tokens:], logprobs, sent_chars, finished)
+
+    def _joined(self, index: int, delta: CompletionOutput) -> CompletionOutput:
+        whole = self.whole.get(index)
+        if whole is None:  # a copy: the engine's lists are not extended here
+            whole = self.whole[index] = dataclasses.replace(
+                delta,
+                token_ids=list(delta.token_ids),
+                logprobs=None if delta.logprobs is None else list(delta.logprobs),
+            )
+        else:
+            whole.add_delta(delta)
+        return whole
+
+    def cumulative(self, index: int, completion: CompletionOutput) -> CompletionOutput:
+        """Choice ``index``'s whole completion so far, once ``advance`` has seen ``completion``."""
+        return self.whole.get(index, completion) if self.delta else completion
+
+    def cumulative_output(self, output: RequestOutput) -> RequestOutput:
+        """``output`` with each completion replaced by its whole (its indices are its own)."""
+        if not self.delta:
+            return output
+        outputs = [self.cumulative(c.index, c) for c in output.outputs]
+        return dataclasses.replace(output, outputs=outputs)
 
     @property
     def completion_tokens(self) -> int:
