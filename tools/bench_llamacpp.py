@@ -9,7 +9,9 @@ machine with the same thread count, and drives each with tools/bench_serving.py'
   to both, no tokenizer involved), each asking for exactly N output tokens (``ignore_eos``);
 - closed loops at each ``--concurrency`` level, with ``--num-requests`` requests per level
   (each level its own seed, so no level's prompts are in a prefix cache from the one before);
-- one long prompt (``--long-prompt`` tokens, one output token) a few times: its TTFT;
+- one long prompt (``--long-prompt`` tokens, one output token) a few times: its TTFT, and
+  (before any server starts) one transformers forward over each of the same prompts, the floor
+  a prefill is held to;
 - llama-server with its default f16 KV cache and with an f32 one; pagedserve with its fp32 KV
   cache (and, with ``--pagedserve-kv-cache-dtype``, others: llama.cpp's f16 is a 16-bit cache).
 
@@ -139,15 +141,42 @@ def level_args(args: argparse.Namespace, url: str, concurrency: int, num_request
     )  # fmt: skip
 
 
+def long_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``--long-prompt-repeats`` distinct prompts of ``--long-prompt`` ids, the same for every
+    engine (and for the transformers baseline)."""
+    rng = random.Random(args.seed - 1)
+    return [
+        [rng.randrange(100, args.vocab_size) for _ in range(args.long_prompt)]
+        for _ in range(args.long_prompt_repeats)
+    ]
+
+
+def transformers_forward_ms(args: argparse.Namespace) -> list[float]:
+    """The long prompt's floor: one transformers forward over each long prompt (fp32, the
+    server's thread count, only the last position's logits), in ms. Run before any server
+    starts, so it has the machine to itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    times = []
+    with torch.inference_mode():
+        model(torch.tensor([long_prompts(args)[0][:64]]), logits_to_keep=1)  # warm-up
+        for prompt in long_prompts(args):
+            start = time.perf_counter()
+            model(torch.tensor([prompt]), logits_to_keep=1)
+            times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
 async def long_prompt_ttfts(url: str, args: argparse.Namespace) -> list[float]:
     """TTFT in ms of ``--long-prompt-repeats`` distinct prompts of ``--long-prompt`` ids."""
-    rng = random.Random(args.seed - 1)
     spec_args = level_args(args, url, 1, 1)
     ttfts = []
     async with httpx.AsyncClient(base_url=url, timeout=600.0) as client:
         spec_args.model = await bench_serving.discover_model(client)
-        for _ in range(args.long_prompt_repeats):
-            prompt = [rng.randrange(100, args.vocab_size) for _ in range(args.long_prompt)]
+        for prompt in long_prompts(args):
             result = await bench_serving.send_one(
                 client, spec_args, bench_serving.RequestSpec(prompt, 2)
             )
@@ -228,6 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--llamacpp-cache-type", nargs="*", default=["f16", "f32"], help="none: pagedserve only"
     )
     parser.add_argument("--pagedserve-kv-cache-dtype", nargs="+", default=["auto"])
+    parser.add_argument(
+        "--no-transformers-baseline",
+        dest="transformers_baseline",
+        action="store_false",
+        help="skip timing one transformers forward over each long prompt",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="compile jobs for llama.cpp's build")
     parser.add_argument("--log-dir", default="/tmp/bench_llamacpp", help="servers' logs")
     args = parser.parse_args(argv)
@@ -256,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.seed} + level; long prompt {args.long_prompt} tokens x {args.long_prompt_repeats}"
     )
     results = {}
+    if args.long_prompt and args.transformers_baseline:
+        forward_ms = transformers_forward_ms(args)
+        results["transformers forward"] = {"runs": [], "long_ttft_ms": forward_ms}
+        times = ", ".join(f"{t:.0f}" for t in forward_ms)
+        print(
+            f"\n== transformers: one forward over each {args.long_prompt}-token prompt (ms): {times}"
+        )
     for server in servers(args, binary, gguf):
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"\n== {server.name} (load average before: {load})")

@@ -21,6 +21,9 @@ import tarfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# What llama.cpp's converter imports beyond torch, numpy and transformers (its
+# requirements-convert_legacy_llama.txt): installed into the cache, never into the project's venv.
+CONVERTER_REQUIREMENTS = ["sentencepiece==0.2.3", "protobuf==4.25.8"]
 
 
 def cache_dir() -> Path:
@@ -126,6 +129,21 @@ def convert_command(source: Path, model_dir: Path, outfile: Path) -> list[str]:
     ]
 
 
+def converter_deps_command(target: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target)] + (
+        CONVERTER_REQUIREMENTS
+    )
+
+
+def converter_deps(cache: Path) -> Path:
+    """A folder with the converter's own imports (sentencepiece: llama.cpp's Llama converter
+    imports it before it looks for a SentencePiece model, even for a BPE tokenizer)."""
+    target = cache / "convert-deps"
+    if not (target / "sentencepiece").exists():
+        subprocess.run(converter_deps_command(target), check=True)
+    return target
+
+
 def convert_to_gguf(model_dir: Path, cache: Path | None = None) -> Path:
     """An f32 GGUF of ``model_dir`` (the same weights pagedserve loads), converted once."""
     cache = cache or cache_dir()
@@ -134,7 +152,8 @@ def convert_to_gguf(model_dir: Path, cache: Path | None = None) -> Path:
         return outfile
     source = fetch_source(cache)
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(source / "gguf-py"))
+    path = os.pathsep.join([str(source / "gguf-py"), str(converter_deps(cache))])
+    env = dict(os.environ, PYTHONPATH=path)
     subprocess.run(convert_command(source, model_dir, outfile), check=True, env=env)
     return outfile
 

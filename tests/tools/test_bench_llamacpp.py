@@ -33,6 +33,10 @@ def test_build_is_the_server_target_only_niced_and_offline(tmp_path):
     convert = llamacpp_build.convert_command(source, tmp_path / "model", tmp_path / "m.gguf")
     assert convert[1].endswith("convert_hf_to_gguf.py")
     assert convert[convert.index("--outtype") + 1] == "f32"
+    deps = llamacpp_build.converter_deps_command(tmp_path / "deps")
+    assert deps[deps.index("--target") + 1] == str(tmp_path / "deps")  # never the project's venv
+    assert all("==" in requirement for requirement in llamacpp_build.CONVERTER_REQUIREMENTS)
+    assert any(r.startswith("sentencepiece==") for r in llamacpp_build.CONVERTER_REQUIREMENTS)
 
 
 def test_llama_server_runs_the_asked_threads_slots_and_kv_type(tmp_path):
