@@ -103,3 +103,13 @@ def test_host_overhead_tool_times_every_phase_with_a_stand_in_forward(tiny_check
     bench_host_overhead.print_table(results)
     table = capsys.readouterr().out
     assert "step / floor" in table and "4 seqs" in table and "3 seqs" in table
+
+
+def test_host_overhead_tool_outer_timers_time_only_the_step_and_its_sampler(tiny_checkpoint):
+    import bench_host_overhead
+
+    ms = bench_host_overhead.measure(tiny_checkpoint("llama"), 3, steps=3, prompt_len=8, outer=True)
+    host = bench_host_overhead.HOST_TOTAL
+    assert set(ms) == {"  of which sampler", "step", host, "floor: argmax of the logits"}
+    assert 0.0 < ms["  of which sampler"] < ms["step"]
+    assert ms[host] == ms["step"] - ms["  of which sampler"]

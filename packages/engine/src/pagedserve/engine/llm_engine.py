@@ -24,7 +24,14 @@ from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
-from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
+from pagedserve.engine.decisions import (
+    PlainRequests,
+    SamplingBatch,
+    StepContext,
+    StepDecision,
+    group_decisions,
+    sampled_tokens,
+)
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.lora import LoRAManager, LoRARequest
@@ -83,6 +90,8 @@ class LLMEngine(LoRAEngineMixin):
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
+        self.plain_requests = PlainRequests()
+        self._never_scheduled: set[str] = set()  # requests whose first_scheduled_time is unset
         self.stats = StatsCollector()
         self.structured_output = StructuredOutputManager(self._grammar_backend)
         self._request_errors: list[tuple[str, BaseException]] = []
@@ -167,6 +176,8 @@ class LLMEngine(LoRAEngineMixin):
         request.payload = group.new_state(0, self.tokenizer, self.runner.device)
         group.sequences.append(request)
         self.groups[request_id] = group
+        self.plain_requests.register(request_id, request.payload)
+        self._never_scheduled.add(request_id)
         if params.structured_outputs is not None:
             self.structured_output.hold(request, params.structured_outputs)
 
@@ -187,7 +198,7 @@ class LLMEngine(LoRAEngineMixin):
             request.payload.grammar_matcher = grammar.matcher()
         for request, error in failed:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            self.groups.pop(request.request_id, None)
+            self._forget(request.request_id)
             self._request_errors.append((request.request_id, error))
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
@@ -263,67 +274,76 @@ class LLMEngine(LoRAEngineMixin):
                 self._release_grammars(timeout=0.05)
             return []
         logits, seq_ids = self._execute(scheduled)
-        decisions = self._decide(scheduled, logits, seq_ids)
-        updated = self.scheduler.update(scheduled, _sampled_tokens(decisions))
-        outputs = self._apply(decisions, updated, scheduled.num_scheduled_tokens)
+        batch, decisions = self._decide(scheduled, logits, seq_ids)
+        updated = self.scheduler.update(scheduled, sampled_tokens(batch, decisions))
+        outputs = self._apply(batch, decisions, updated, scheduled.num_scheduled_tokens)
         self._release_removed_loras()
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        now = time.monotonic()
-        for item in scheduled.scheduled:
-            metrics = item.request.payload.group.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+        if self._never_scheduled:  # only then can a scheduled request be new
+            self._stamp_first_scheduled(scheduled)
         if self.speculator is not None:  # a draft model proposes once the slots exist
             self.speculator.prepare_step(scheduled)
         return self.runner.execute(scheduled)
 
+    def _stamp_first_scheduled(self, scheduled: SchedulerOutput) -> None:
+        now = time.monotonic()
+        never = self._never_scheduled
+        for item in scheduled.scheduled:
+            metrics = item.request.payload.group.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                never.discard(item.request.payload.group.request_id)
+
     def _decide(
         self, scheduled: SchedulerOutput, logits: torch.Tensor, seq_ids: list[str]
-    ) -> list[StepDecision]:
+    ) -> tuple[SamplingBatch, list[StepDecision]]:
         """Each group decides from its rows; every sampling row is drawn in one sampler call,
-        every speculative decode's rows are verified in one pass (spec_decode/verify.py)."""
-        verify, proposals, spec_decisions = None, {}, []
+        every speculative decode's rows are verified in one pass (spec_decode/verify.py).
+
+        A step whose rows are all plain (decisions.py) has no decisions at all: its rows go to
+        the batch's plain pass as they are, with no Python per row."""
+        verify, proposals = None, {}
         num_spec = scheduled.num_spec_tokens if self.speculator is not None else 0
         if num_spec:
             verify, proposals = self.speculator.verification_batch(scheduled, logits, num_spec)
             logits = logits[: len(logits) - num_spec]
         if len(logits) > len(seq_ids):
             record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
-        rows: dict[SequenceGroup, list[tuple[Request, int]]] = {}
-        requests = self.scheduler.requests
-        for row, seq_id in enumerate(seq_ids):
-            request = requests[seq_id]
-            if seq_id in proposals:
-                drafts, draft_rows = proposals[seq_id]
-                spec_decisions.append(verify.add(request, drafts, [*draft_rows, row]))
-                continue
-            group = request.payload.group
-            if group in rows:
-                rows[group].append((request, row))
-            else:
-                rows[group] = [(request, row)]
-        batch = SamplingBatch(logits)
-        decisions = [group.decide(group_rows, batch) for group, group_rows in rows.items()]
+        batch = SamplingBatch(logits, len(seq_ids))
+        decisions = []
+        if proposals or not self.plain_requests.add_all(batch, seq_ids):
+            requests, plain = self.scheduler.requests, self.plain_requests
+            decisions = group_decisions(seq_ids, requests, batch, plain, proposals, verify)
         batch.sample(self.sampler)
         if verify is not None:
             self.stats.record_spec_decode(verify.verify())
-        return spec_decisions + decisions
+        return batch, decisions
 
     def _apply(
-        self, decisions: list[StepDecision], updated: list[Request], num_scheduled_tokens: int = 0
+        self,
+        batch: SamplingBatch,
+        decisions: list[StepDecision],
+        updated: list[Request],
+        num_scheduled_tokens: int = 0,
     ) -> list[RequestOutput]:
-        """Apply each decision after the update; one output per group that has news."""
-        ctx = StepContext(
-            self.scheduler, self.tokenizer, self.runner.device, {r.request_id for r in updated}
-        )
-        touched = dict.fromkeys(r.payload.group for r in updated)
-        for decision in decisions:
-            if decision.apply(ctx):
-                touched.setdefault(decision.group)
+        """Apply each decision after the update; one output per group that has news.
+
+        Plain requests are one sequence each: the groups of ``updated`` are distinct then, and
+        no set of updated ids is built for decisions that do not exist."""
+        updated_ids = {r.request_id for r in updated} if decisions else set()
+        ctx = StepContext(self.scheduler, self.tokenizer, self.runner.device, updated_ids)
+        batch.apply_plain(updated, ctx)
+        if decisions:
+            touched = dict.fromkeys(r.payload.group for r in updated)
+            for decision in decisions:
+                if decision.apply(ctx):
+                    touched.setdefault(decision.group)
+        else:
+            touched = [r.payload.group for r in updated]
         now = time.monotonic()
         outputs = [self._group_output(group, now) for group in touched if group.has_new_output]
         self._record_step(
@@ -338,7 +358,7 @@ class LLMEngine(LoRAEngineMixin):
 
     def _group_output(self, group: SequenceGroup, now: float) -> RequestOutput:
         output = group.make_output()
-        if output.finished and self.groups.pop(group.request_id, None) is not None:
+        if output.finished and self._forget(group.request_id) is not None:
             group.metrics.finished_time = now
             self.stats.record_finished(
                 finished_request_stats(
@@ -350,6 +370,12 @@ class LLMEngine(LoRAEngineMixin):
                 )
             )
         return output
+
+    def _forget(self, request_id: str) -> SequenceGroup | None:
+        """Drop a request that has left the engine; its group, if it was still known."""
+        self.plain_requests.discard(request_id)
+        self._never_scheduled.discard(request_id)
+        return self.groups.pop(request_id, None)
 
     def _record_step(
         self, num_new_tokens: int, num_new_prompt_tokens: int = 0, **per_step_samples
@@ -367,10 +393,3 @@ class LLMEngine(LoRAEngineMixin):
             new_generation_tokens=num_new_tokens,
             **per_step_samples,
         )
-
-
-def _sampled_tokens(decisions: list[StepDecision]) -> dict[str, int | list[int]]:
-    sampled: dict[str, int | list[int]] = {}
-    for decision in decisions:
-        sampled.update(decision.sampled_tokens())
-    return sampled

@@ -20,7 +20,9 @@ decoding: the target model's probabilities of k proposed tokens per row).
 
 The host cost is kept out of the plain path: the per-row settings are gathered in one pass into
 one tensor, every decision (greedy? penalties? bias? logprobs?) is read from it, and a batch of
-greedy rows with nothing else to apply is one argmax.
+greedy rows with nothing else to apply is one argmax. Rows the engine already knows to be plain
+(decisions.py ``PlainRequests``: a temperature and nothing else) come with
+``PlainSamplingMetadata`` instead and skip even that: one argmax, or one temperature draw.
 
 Logprobs are those of the model's raw distribution (log_softmax of the logits before any
 processing; vLLM's default ``raw_logprobs``): the sampled token's, and the top-N.
@@ -61,14 +63,36 @@ class SamplingMetadata:
 
 
 @dataclass
+class PlainSamplingMetadata:
+    """The plain path's inputs (decisions.py ``PlainRequests``): rows with no penalty, bias,
+    mask, top-k/top-p/min-p or logprobs. ``temperature`` None: every row is greedy (one
+    argmax); else row i is drawn at ``temperature[i]`` from ``generators[i]`` (greedy below
+    ``GREEDY_TEMPERATURE``, drawing nothing). The general path gives the same tokens for these
+    rows; this one only skips building what they do not use.
+
+    ``general``: the rest of a mixed step, drawn in the same call by the general path from the
+    logits rows ``general_rows`` (its SamplingMetadata entry i describes row general_rows[i]).
+    """
+
+    temperature: list[float] | None = None
+    generators: list[torch.Generator | None] | None = None
+    general_rows: list[int] = field(default_factory=list)
+    general: SamplingMetadata | None = None
+
+
+@dataclass
 class SamplerOutput:
     """``token_ids [B]``; when any row asked for logprobs: the sampled tokens' raw logprobs
-    ``[B]`` and the top-``K`` ``[B, K]`` (K = the largest ``logprobs`` in the batch)."""
+    ``[B]`` and the top-``K`` ``[B, K]`` (K = the largest ``logprobs`` in the batch).
+
+    A mixed plain + general call (``PlainSamplingMetadata.general``): ``plain_token_ids`` is
+    the plain pass's token for every logits row, the rest is the general rows' output."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
+    plain_token_ids: torch.Tensor | None = None
     _host: tuple[list, list, list, list] | None = field(default=None, init=False, repr=False)
 
     def row_logprobs(self, row: int, num: int) -> dict[int, float]:
@@ -221,8 +245,17 @@ def exponential_noise(
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata | PlainSamplingMetadata
+    ) -> SamplerOutput:
         """Next token ids ``[B]`` (and logprobs) for ``logits [B, V]`` (float32)."""
+        if isinstance(meta, PlainSamplingMetadata):
+            plain = self.sample_plain(logits, meta)
+            if meta.general is None:
+                return SamplerOutput(plain)
+            output = self(select_rows(logits, meta.general_rows), meta.general)
+            output.plain_token_ids = plain
+            return output
         raw = logits
         settings = BatchSettings(meta.params)
         logits = penalise(apply_logit_processors(logits, meta, settings), meta, settings)
@@ -235,6 +268,20 @@ class Sampler:
             noise = exponential_noise(logits, meta.generators, settings.greedy)
             tokens = sample_tokens(logits, temperature, top_k.int(), top_p, min_p, noise)
         return self._with_logprobs(raw, tokens, settings.max_logprobs)
+
+    @staticmethod
+    def sample_plain(logits: torch.Tensor, meta: PlainSamplingMetadata) -> torch.Tensor:
+        """The general path's draw for plain rows, without its per-row settings: the same
+        argmax, or the same ``sample_tokens`` call with top-k/top-p/min-p off."""
+        if meta.temperature is None:
+            return logits.argmax(dim=-1)
+        num_rows, device = logits.shape[0], logits.device
+        greedy = [t < GREEDY_TEMPERATURE for t in meta.temperature]
+        noise = exponential_noise(logits, meta.generators, greedy)
+        temperature = torch.tensor(meta.temperature, dtype=torch.float32).to(device)
+        off = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        top_k, top_p = off.int(), torch.ones_like(off)
+        return sample_tokens(logits, temperature, top_k, top_p, off, noise)
 
     @staticmethod
     def _with_logprobs(
