@@ -137,6 +137,7 @@ def level_args(args: argparse.Namespace, url: str, concurrency: int, num_request
             "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
             "--min-output", str(args.min_output), "--max-output", str(args.max_output),
             "--vocab-size", str(args.vocab_size), "--seed", str(args.seed + concurrency),
+            "--no-keepalive",
         ]
     )  # fmt: skip
 
@@ -256,7 +257,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--llamacpp-cache-type", nargs="*", default=["f16", "f32"], help="none: pagedserve only"
     )
-    parser.add_argument("--pagedserve-kv-cache-dtype", nargs="+", default=["auto"])
+    parser.add_argument(
+        "--pagedserve-kv-cache-dtype", nargs="*", default=["auto"], help="none: llama.cpp only"
+    )
     parser.add_argument(
         "--no-transformers-baseline",
         dest="transformers_baseline",

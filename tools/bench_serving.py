@@ -234,7 +234,11 @@ async def discover_model(client: httpx.AsyncClient) -> str:
 
 async def main_async(args: argparse.Namespace) -> list[RunSummary]:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # --no-keepalive: a fresh connection per request. llama-server closes a kept-alive
+    # connection after a few requests, and a request sent on it as it closes fails with
+    # "Server disconnected without sending a response"; the peer benchmark runs every engine so.
+    keepalive = 0 if args.no_keepalive else None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=keepalive)
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=args.timeout, limits=limits
     ) as client:
@@ -277,6 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--request-rate", type=float, nargs="*", default=[], help="Poisson req/s")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
+    parser.add_argument("--no-keepalive", action="store_true", help="one connection per request")
     parser.add_argument("--json-out", default=None, help="write every summary here")
     parser.add_argument("--plot-dir", default=None, help="write PNG plots here")
     args = parser.parse_args(argv)

@@ -66,6 +66,7 @@ def test_each_level_gets_its_own_seed_and_request_count():
     )
     assert (one.concurrency, one.num_requests, sixteen.num_requests) == ([1], 8, 64)
     assert one.seed != sixteen.seed
+    assert one.no_keepalive and sixteen.no_keepalive  # llama-server drops kept-alive connections
     workload = bench_serving.make_workload(one, one.vocab_size)
     assert workload == bench_serving.make_workload(one, one.vocab_size)  # seeded: same ids
     with pytest.raises(SystemExit):
