@@ -37,15 +37,18 @@ from numba import prange
 
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.numba_half import _to_float32
+from pagedserve.kernels.paged_attention_plan import (
+    TILE_N,
+    _num_kv_splits,
+    _plan,
+    _work_items,
+)
 from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 
-TILE_N = 32  # KV positions scored per online-softmax step
 # paged_attention_cpu sends a sequence with more new tokens than this to SDPA's flash kernel
 # instead: the crossover measured on a 2-core AVX-512 CPU with SmolLM2's heads over 200- and
 # 1000-token contexts (tools/bench_cpu_attention.py); flash is ~4x faster on long chunks.
 NUMBA_MAX_Q_LEN = 15
-MIN_SPLIT_POSITIONS = 256  # a KV split of a single decode is worth its merge from here on
-PREFILL_TILE_Q = 8  # new tokens per work item in a prefill chunk (x the query heads = rows)
 # Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
 # NaN/inf are left out: -inf is the running max before a row has seen anything.
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
@@ -154,35 +157,59 @@ def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1
         _accumulate_tile(s, v_cache, block_table, start, n, group, acc)
 
 
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, item, scale,
+                 window, cap, out, part_acc, part_max, part_sum):  # fmt: skip
+    """One work item ``item = work[i]``: (sequence, first new token, last + 1, first KV
+    position, last + 1, partial slot). Slot -1: the item covers all positions, its rows go to
+    ``out``; else it is one KV split of a one-token tile and leaves its unnormalised state in
+    the partials."""
+    n_q_heads, head_dim = query.shape[1], query.shape[2]
+    b, q0, q1, slot = item[0], item[1], item[2], item[5]
+    q_start = query_start_loc[b]
+    n_cached = seq_lens[b] - (query_start_loc[b + 1] - q_start)
+    n_rows = (q1 - q0) * n_q_heads
+    acc = np.zeros((n_rows, head_dim), np.float32)
+    m = np.full(n_rows, np.float32(-np.inf), np.float32)
+    row_sum = np.zeros(n_rows, np.float32)
+    _attend_tile(
+        query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
+        item[3], item[4], scale, window, cap, acc, m, row_sum,
+    )  # fmt: skip
+    if slot >= 0:
+        part_acc[slot] = acc
+        part_max[slot] = m
+        part_sum[slot] = row_sum
+    else:
+        for r in range(n_rows):
+            inv = np.float32(1.0) / row_sum[r]  # > 0: a row sees its own position
+            for d in range(head_dim):
+                out[q_start + q0 + r // n_q_heads, r % n_q_heads, d] = acc[r, d] * inv
+
+
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                             work, scale, window, cap, out, part_acc, part_max,
                             part_sum):  # fmt: skip
-    """``work [W, 6]``: (sequence, first new token, last + 1, first KV position, last + 1,
-    partial slot). Slot -1: the item covers all positions, its rows go to ``out``; else it
-    is one KV split of a one-token tile and leaves its unnormalised state in the partials."""
-    n_q_heads, head_dim = query.shape[1], query.shape[2]
-    for item in prange(work.shape[0]):
-        b, q0, q1, slot = work[item, 0], work[item, 1], work[item, 2], work[item, 5]
-        q_start = query_start_loc[b]
-        n_cached = seq_lens[b] - (query_start_loc[b + 1] - q_start)
-        n_rows = (q1 - q0) * n_q_heads
-        acc = np.zeros((n_rows, head_dim), np.float32)
-        m = np.full(n_rows, np.float32(-np.inf), np.float32)
-        row_sum = np.zeros(n_rows, np.float32)
-        _attend_tile(
-            query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
-            work[item, 3], work[item, 4], scale, window, cap, acc, m, row_sum,
+    """Every work item (``work [W, 6]``, see :func:`_attend_item`) under ``prange``."""
+    for i in prange(work.shape[0]):
+        _attend_item(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, work[i], scale,
+            window, cap, out, part_acc, part_max, part_sum,
         )  # fmt: skip
-        if slot >= 0:
-            part_acc[slot] = acc
-            part_max[slot] = m
-            part_sum[slot] = row_sum
-        else:
-            for r in range(n_rows):
-                inv = np.float32(1.0) / row_sum[r]  # > 0: a row sees its own position
-                for d in range(head_dim):
-                    out[q_start + q0 + r // n_q_heads, r % n_q_heads, d] = acc[r, d] * inv
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _paged_attention_serial(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            work, scale, window, cap, out, part_acc, part_max,
+                            part_sum):  # fmt: skip
+    """The same items in one thread: for a single item (a batch-1 decode) or one thread,
+    where starting a parallel region costs more than it could share."""
+    for i in range(work.shape[0]):
+        _attend_item(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, work[i], scale,
+            window, cap, out, part_acc, part_max, part_sum,
+        )  # fmt: skip
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
@@ -209,54 +236,6 @@ def _merge_kv_splits(part_acc, part_max, part_sum, merges, out):
                 out[token, h, d] /= total
 
 
-def _work_items(q_lens: np.ndarray, seq_lens: np.ndarray, max_q_len: int | None) -> np.ndarray:
-    """Tiles of ``PREFILL_TILE_Q`` new tokens per sequence: (sequence, q0, q1)."""
-    if max_q_len is not None:
-        q_lens = np.where(q_lens <= max_q_len, q_lens, 0)
-    n_tiles = -(-q_lens // PREFILL_TILE_Q)
-    seq = np.repeat(np.arange(len(q_lens)), n_tiles)
-    first_tile = np.cumsum(n_tiles) - n_tiles
-    q0 = (np.arange(len(seq)) - first_tile[seq]) * PREFILL_TILE_Q
-    q1 = np.minimum(q0 + PREFILL_TILE_Q, q_lens[seq])
-    return np.stack([seq, q0, q1], axis=1).astype(np.int64)
-
-
-def _num_kv_splits(n_tiles: int, max_kv_end: int, threads: int) -> int:
-    """Split the KV axis of one-token tiles only when there are too few tiles to keep every
-    thread busy (a single long decode), each split keeping >= MIN_SPLIT_POSITIONS."""
-    if threads < 2 or n_tiles >= 2 * threads:
-        return 1
-    return max(1, min(-(-2 * threads // max(n_tiles, 1)), max_kv_end // MIN_SPLIT_POSITIONS))
-
-
-def _plan(tiles, starts, seq_lens, splits: int, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Work items, most KV positions first: the tiles, with each one-token tile of >=
-    2 * MIN_SPLIT_POSITIONS positions cut into ``splits`` KV ranges; and the merges of the
-    split ones. ``(work [W, 6], merges [G, 3])`` as the two kernels read them. Under a
-    ``window`` (> 0; never split) a tile starts at its first token's horizon."""
-    seq, q0, q1 = tiles[:, 0], tiles[:, 1], tiles[:, 2]
-    n_cached = seq_lens[seq] - (starts[seq + 1] - starts[seq])
-    kv_end = n_cached + q1
-    split = (q1 - q0 == 1) & (kv_end >= 2 * MIN_SPLIT_POSITIONS) & (splits > 1)
-    zeros = np.zeros_like(seq)
-    kv_lo = np.maximum(n_cached + q0 - window + 1, 0) if window > 0 else zeros
-    parts = [np.stack([seq, q0, q1, kv_lo, kv_end, zeros - 1], axis=1)[~split]]
-    merges = np.zeros((0, 3), np.int64)
-    if split.any():
-        s_seq, s_q0, s_end = seq[split], q0[split], kv_end[split]
-        per_split = -(-s_end // (splits * TILE_N)) * TILE_N  # whole TILE_N steps
-        lo = np.minimum(np.arange(splits)[None, :] * per_split[:, None], s_end[:, None])
-        hi = np.minimum(lo + per_split[:, None], s_end[:, None])
-        slots = np.arange(lo.size).reshape(lo.shape)
-        cols = [np.repeat(c, splits) for c in (s_seq, s_q0, s_q0 + 1)]
-        parts.append(np.stack(cols + [lo.ravel(), hi.ravel(), slots.ravel()], axis=1))
-        token = starts[s_seq] + s_q0
-        merges = np.stack([token, slots[:, 0], np.full_like(token, splits)], axis=1)
-    work = np.concatenate(parts).astype(np.int64)
-    order = np.argsort(-(work[:, 4] - work[:, 3]), kind="stable")
-    return work[order], merges.astype(np.int64)
-
-
 def _cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
     """The cache's memory as numpy, without a copy: 16-bit floats as their bit patterns."""
     if cache.dtype == torch.bfloat16:
@@ -273,6 +252,24 @@ def _set_threads() -> int:
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
     return threads
+
+
+def _launch(parallel: bool, arrays: tuple, work, merges, scale, window, cap, out) -> None:
+    """Run the work items (``arrays``: query, caches, block tables, lengths and starts as the
+    kernels read them) into ``out``, under ``prange`` or in this thread, then merge the KV
+    splits."""
+    n_parts, n_q_heads, head_dim = int((work[:, 5] >= 0).sum()), out.shape[1], out.shape[2]
+    part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
+    part_max = np.empty((n_parts, n_q_heads), np.float32)
+    part_sum = np.empty((n_parts, n_q_heads), np.float32)
+    kernel = _paged_attention_kernel if parallel else _paged_attention_serial
+    previous_chunksize = numba.set_parallel_chunksize(1) if parallel else 0  # one by one
+    kernel(*arrays, work, np.float32(scale), window, cap, out.numpy(), part_acc, part_max,
+           part_sum)  # fmt: skip
+    if parallel:
+        numba.set_parallel_chunksize(previous_chunksize)
+    if len(merges):
+        _merge_kv_splits(part_acc, part_max, part_sum, merges, out.numpy())
 
 
 def paged_attention_numba(
@@ -310,20 +307,13 @@ def paged_attention_numba(
     splits = num_kv_splits or _num_kv_splits(len(tiles), int(lens.max()), threads)
     window = sliding_window or 0
     work, merges = _plan(tiles, starts, lens, 1 if window else splits, window)
-    n_parts, n_q_heads, head_dim = int((work[:, 5] >= 0).sum()), query.shape[1], query.shape[2]
-    part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
-    part_max = np.empty((n_parts, n_q_heads), np.float32)
-    part_sum = np.empty((n_parts, n_q_heads), np.float32)
-    previous_chunksize = numba.set_parallel_chunksize(1)  # items handed out one by one
-    _paged_attention_kernel(
+    arrays = (
         query.detach().to(torch.float32).contiguous().numpy(),
         _cache_as_numpy(k_cache.detach()), _cache_as_numpy(v_cache.detach()),
-        block_tables.to(torch.int32).numpy(), lens, starts, work, np.float32(scale),
-        window, np.float32(logits_soft_cap or 0.0), out.numpy(), part_acc, part_max, part_sum,
+        block_tables.to(torch.int32).numpy(), lens, starts,
     )  # fmt: skip
-    if len(merges):
-        _merge_kv_splits(part_acc, part_max, part_sum, merges, out.numpy())
-    numba.set_parallel_chunksize(previous_chunksize)
+    cap = np.float32(logits_soft_cap or 0.0)
+    _launch(threads > 1 and len(work) > 1, arrays, work, merges, scale, window, cap, out)
     return out.to(query.dtype)
 
 
@@ -358,14 +348,27 @@ def paged_attention_cpu(
 
 def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from numba's disk cache) the kernel for caches of these dtypes, on a
-    one-block batch holding a prefill chunk and a decode, before any request needs it; a
-    no-op where dispatch would not pick numba (on CPU) anyway."""
+    one-block batch holding a prefill chunk and a decode (both the parallel and the serial
+    kernel), and the decoder layer's small ops (layer_ops_numba), before any request needs
+    them; a no-op where dispatch would not pick numba (on CPU) anyway."""
     if kernel_path(torch.empty(0), has_numba=True) != "numba":
         return
     for dtype in dtypes:
         cache = torch.zeros(2, 8, 1, 8, dtype=dtype)
-        paged_attention_numba(
+        args = (
             torch.zeros(3, 2, 8, dtype=dtype), cache, cache.clone(),
             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
             torch.tensor([0, 2, 3], dtype=torch.int32), 1.0,
         )  # fmt: skip
+        paged_attention_numba(*args)  # the planners, and the kernel this thread count takes
+        query, k_cache, v_cache, block_tables, seq_lens, starts, scale = args
+        lens, starts = seq_lens.to(torch.int64).numpy(), starts.to(torch.int64).numpy()
+        work, merges = _plan(_work_items(starts[1:] - starts[:-1], lens, None), starts, lens, 1)
+        arrays = (query.float().numpy(), _cache_as_numpy(k_cache), _cache_as_numpy(v_cache),
+                  block_tables.numpy(), lens, starts)  # fmt: skip
+        for parallel in (True, False):  # both kernels, whatever the thread count
+            out = torch.zeros(query.shape)
+            _launch(parallel, arrays, work, merges, scale, 0, np.float32(0), out)
+    from pagedserve.kernels import layer_ops_numba
+
+    layer_ops_numba.warm_up()

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 
 @triton.jit
@@ -93,6 +93,12 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x`` (or of ``x + residual``, returned too) over the last dim."""
-    if use_triton(x):
+    path = kernel_path(x, has_numba=True)
+    if path == "triton":
         return rms_norm_triton(x, weight, eps, residual)
+    if path == "numba":
+        from pagedserve.kernels import layer_ops_numba as ops
+
+        if ops.supports(x, weight, *(() if residual is None else (residual,))):
+            return ops.rms_norm_numba(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 
 @triton.jit
@@ -131,6 +131,13 @@ def rotary_embedding(
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` by their token ``positions [T]``."""
-    if use_triton(query):
+    path = kernel_path(query, has_numba=True)
+    if path == "triton":
         return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox)
+    if path == "numba":
+        from pagedserve.kernels import layer_ops_numba as ops
+
+        if ops.supports(query, key, cos_sin_cache):
+            _check(positions, query, key, cos_sin_cache)
+            return ops.rotary_embedding_numba(positions, query, key, cos_sin_cache, is_neox)
     return rotary_embedding_ref(positions, query, key, cos_sin_cache, is_neox)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 
 @triton.jit
@@ -104,7 +104,16 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store ``key``/``value [T, Hkv, D]`` at ``slot_mapping [T]`` (-1 = skip), in place."""
-    if use_triton(key):
+    path = kernel_path(key, has_numba=True)
+    if path == "triton":
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif path == "numba":
+        from pagedserve.kernels import layer_ops_numba as ops
+
+        if ops.supports(key, value, k_cache, v_cache):
+            _check(key, value, k_cache, v_cache, slot_mapping)
+            ops.store_kv_numba(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,85 @@
+"""The CPU engine's numba paths for a decoder layer's small ops and its small-batch GEMM, each
+held to its PyTorch reference: RMSNorm (with and without the residual add), rotary embedding
+(neox and GPT-J pairs, partial rotary, strided views of a fused qkv output), store_kv (slot
+-1 skipped, stale slots untouched) and the small-batch linear (every row count it takes, a
+weight whose output features are not a whole number of its blocks)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import assert_close
+
+from pagedserve.kernels import layer_ops_numba as ops
+from pagedserve.kernels import small_batch_linear_numba as small
+from pagedserve.kernels.rms_norm import rms_norm_ref
+from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
+from pagedserve.kernels.store_kv import store_kv_ref
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_matches_reference(tokens, residual):
+    g = torch.Generator().manual_seed(tokens)
+    x, res = (torch.randn(tokens, 576, generator=g) * 3 for _ in range(2))
+    weight = torch.randn(576, generator=g)
+    got = ops.rms_norm_numba(x, weight, 1e-5, res if residual else None)
+    expected = rms_norm_ref(x, weight, 1e-5, res if residual else None)
+    for actual, wanted in zip(got if residual else [got], expected if residual else [expected]):
+        assert_close(actual, wanted)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [64, 32])
+@pytest.mark.parametrize("positions_dtype", [torch.int64, torch.int32])
+def test_rotary_matches_reference_on_views_of_a_fused_qkv(is_neox, rot_dim, positions_dtype):
+    tokens, hq, hkv, d = 4, 9, 3, 64
+    g = torch.Generator().manual_seed(rot_dim)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
+    cos_sin = torch.randn(50, rot_dim, generator=g)
+    positions = torch.tensor([0, 7, 49, 7], dtype=positions_dtype)
+    fused = qkv.clone()
+    q, k, _ = fused.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)  # strided, as llama passes them
+    q_ref, k_ref = (t.clone() for t in (q, k))
+    ops.rotary_embedding_numba(positions, q, k, cos_sin, is_neox)
+    rotary_embedding_ref(positions, q_ref, k_ref, cos_sin, is_neox)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(fused[:, (hq + hkv) * d :], qkv[:, (hq + hkv) * d :])  # v untouched
+
+
+def test_store_kv_matches_reference_and_skips_padding_slots():
+    g = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(5, 3, 64, generator=g) for _ in range(2))
+    slots = torch.tensor([17, -1, 0, 40, -1], dtype=torch.int64)
+    caches = [torch.full((4, 16, 3, 64), float("nan")) for _ in range(4)]
+    ops.store_kv_numba(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    for got, expected in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))  # exact, NaN kept
+    assert torch.equal(caches[0].view(-1, 3, 64)[17], key[0])
+
+
+@pytest.mark.parametrize("rows", range(small.MIN_ROWS, small.MAX_ROWS + 1, 3))
+def test_small_batch_linear_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    weight = torch.randn(963, 576, generator=g) / 24  # 963: a tail after 240 blocks of 4
+    assert small.supports(x, weight)
+    assert_close(small.small_batch_linear_numba(x, weight), F.linear(x, weight), gemm=True)
+
+
+def test_small_batch_linear_takes_a_strided_input():
+    x = torch.randn(16, 1152)[::2, ::2]  # 8 rows, neither contiguous
+    weight = torch.randn(20, 576) / 24
+    assert_close(small.small_batch_linear_numba(x, weight), F.linear(x, weight), gemm=True)
+
+
+def test_supports_only_what_the_kernels_compute():
+    x, weight = torch.zeros(4, 8), torch.zeros(8, 8)
+    assert small.supports(x, weight)
+    assert not small.supports(torch.zeros(small.MAX_ROWS + 1, 8), weight)
+    assert not small.supports(torch.zeros(small.MIN_ROWS - 1, 8), weight)
+    assert not small.supports(x.half(), weight.half())
+    assert not small.supports(x, weight.t())
+    assert ops.supports(x, weight) and not ops.supports(x, weight.bfloat16())

@@ -1,0 +1,61 @@
+"""On CPU, dispatch sends the decoder layer's small ops and small-batch GEMMs to their numba
+paths (fp32; one thread for the GEMM), and to the references when told to or when a dtype has
+no numba path; either way the results agree."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import layer_ops_numba as ops
+from pagedserve.kernels import rms_norm, rotary_embedding, store_kv
+from pagedserve.kernels import small_batch_linear_numba as small
+from pagedserve.kernels.linear import linear
+
+
+@pytest.fixture
+def cpu_dispatch(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    return monkeypatch
+
+
+def _calls(monkeypatch, module, name: str) -> list:
+    calls, inner = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or inner(*a, **k))
+    return calls
+
+
+def test_small_ops_take_numba_in_fp32_and_the_reference_otherwise(cpu_dispatch):
+    norm = _calls(cpu_dispatch, ops, "rms_norm_numba")
+    rot = _calls(cpu_dispatch, ops, "rotary_embedding_numba")
+    store = _calls(cpu_dispatch, ops, "store_kv_numba")
+    x, w = torch.randn(2, 16), torch.randn(16)
+    out, new_residual = rms_norm(x, w, 1e-6, x.clone())
+    torch.testing.assert_close(new_residual, 2 * x)
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    rotary_embedding(torch.tensor([0, 1]), q, k, torch.randn(4, 8))
+    cache = torch.zeros(2, 4, 1, 8)
+    store_kv(k, k, cache, cache.clone(), torch.tensor([5, -1]))
+    assert torch.equal(cache[1, 1], k[0]) and (norm, rot, store) == ([1], [1], [1])
+    rms_norm(x.bfloat16(), w.bfloat16(), 1e-6)  # no numba path for 16-bit: the reference
+    cpu_dispatch.setenv("PAGEDSERVE_KERNELS", "ref")
+    expected = rms_norm(x, w, 1e-6, x.clone())[0]
+    assert norm == [1]
+    torch.testing.assert_close(out, expected)
+
+
+def test_small_batch_gemm_takes_numba_on_one_thread_only(cpu_dispatch):
+    calls = _calls(cpu_dispatch, small, "small_batch_linear_numba")
+    x, weight, bias = torch.randn(4, 32), torch.randn(12, 32) / 6, torch.randn(12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        got = linear(x, weight, bias)
+        linear(x[:1], weight, bias)  # one row: MKL's GEMV
+        assert calls == [1]
+        torch.set_num_threads(2)
+        linear(x, weight, bias)
+        assert calls == [1]
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1.3e-6)
