@@ -83,3 +83,9 @@ def test_supports_only_what_the_kernels_compute():
     assert not small.supports(x.half(), weight.half())
     assert not small.supports(x, weight.t())
     assert ops.supports(x, weight) and not ops.supports(x, weight.bfloat16())
+
+
+def test_rms_norm_takes_a_strided_input():
+    x = torch.randn(3, 1152)[:, ::2]
+    weight = torch.randn(576)
+    assert_close(ops.rms_norm_numba(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))

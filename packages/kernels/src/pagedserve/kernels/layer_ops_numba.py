@@ -92,8 +92,9 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, hidden]`` without a copy where its layout allows one."""
-    return t.reshape(-1, t.shape[-1])
+    """``t`` as contiguous ``[rows, hidden]`` (no copy where it already is): one compiled
+    layout, the one :func:`warm_up` compiles, so that no request waits for numba."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
 
 
 def rms_norm_numba(
