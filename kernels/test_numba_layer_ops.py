@@ -1,16 +1,13 @@
-"""The CPU engine's numba paths for a decoder layer's small ops and its small-batch GEMM, each
-held to its PyTorch reference: RMSNorm (with and without the residual add), rotary embedding
-(neox and GPT-J pairs, partial rotary, strided views of a fused qkv output), store_kv (slot
--1 skipped, stale slots untouched) and the small-batch linear (every row count it takes, a
-weight whose output features are not a whole number of its blocks)."""
+"""The CPU engine's numba paths for a decoder layer's small ops, each held to its PyTorch
+reference: RMSNorm (with and without the residual add), rotary embedding (neox and GPT-J pairs,
+partial rotary, strided views of a fused qkv output) and store_kv (slot -1 skipped, stale slots
+untouched)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tolerances import assert_close
 
 from pagedserve.kernels import layer_ops_numba as ops
-from pagedserve.kernels import small_batch_linear_numba as small
 from pagedserve.kernels.rms_norm import rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
 from pagedserve.kernels.store_kv import store_kv_ref
@@ -60,28 +57,8 @@ def test_store_kv_matches_reference_and_skips_padding_slots():
     assert torch.equal(caches[0].view(-1, 3, 64)[17], key[0])
 
 
-@pytest.mark.parametrize("rows", range(small.MIN_ROWS, small.MAX_ROWS + 1, 3))
-def test_small_batch_linear_matches_f_linear(rows):
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=g)
-    weight = torch.randn(963, 576, generator=g) / 24  # 963: a tail after 240 blocks of 4
-    assert small.supports(x, weight)
-    assert_close(small.small_batch_linear_numba(x, weight), F.linear(x, weight), gemm=True)
-
-
-def test_small_batch_linear_takes_a_strided_input():
-    x = torch.randn(16, 1152)[::2, ::2]  # 8 rows, neither contiguous
-    weight = torch.randn(20, 576) / 24
-    assert_close(small.small_batch_linear_numba(x, weight), F.linear(x, weight), gemm=True)
-
-
 def test_supports_only_what_the_kernels_compute():
     x, weight = torch.zeros(4, 8), torch.zeros(8, 8)
-    assert small.supports(x, weight)
-    assert not small.supports(torch.zeros(small.MAX_ROWS + 1, 8), weight)
-    assert not small.supports(torch.zeros(small.MIN_ROWS - 1, 8), weight)
-    assert not small.supports(x.half(), weight.half())
-    assert not small.supports(x, weight.t())
     assert ops.supports(x, weight) and not ops.supports(x, weight.bfloat16())
 
 

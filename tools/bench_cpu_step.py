@@ -8,10 +8,7 @@ Variants are switches flipped in this process:
 
 - ``numba``: the engine as shipped on CPU (numba attention, numba layer ops);
 - ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv) on their PyTorch
-  references, attention still numba: what layer_ops_numba.py saves;
-- ``mkl-linear``: every linear layer on ``F.linear`` (MKL), also where a one-thread engine
-  takes the numba small-batch kernel (batches of 4 to 16): what that kernel saves;
-- ``numba-linear``: that kernel at any thread count (the engine takes it on one thread only).
+  references, attention still numba: what layer_ops_numba.py saves.
 
 Then one batch-1 step's time per op (the kernels' entry points and the linear layers wrapped
 in timers: numba's own functions are invisible to torch.profiler), and the load (``/proc/loadavg``) and steal (``/proc/stat``) over the run.
@@ -46,21 +43,16 @@ def cpu_times() -> tuple[int, int]:
 def variant(name: str) -> Iterator[None]:
     """Flip the switches of one variant for the steps run inside."""
     from pagedserve.kernels import layer_ops_numba
-    from pagedserve.kernels import linear as dense
 
-    supports, wanted = layer_ops_numba.supports, dense.numba_linear_wanted
+    supports = layer_ops_numba.supports
     if name == "ref-ops":
         layer_ops_numba.supports = lambda *tensors: False
-    elif name == "mkl-linear":
-        dense.numba_linear_wanted = lambda: False
-    elif name == "numba-linear":
-        dense.numba_linear_wanted = lambda: True
     elif name != "numba":
-        raise ValueError(f"unknown variant {name!r} (numba, ref-ops, mkl-linear, numba-linear)")
+        raise ValueError(f"unknown variant {name!r} (numba, ref-ops)")
     try:
         yield
     finally:
-        layer_ops_numba.supports, dense.numba_linear_wanted = supports, wanted
+        layer_ops_numba.supports = supports
 
 
 def start_decodes(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
@@ -101,8 +93,8 @@ OPS = [  # (module, attribute, op) timed in the per-op breakdown
     ("pagedserve.models.layers.attention", "store_kv", "store_kv"),
     ("pagedserve.models.layers.attention", "paged_attention", "paged attention"),
     ("pagedserve.models.llama", "silu_and_mul", "silu_and_mul"),
-    ("pagedserve.models.layers.linear_method", "linear", "linear layers"),
-    ("pagedserve.models.layers.embedding", "linear", "lm_head"),
+    ("pagedserve.models.layers.linear_method", "UnquantizedLinearMethod.apply", "linear layers"),
+    ("pagedserve.models.layers.embedding", "ParallelLMHead.compute_logits", "lm_head"),
 ]
 
 
@@ -123,18 +115,21 @@ def op_breakdown(engine, steps: int, clock) -> tuple[dict[str, float], float]:
         return timed
 
     saved = []
-    for module_name, attribute, op in OPS:
-        module = importlib.import_module(module_name)
-        saved.append((module, attribute, getattr(module, attribute)))
-        setattr(module, attribute, timer(getattr(module, attribute), op))
+    for module_name, path, op in OPS:  # a module's function, or a class's method
+        owner = importlib.import_module(module_name)
+        *outer, attribute = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name)
+        saved.append((owner, attribute, getattr(owner, attribute)))
+        setattr(owner, attribute, timer(getattr(owner, attribute), op))
     try:
         start = clock()
         for _ in range(steps):
             engine.step()
         step = clock() - start
     finally:
-        for module, attribute, original in saved:
-            setattr(module, attribute, original)
+        for owner, attribute, original in saved:
+            setattr(owner, attribute, original)
     return {op: 1e3 * s / steps for op, s in totals.items()}, 1e3 * step / steps
 
 

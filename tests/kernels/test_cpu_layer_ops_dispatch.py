@@ -1,15 +1,11 @@
-"""On CPU, dispatch sends the decoder layer's small ops and small-batch GEMMs to their numba
-paths (fp32; one thread for the GEMM), and to the references when told to or when a dtype has
-no numba path; either way the results agree."""
+"""On CPU, dispatch sends the decoder layer's small ops to their numba paths (fp32), and to the
+references when told to or when a dtype has no numba path; either way the results agree."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels import layer_ops_numba as ops
 from pagedserve.kernels import rms_norm, rotary_embedding, store_kv
-from pagedserve.kernels import small_batch_linear_numba as small
-from pagedserve.kernels.linear import linear
 
 
 @pytest.fixture
@@ -42,20 +38,3 @@ def test_small_ops_take_numba_in_fp32_and_the_reference_otherwise(cpu_dispatch):
     expected = rms_norm(x, w, 1e-6, x.clone())[0]
     assert norm == [1]
     torch.testing.assert_close(out, expected)
-
-
-def test_small_batch_gemm_takes_numba_on_one_thread_only(cpu_dispatch):
-    calls = _calls(cpu_dispatch, small, "small_batch_linear_numba")
-    x, weight, bias = torch.randn(4, 32), torch.randn(12, 32) / 6, torch.randn(12)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        got = linear(x, weight, bias)
-        linear(x[:1], weight, bias)  # one row: MKL's GEMV
-        assert calls == [1]
-        torch.set_num_threads(2)
-        linear(x, weight, bias)
-        assert calls == [1]
-    finally:
-        torch.set_num_threads(threads)
-    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1.3e-6)

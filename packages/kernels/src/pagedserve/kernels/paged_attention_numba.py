@@ -349,8 +349,8 @@ def paged_attention_cpu(
 def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from numba's disk cache) the kernel for caches of these dtypes, on a
     one-block batch holding a prefill chunk and a decode (both the parallel and the serial
-    kernel), the decoder layer's small ops (layer_ops_numba) and the small-batch GEMM, before
-    any request needs them; a no-op where dispatch would not pick numba (on CPU) anyway."""
+    kernel) and the decoder layer's small ops (layer_ops_numba), before any request needs them;
+    a no-op where dispatch would not pick numba (on CPU) anyway."""
     if kernel_path(torch.empty(0), has_numba=True) != "numba":
         return
     for dtype in dtypes:
@@ -369,7 +369,6 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         for parallel in (True, False):  # both kernels, whatever the thread count
             out = torch.zeros(query.shape)
             _launch(parallel, arrays, work, merges, scale, 0, np.float32(0), out)
-    from pagedserve.kernels import layer_ops_numba, small_batch_linear_numba
+    from pagedserve.kernels import layer_ops_numba
 
     layer_ops_numba.warm_up()
-    small_batch_linear_numba.warm_up()
