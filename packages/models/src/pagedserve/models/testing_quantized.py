@@ -158,9 +158,10 @@ def quantize_int4_checkpoint(
         base = name.removesuffix(".weight")
         for suffix, stored in int4_tensors(layout, q, zeros, scales, g_idx).items():
             quantized[f"{base}.{suffix}"] = stored
-        if layout.method == "gptq" and not layout.v2:  # what the stored 15 decodes to
-            zeros = torch.where(zeros == 0, 16, zeros)
-        plain[name] = dequantize_rtn(q, zeros, scales, g_idx)
+        if dequantized is not None:  # the fp32 reference is a quarter of the time: on demand
+            if layout.method == "gptq" and not layout.v2:  # what the stored 15 decodes to
+                zeros = torch.where(zeros == 0, 16, zeros)
+            plain[name] = dequantize_rtn(q, zeros, scales, g_idx)
     if dequantized is not None:
         _write(src, Path(dequantized), {k: v.float() for k, v in plain.items()}, None)
     return _write(src, Path(dst), quantized, layout.quantization_config())
