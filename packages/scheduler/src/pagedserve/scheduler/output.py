@@ -29,10 +29,25 @@ class ScheduledRequest:
         return end == self.request.num_tokens + len(self.spec_token_ids)
 
 
+@dataclass(slots=True)
+class ScheduledDecodes:
+    """The items of a step that the scheduler's decode fast path made, as parallel lists (vLLM
+    V1's ``CachedRequestData``): each runs its one last known token, ``token_ids[i]``, at
+    position ``num_computed_tokens[i]``, into the blocks ``block_ids[i]``. When they are every
+    item of the step, the model runner builds the step's inputs from these lists alone, without
+    reading each request again (``ModelRunner._prepare_decodes``)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
 @dataclass
 class SchedulerOutput:
     """One step: what each scheduled request computes, the block copies to run first, and the
-    requests preempted while making room.
+    requests preempted while making room. ``decodes`` lists again, in order, the items that the
+    decode fast path scheduled (empty for a hand-built output).
 
     The step's token counts are read several times a step (the engine, the metrics): the
     scheduler counts them while it schedules and records them with ``finish``; a hand-built
@@ -42,6 +57,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    decodes: ScheduledDecodes = field(default_factory=ScheduledDecodes)
     _totals: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def finish(self, num_scheduled_tokens: int, num_spec_tokens: int) -> None:
