@@ -95,8 +95,12 @@ class DecodeSlots:
         if self.enable_prefix_caching and total // block_size > self._num_registered.get(seq_id, 0):
             self._in_place.pop(seq_id, None)
             self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
-        self._free_out_of_window(seq_id, table, num_computed_tokens)
-        return self.block_ids(seq_id)
+        if self.sliding_window is not None:
+            self._free_out_of_window(seq_id, table, num_computed_tokens)
+            return self.block_ids(seq_id)
+        ids = self.block_ids(seq_id)
+        self._remember_in_place(seq_id, table, ids)  # the next decodes land in this block
+        return ids
 
     def _remember_in_place(self, seq_id: str, table: list[KVBlock], ids: list[int]) -> None:
         """Record the computed counts that decode in place from now on: those whose token lands

@@ -12,6 +12,8 @@ changes, so a row whose source is the very same list object (``is``) is still up
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import is_not
 
 import numpy as np
 import torch
@@ -41,15 +43,17 @@ class BlockTable:
         if num_seqs > len(self._sources):
             self._grow(num_seqs)
         array, sources, lengths = self.array, self._sources, self._lengths
-        for row, ids in enumerate(tables):
-            if sources[row] is not ids:
-                length, old = len(ids), lengths[row]
-                if length > array.shape[1]:
-                    array = self._widen(length)
-                array[row, :length] = ids
-                if old > length:
-                    array[row, length:old] = 0
-                sources[row], lengths[row] = ids, length
+        # the rows whose list changed, found without a Python loop over the batch (a decode
+        # step changes about one row in block_size)
+        for row in compress(range(num_seqs), map(is_not, tables, sources)):
+            ids = tables[row]
+            length, old = len(ids), lengths[row]
+            if length > array.shape[1]:
+                array = self._widen(length)
+            array[row, :length] = ids
+            if old > length:
+                array[row, length:old] = 0
+            sources[row], lengths[row] = ids, length
         width = max(lengths[:num_seqs], default=0)
         return array[:num_seqs, :width].copy()
 

@@ -231,14 +231,14 @@ class ModelRunner:
         """The flat batch of a step: a pure-decode step (every request runs its one last token)
         through a decode fast path, from the scheduler's ``decodes`` lists when it made every
         item, else from the requests; any other through ``_prepare_general``."""
-        items = output.scheduled
+        num_seqs = output.num_scheduled_seqs
         if (
             self.decode_fast_path
-            and items
-            and output.num_scheduled_tokens == len(items)
+            and num_seqs
+            and output.num_scheduled_tokens == num_seqs
             and not output.num_spec_tokens
         ):
-            if len(output.decodes.req_ids) == len(items):
+            if output.all_decodes:
                 return self._prepare_scheduled_decodes(output)
             model_input = self._prepare_decodes(output)
             if model_input is not None:

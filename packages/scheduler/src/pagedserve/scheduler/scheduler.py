@@ -204,7 +204,7 @@ class Scheduler(StepUpdate):
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
         num_tokens = self.config.max_num_batched_tokens - budget
         output.finish(num_tokens, num_spec)
-        self._last_step = (num_tokens, len(output.scheduled))
+        self._last_step = (num_tokens, output.num_scheduled_seqs)
         self._num_steps += 1
         self._total_scheduled_tokens += num_tokens
         return output
@@ -227,15 +227,14 @@ class Scheduler(StepUpdate):
         take goes through the general path (``_schedule_chunk``), and so on. Returns the budget
         left and the proposals scheduled for verification.
         """
-        max_seqs = self.config.max_num_seqs
-        scheduled, running = output.scheduled, self.running
+        max_seqs, running = self.config.max_num_seqs, self.running
         index = num_spec = 0
-        while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
+        while index < len(running) and budget > 0 and output.num_scheduled_seqs < max_seqs:
             if self.decode_fast_path:
-                stop = index + min(budget, max_seqs - len(scheduled))
+                stop = index + min(budget, max_seqs - output.num_scheduled_seqs)
                 num_decodes = self._schedule_decodes(output, index, stop)
                 index, budget = index + num_decodes, budget - num_decodes
-                if index >= len(running) or not budget or len(scheduled) >= max_seqs:
+                if index >= len(running) or not budget or output.num_scheduled_seqs >= max_seqs:
                     break
             item = self._schedule_chunk(running[index], budget, output)
             if item is None:
@@ -254,11 +253,11 @@ class Scheduler(StepUpdate):
         rules; one whose token lands in its own last block (``kv.decode_in_place``) or starts or
         fills a block (``kv.allocate_decode_slot``) needs no general allocation and cannot cause
         a preemption. The first other request stops the run (``_schedule_chunk`` takes it).
-        The items are listed in ``output.decodes`` too, with their tokens, for the runner.
+        The items go to ``output.decodes``, with their tokens (``scheduled`` lists them too).
         """
-        kv, scheduled, decodes = self.kv, output.scheduled, output.decodes
+        kv, decodes = self.kv, output.decodes
         in_place, allocate = kv.decode_in_place, kv.allocate_decode_slot
-        req_ids, computed = decodes.req_ids, decodes.num_computed_tokens
+        requests, req_ids, computed = decodes.requests, decodes.req_ids, decodes.num_computed_tokens
         token_ids, block_ids = decodes.token_ids, decodes.block_ids
         count = 0
         for request in self.running[start:stop]:
@@ -278,7 +277,7 @@ class Scheduler(StepUpdate):
                 )
                 if ids is None:
                     break
-            scheduled.append(ScheduledRequest(request, num_computed, 1, ids))
+            requests.append(request)
             req_ids.append(request_id)
             computed.append(num_computed)
             token_ids.append(output_ids[-1] if output_ids else prompt_ids[-1])
@@ -348,7 +347,7 @@ class Scheduler(StepUpdate):
             self.waiting
             and budget > 0
             and len(self.running) < max_seqs
-            and len(output.scheduled) < max_seqs
+            and output.num_scheduled_seqs < max_seqs
         ):
             request = self.waiting.first_ready()
             if request is None:
