@@ -199,3 +199,23 @@ def test_the_decodes_list_what_the_fast_path_scheduled(window):
         )
         scheduler.update(output, sample(rng, output))
     assert listed > 0.9 * decodes > 100
+
+
+def test_a_pure_decode_step_makes_no_item_until_one_is_read():
+    """The fast path's decodes are items only once ``scheduled`` is read: update reads the
+    lists; read afterwards, the items are those of the general path, in the same order."""
+    fast, slow = make_scheduler(True, None, 64), make_scheduler(False, None, 64)
+    for scheduler in (fast, slow):
+        for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6, 1, 2])):
+            scheduler.add_request(Request(name, prompt, max_tokens=10))
+        scheduler.update(scheduler.schedule(), {"a": 3, "b": 4})
+    for step in range(6):  # "b" starts a block at step 2 and fills it at step 5
+        outputs = [s.schedule() for s in (fast, slow)]
+        assert outputs[0]._scheduled == [] and outputs[0].num_scheduled_seqs == 2
+        assert outputs[0].all_decodes and not outputs[1].all_decodes
+        sampled = {"a": step % VOCAB, "b": (step + 1) % VOCAB}
+        updated = [s.update(o, sampled) for s, o in zip((fast, slow), outputs)]
+        assert outputs[0]._scheduled == []  # update read the lists alone
+        assert [r.request_id for r in updated[0]] == [r.request_id for r in updated[1]]
+        assert step_view(outputs[0]) == step_view(outputs[1]), step
+        assert state_view(fast) == state_view(slow), step
