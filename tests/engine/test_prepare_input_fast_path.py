@@ -69,6 +69,14 @@ def prepare_both(runner: ModelRunner, output) -> tuple[ModelInput, ModelInput]:
     return fast, slow
 
 
+def arrive(scheduler: Scheduler, rng: random.Random, vocab: int, step: int) -> bool:
+    """Now and then a new request (at most 8 at once); True when any is unfinished."""
+    if len(scheduler.requests) < 8 and rng.random() < 0.2:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        scheduler.add_request(Request(f"r{step}", prompt, max_tokens=rng.randint(1, 30)))
+    return scheduler.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_decode_inputs_equal_the_general_paths(runners, padded):
     runner = runners[padded]
@@ -79,10 +87,7 @@ def test_decode_inputs_equal_the_general_paths(runners, padded):
     vocab = runner.model_config.vocab_size
     decode_steps = 0
     for step in range(160):
-        if len(scheduler.requests) < 8 and rng.random() < 0.2:
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-            scheduler.add_request(Request(f"r{step}", prompt, max_tokens=rng.randint(1, 30)))
-        if not scheduler.has_unfinished_requests():
+        if not arrive(scheduler, rng, vocab, step):
             continue
         output = scheduler.schedule()
         fast, _ = prepare_both(runner, output)
@@ -150,10 +155,7 @@ def test_scheduled_decodes_build_the_inputs_without_the_requests(runners, padded
 
     monkeypatch.setattr(runner, "_prepare_decodes", from_requests)
     for step in range(120):
-        if len(scheduler.requests) < 8 and rng.random() < 0.2:
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-            scheduler.add_request(Request(f"r{step}", prompt, max_tokens=rng.randint(1, 30)))
-        if not scheduler.has_unfinished_requests():
+        if not arrive(scheduler, rng, vocab, step):
             continue
         running = [r for r in scheduler.running if r.num_output_tokens]
         if running and len(scheduler.requests) < 8 and rng.random() < 0.1:  # a fork: a copy
