@@ -69,6 +69,14 @@ def prepare_both(runner: ModelRunner, output) -> tuple[ModelInput, ModelInput]:
     return fast, slow
 
 
+def arrive(scheduler: Scheduler, rng: random.Random, vocab: int, step: int) -> bool:
+    """Now and then a new request (at most 8 at once); True when any is unfinished."""
+    if len(scheduler.requests) < 8 and rng.random() < 0.2:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        scheduler.add_request(Request(f"r{step}", prompt, max_tokens=rng.randint(1, 30)))
+    return scheduler.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_decode_inputs_equal_the_general_paths(runners, padded):
     runner = runners[padded]
@@ -79,10 +87,7 @@ def test_decode_inputs_equal_the_general_paths(runners, padded):
     vocab = runner.model_config.vocab_size
     decode_steps = 0
     for step in range(160):
-        if len(scheduler.requests) < 8 and rng.random() < 0.2:
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-            scheduler.add_request(Request(f"r{step}", prompt, max_tokens=rng.randint(1, 30)))
-        if not scheduler.has_unfinished_requests():
+        if not arrive(scheduler, rng, vocab, step):
             continue
         output = scheduler.schedule()
         fast, _ = prepare_both(runner, output)
@@ -127,3 +132,39 @@ def test_the_block_table_rows_equal_a_fresh_array():
         expected = block_table_array(tables)
         assert got.dtype == expected.dtype == np.int32
         assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_scheduled_decodes_build_the_inputs_without_the_requests(runners, padded, monkeypatch):
+    """A pure-decode step whose every item the scheduler's fast path made is built from its
+    ``decodes`` lists alone (``_prepare_decodes``, which reads the requests, is not called),
+    and equals the general path; a step with any other item reads the requests."""
+    runner = runners[padded]
+    rng = random.Random(3)
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, watermark=0)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN)
+    scheduler = Scheduler(config, kv)
+    vocab = runner.model_config.vocab_size
+    real = runner._prepare_decodes
+    calls = {"requests": 0, "lists": 0}
+
+    def from_requests(output):
+        calls["requests"] += 1
+        assert len(output.decodes.req_ids) < len(output.scheduled)
+        return real(output)
+
+    monkeypatch.setattr(runner, "_prepare_decodes", from_requests)
+    for step in range(120):
+        if not arrive(scheduler, rng, vocab, step):
+            continue
+        running = [r for r in scheduler.running if r.num_output_tokens]
+        if running and len(scheduler.requests) < 8 and rng.random() < 0.1:  # a fork: a copy
+            parent = rng.choice(running)
+            child = Request(f"{parent.request_id}.{step}", list(parent.prompt_token_ids), 30)
+            child.output_token_ids = list(parent.output_token_ids)
+            scheduler.add_forked_request(parent.request_id, child)
+        output = scheduler.schedule()
+        calls["lists"] += len(output.decodes.req_ids) == len(output.scheduled)
+        fast, _ = prepare_both(runner, output)
+        scheduler.update(output, {rid: rng.randrange(vocab) for rid in fast.sample_request_ids})
+    assert calls["lists"] > 40 and calls["requests"] > 0

@@ -156,3 +156,66 @@ def test_the_fast_path_takes_the_common_decode(monkeypatch):
     output = scheduler.schedule()
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled] == [(5, 1)]
     assert calls == [] and output.scheduled[0].block_table == scheduler.kv.get_block_table("a")
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=str)
+def test_the_decodes_list_what_the_fast_path_scheduled(window):
+    """``output.decodes`` lists, in order, the items the decode fast path made: each runs its
+    one last known token at its computed count, into the item's blocks. A decode that starts a
+    block or fills one takes the fast path too (``allocate_decode_slot``), so nearly every decode
+    is listed: all but those that copy a shared block first (after a fork)."""
+    rng = random.Random(7)
+    scheduler = make_scheduler(True, window, 64)
+    listed = decodes = 0
+    for step in range(200):
+        if len(scheduler.requests) < 6 and rng.random() < 0.3:
+            scheduler.add_request(Request(**new_request(rng, step, [1, 2, 3, 4, 5])))
+        if not scheduler.has_unfinished_requests():
+            continue
+        running = [r for r in scheduler.running if r.num_output_tokens]
+        if running and rng.random() < 0.2:  # proposals to verify, or a fork: not listed
+            request = rng.choice(running)
+            if rng.random() < 0.5:
+                request.spec_token_ids = [rng.randrange(VOCAB)]
+            elif len(scheduler.requests) < 8:
+                child = Request(f"{request.request_id}.{step}", list(request.prompt_token_ids), 30)
+                child.output_token_ids = list(request.output_token_ids)
+                scheduler.add_forked_request(request.request_id, child)
+        output = scheduler.schedule()
+        fast = output.decodes
+        items = [s for s in output.scheduled if s.request.request_id in set(fast.req_ids)]
+        assert [s.request.request_id for s in items] == fast.req_ids
+        lists = (fast.num_computed_tokens, fast.token_ids, fast.block_ids)
+        for item, computed, token, ids in zip(items, *lists, strict=True):
+            request = item.request
+            assert (item.num_new_tokens, item.num_computed_tokens) == (1, computed)
+            assert not item.spec_token_ids and computed + 1 == request.num_tokens
+            assert token == request.all_token_ids[computed] and ids == item.block_table
+            assert ids == scheduler.kv.get_block_table(request.request_id)
+        listed += len(items)
+        decodes += sum(
+            s.num_new_tokens == 1 and not s.spec_token_ids and s.needs_sample
+            for s in output.scheduled
+        )
+        scheduler.update(output, sample(rng, output))
+    assert listed > 0.9 * decodes > 100
+
+
+def test_a_pure_decode_step_makes_no_item_until_one_is_read():
+    """The fast path's decodes are items only once ``scheduled`` is read: update reads the
+    lists; read afterwards, the items are those of the general path, in the same order."""
+    fast, slow = make_scheduler(True, None, 64), make_scheduler(False, None, 64)
+    for scheduler in (fast, slow):
+        for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6, 1, 2])):
+            scheduler.add_request(Request(name, prompt, max_tokens=10))
+        scheduler.update(scheduler.schedule(), {"a": 3, "b": 4})
+    for step in range(6):  # "b" starts a block at step 2 and fills it at step 5
+        outputs = [s.schedule() for s in (fast, slow)]
+        assert outputs[0]._scheduled == [] and outputs[0].num_scheduled_seqs == 2
+        assert outputs[0].all_decodes and not outputs[1].all_decodes
+        sampled = {"a": step % VOCAB, "b": (step + 1) % VOCAB}
+        updated = [s.update(o, sampled) for s, o in zip((fast, slow), outputs)]
+        assert outputs[0]._scheduled == []  # update read the lists alone
+        assert [r.request_id for r in updated[0]] == [r.request_id for r in updated[1]]
+        assert step_view(outputs[0]) == step_view(outputs[1]), step
+        assert state_view(fast) == state_view(slow), step

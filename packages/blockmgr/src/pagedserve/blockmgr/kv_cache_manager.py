@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.blockmgr.block_pool import BlockPool, KVBlock
+from pagedserve.blockmgr.decode_slots import DecodeSlots
 from pagedserve.blockmgr.prefix_hash import extend_block_hashes
 
 # The table entry of a block released behind the sliding window: never read, owned by no pool.
@@ -61,8 +62,9 @@ class PrefixCacheStats:
         self.hits += num_hit_tokens
 
 
-class KVCacheManager:
-    """Block tables, prefix-cache lookups, allocation, fork, copy-on-write and free."""
+class KVCacheManager(DecodeSlots):
+    """Block tables, prefix-cache lookups, allocation, fork, copy-on-write and free (the decode
+    fast paths: the base class, decode_slots.py)."""
 
     def __init__(
         self,
@@ -92,6 +94,8 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         # Per sequence: how many of its leading blocks were released behind the window.
         self._num_out_of_window: dict[str, int] = {}
+        # Per sequence: the computed counts that decode in place, and its block ids (decode_slots).
+        self._in_place: dict[str, tuple[int, int, list[int]]] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -176,7 +180,7 @@ class KVCacheManager:
             if self.decode_in_place(seq_id, num_computed_tokens) is not None:
                 return True
         _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
-        self._block_ids.pop(seq_id, None)
+        self._table_changed(seq_id)
         is_new = table is None
         hit_hashes = None
         if computed_blocks:
@@ -209,30 +213,10 @@ class KVCacheManager:
         self._free_out_of_window(seq_id, table, num_computed_tokens)
         return True
 
-    def decode_in_place(self, seq_id: str, num_computed_tokens: int) -> list[int] | None:
-        """The decode fast path: one new token at ``num_computed_tokens`` that needs no block.
-
-        When ``_decodes_in_place`` holds there is nothing to allocate, copy, hash or register:
-        this does what ``allocate_slots(seq_id, ..., num_computed_tokens, 1)`` would (release
-        blocks behind a sliding window) and returns ``block_ids``; None (nothing changed) when
-        the general path is needed. O(1), asked for every running decode at every step.
-        """
-        table = self.block_tables.get(seq_id)
-        if (
-            table is None
-            or num_computed_tokens < 1
-            or not self._decodes_in_place(seq_id, table, num_computed_tokens)
-        ):
-            return None
-        if self.sliding_window is not None:
-            self._free_out_of_window(seq_id, table, num_computed_tokens)
-        ids = self._block_ids.get(seq_id)
-        return ids if ids is not None else self.block_ids(seq_id)
-
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first, so the cached head of a prefix outlives it."""
         table = self.block_tables.pop(seq_id, None)
-        self._block_ids.pop(seq_id, None)
+        self._table_changed(seq_id)
         self._block_hashes.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
         self._num_out_of_window.pop(seq_id, None)
@@ -251,7 +235,7 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         if table is None or len(table) <= keep:
             return
-        self._block_ids.pop(seq_id, None)
+        self._table_changed(seq_id)
         while len(table) > keep:
             self.pool.release(table.pop())
 
@@ -270,7 +254,8 @@ class KVCacheManager:
             if block is not OUT_OF_WINDOW:
                 self.pool.touch(block)
         self.block_tables[child_id] = list(parent)
-        self._block_ids.pop(child_id, None)
+        self._table_changed(child_id)
+        self._in_place.pop(parent_id, None)  # its last block is shared now: not in place
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
         self._num_out_of_window[child_id] = self._num_out_of_window.get(parent_id, 0)
@@ -308,17 +293,7 @@ class KVCacheManager:
             self.pool.release(table[i])
             table[i] = OUT_OF_WINDOW
         self._num_out_of_window[seq_id] = n_out
-        self._block_ids.pop(seq_id, None)
-
-    def _decodes_in_place(self, seq_id: str, table: list[KVBlock], num_computed: int) -> bool:
-        """The decode fast path (O(1)): True when one new token at ``num_computed`` lands in a
-        block the sequence already holds alone and fills no block not yet registered in the
-        prefix cache, so ``allocate_slots`` has nothing to allocate, copy or register."""
-        index = num_computed // self.block_size
-        if index >= len(table) or table[index].ref_count > 1:
-            return False
-        full = (num_computed + 1) // self.block_size
-        return not self.enable_prefix_caching or full <= self._num_registered.get(seq_id, 0)
+        self._table_changed(seq_id)
 
     def _check_hits(
         self,

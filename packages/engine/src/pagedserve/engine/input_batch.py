@@ -12,13 +12,15 @@ changes, so a row whose source is the very same list object (``is``) is still up
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import is_not
 
 import numpy as np
 import torch
 
 from pagedserve.blockmgr.slot_mapping import PagedBatch
 from pagedserve.models import AttentionMetadata
-from pagedserve.scheduler import Request
+from pagedserve.scheduler import Request, ScheduledRequest
 
 
 class BlockTable:
@@ -41,15 +43,17 @@ class BlockTable:
         if num_seqs > len(self._sources):
             self._grow(num_seqs)
         array, sources, lengths = self.array, self._sources, self._lengths
-        for row, ids in enumerate(tables):
-            if sources[row] is not ids:
-                length, old = len(ids), lengths[row]
-                if length > array.shape[1]:
-                    array = self._widen(length)
-                array[row, :length] = ids
-                if old > length:
-                    array[row, length:old] = 0
-                sources[row], lengths[row] = ids, length
+        # the rows whose list changed, found without a Python loop over the batch (a decode
+        # step changes about one row in block_size)
+        for row in compress(range(num_seqs), map(is_not, tables, sources)):
+            ids = tables[row]
+            length, old = len(ids), lengths[row]
+            if length > array.shape[1]:
+                array = self._widen(length)
+            array[row, :length] = ids
+            if old > length:
+                array[row, length:old] = 0
+            sources[row], lengths[row] = ids, length
         width = max(lengths[:num_seqs], default=0)
         return array[:num_seqs, :width].copy()
 
@@ -67,6 +71,25 @@ class BlockTable:
         wider[:, : self.array.shape[1]] = self.array
         self.array = wider
         return wider
+
+
+def decode_batch(
+    starts: np.ndarray, block_ids: Sequence[Sequence[int]], block_table: BlockTable, block_size: int
+) -> PagedBatch:
+    """The layout of a pure-decode step (one token per sequence, at ``starts``), as vLLM's
+    persistent ``InputBatch`` makes it: block tables from the persistent ``BlockTable`` (a row is
+    rewritten only when its sequence's table changed), each token's slot from its table row and
+    position, numpy for the arithmetic. Equal to ``build_paged_batch`` of the same step."""
+    num_seqs = len(starts)
+    tables = block_table.fill(block_ids)
+    slots = tables[np.arange(num_seqs), starts // block_size].astype(np.int64) * block_size
+    return PagedBatch(
+        positions=starts,
+        slot_mapping=slots + starts % block_size,
+        block_tables=tables,
+        seq_lens=(starts + 1).astype(np.int32),
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+    )
 
 
 def _token_slice(request: Request, start: int, count: int) -> list[int]:
@@ -104,3 +127,12 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def prompt_logit_positions(item: ScheduledRequest) -> range:
+    """Positions of this chunk whose logits score the next prompt token, for a request that
+    asked for prompt logprobs (``Request.needs_prompt_logits``); empty for every other one."""
+    if not item.request.needs_prompt_logits:
+        return range(0)
+    start = item.num_computed_tokens
+    return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))

@@ -20,7 +20,14 @@ import torch
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
-from pagedserve.engine.input_batch import BlockTable, _attention_metadata, _token_slice, to_device
+from pagedserve.engine.input_batch import (
+    BlockTable,
+    _attention_metadata,
+    _token_slice,
+    decode_batch,
+    prompt_logit_positions,
+    to_device,
+)
 from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
@@ -35,7 +42,7 @@ from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
-from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -222,25 +229,35 @@ class ModelRunner:
 
     def prepare_input(self, output: SchedulerOutput) -> ModelInput:
         """The flat batch of a step: a pure-decode step (every request runs its one last token)
-        through ``_prepare_decodes``, any other through ``_prepare_general``."""
-        items = output.scheduled
+        through a decode fast path, from the scheduler's ``decodes`` lists when it made every
+        item, else from the requests; any other through ``_prepare_general``."""
+        num_seqs = output.num_scheduled_seqs
         if (
             self.decode_fast_path
-            and items
-            and output.num_scheduled_tokens == len(items)
+            and num_seqs
+            and output.num_scheduled_tokens == num_seqs
             and not output.num_spec_tokens
         ):
+            if output.all_decodes:
+                return self._prepare_scheduled_decodes(output)
             model_input = self._prepare_decodes(output)
             if model_input is not None:
                 return model_input
         return self._prepare_general(output)
 
+    def _prepare_scheduled_decodes(self, output: SchedulerOutput) -> ModelInput:
+        """The decode fast path from the scheduler's ``decodes`` lists (vLLM V1's cached
+        requests): every item runs its last known token, which the scheduler listed with its
+        position and blocks while it scheduled it, so no request is read again here."""
+        decodes = output.decodes
+        starts = np.array(decodes.num_computed_tokens, dtype=np.int64)
+        token_ids = np.array(decodes.token_ids, dtype=np.int64)
+        return self._decode_input(output, starts, token_ids, decodes.block_ids, decodes.req_ids)
+
     def _prepare_decodes(self, output: SchedulerOutput) -> ModelInput | None:
-        """The decode fast path, as vLLM's persistent ``InputBatch``: one list comprehension
-        per field over the batch, numpy for the arithmetic, one tensor per input, and block
-        tables from the persistent ``BlockTable`` (a row is rewritten only when its sequence's
-        table changed). None (the general path) unless every request runs one token, its last
-        known one (it needs a sample; no prompt-logits row can remain at that position)."""
+        """The decode fast path for any pure-decode step: one list comprehension per field. None
+        (the general path) unless every request runs one token, its last known one (it needs a
+        sample; no prompt-logits row can remain at that position)."""
         items = output.scheduled
         requests = [item.request for item in items]
         starts = np.array([item.num_computed_tokens for item in items], dtype=np.int64)
@@ -250,24 +267,14 @@ class ModelRunner:
         token_ids = np.array(
             [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests], dtype=np.int64
         )
-        num_seqs, block_size = len(items), self.cache_config.block_size
-        tables = self.block_table.fill([item.block_table for item in items])
-        slots = tables[np.arange(num_seqs), starts // block_size].astype(np.int64) * block_size
-        batch = PagedBatch(
-            positions=starts,
-            slot_mapping=slots + starts % block_size,
-            block_tables=tables,
-            seq_lens=(starts + 1).astype(np.int32),
-            query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
-        )
-        return self._model_input(
-            output,
-            token_ids,
-            batch,
-            np.arange(num_seqs),
-            [1] * num_seqs,
-            [r.request_id for r in requests],
-        )
+        tables, req_ids = [item.block_table for item in items], [r.request_id for r in requests]
+        return self._decode_input(output, starts, token_ids, tables, req_ids)
+
+    def _decode_input(self, output, starts, token_ids, block_ids, req_ids) -> ModelInput:
+        """A pure-decode step's inputs (``decode_batch``), one tensor per input."""
+        batch = decode_batch(starts, block_ids, self.block_table, self.cache_config.block_size)
+        rows, counts = np.arange(len(starts)), [1] * len(starts)
+        return self._model_input(output, token_ids, batch, rows, counts, req_ids)
 
     def _prepare_general(self, output: SchedulerOutput) -> ModelInput:
         """The flat batch of any step (prefill chunks, prompt logprobs, proposals to verify).
@@ -387,12 +394,3 @@ class ModelRunner:
                 model_input.attn_metadata,
             )
         return self.model.compute_logits(hidden[model_input.logits_indices])
-
-
-def prompt_logit_positions(item: ScheduledRequest) -> range:
-    """Positions of this chunk whose logits score the next prompt token, for a request that
-    asked for prompt logprobs (``Request.needs_prompt_logits``); empty for every other one."""
-    if not item.request.needs_prompt_logits:
-        return range(0)
-    start = item.num_computed_tokens
-    return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))

@@ -92,7 +92,7 @@ _FINISHED_VALUES = frozenset(status.value for status in _FINISHED)
 PayloadT = TypeVar("PayloadT")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request(Generic[PayloadT]):
     """One sequence being generated.
 

@@ -204,7 +204,7 @@ class Scheduler(StepUpdate):
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
         num_tokens = self.config.max_num_batched_tokens - budget
         output.finish(num_tokens, num_spec)
-        self._last_step = (num_tokens, len(output.scheduled))
+        self._last_step = (num_tokens, output.num_scheduled_seqs)
         self._num_steps += 1
         self._total_scheduled_tokens += num_tokens
         return output
@@ -223,38 +223,67 @@ class Scheduler(StepUpdate):
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, int]:
         """Each running request's next chunk, in order, preempting from the tail as needed.
 
-        The decode fast path first: a request whose next chunk is its one last token, with no
-        proposals to verify and room in its last block (``kv.decode_in_place``), needs no
-        chunking rules, no hashing and no allocation, and can never cause a preemption. Every
-        other request takes the general path (``_schedule_chunk``). Returns the budget left
-        and the proposals scheduled for verification.
+        Runs of decodes take the fast path (``_schedule_decodes``); the first request it cannot
+        take goes through the general path (``_schedule_chunk``), and so on. Returns the budget
+        left and the proposals scheduled for verification.
         """
-        max_seqs = self.config.max_num_seqs
-        scheduled, running = output.scheduled, self.running
-        decode_in_place = self.kv.decode_in_place if self.decode_fast_path else None
+        max_seqs, running = self.config.max_num_seqs, self.running
         index = num_spec = 0
-        while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
-            request = running[index]
-            num_computed = request.num_computed_tokens
-            if (
-                decode_in_place is not None
-                and not request.spec_token_ids
-                and num_computed + 1
-                == len(request.prompt_token_ids) + len(request.output_token_ids)
-            ):
-                block_ids = decode_in_place(request.request_id, num_computed)
-                if block_ids is not None:
-                    scheduled.append(ScheduledRequest(request, num_computed, 1, block_ids))
-                    budget -= 1
-                    index += 1
-                    continue
-            item = self._schedule_chunk(request, budget, output)
+        while index < len(running) and budget > 0 and output.num_scheduled_seqs < max_seqs:
+            if self.decode_fast_path:
+                stop = index + min(budget, max_seqs - output.num_scheduled_seqs)
+                num_decodes = self._schedule_decodes(output, index, stop)
+                index, budget = index + num_decodes, budget - num_decodes
+                if index >= len(running) or not budget or output.num_scheduled_seqs >= max_seqs:
+                    break
+            item = self._schedule_chunk(running[index], budget, output)
             if item is None:
                 break  # the request was the last one running, and preempted itself
             budget -= item.num_new_tokens
             num_spec += len(item.spec_token_ids)
             index += 1
         return budget, num_spec
+
+    def _schedule_decodes(self, output: SchedulerOutput, start: int, stop: int) -> int:
+        """The decode fast path over ``running[start:stop]``: how many requests in a row, from
+        ``start``, it scheduled (each one token, so ``stop`` keeps them within the budget and
+        the sequence cap).
+
+        A request whose next chunk is its one last token, with no proposals, needs no chunking
+        rules; one whose token lands in its own last block (``kv.decode_in_place``) or starts or
+        fills a block (``kv.allocate_decode_slot``) needs no general allocation and cannot cause
+        a preemption. The first other request stops the run (``_schedule_chunk`` takes it).
+        The items go to ``output.decodes``, with their tokens (``scheduled`` lists them too).
+        """
+        kv, decodes = self.kv, output.decodes
+        in_place, allocate = kv.decode_in_place, kv.allocate_decode_slot
+        requests, req_ids, computed = decodes.requests, decodes.req_ids, decodes.num_computed_tokens
+        token_ids, block_ids = decodes.token_ids, decodes.block_ids
+        count = 0
+        for request in self.running[start:stop]:
+            num_computed = request.num_computed_tokens
+            prompt_ids, output_ids = request.prompt_token_ids, request.output_token_ids
+            if request.spec_token_ids or num_computed + 1 != len(prompt_ids) + len(output_ids):
+                break
+            request_id = request.request_id
+            ids = in_place(request_id, num_computed)
+            if ids is None:
+                ids = allocate(
+                    request_id,
+                    request.all_token_ids,
+                    num_computed,
+                    request.cache_salt,
+                    request.lora_int_id,
+                )
+                if ids is None:
+                    break
+            requests.append(request)
+            req_ids.append(request_id)
+            computed.append(num_computed)
+            token_ids.append(output_ids[-1] if output_ids else prompt_ids[-1])
+            block_ids.append(ids)
+            count += 1
+        return count
 
     def _schedule_chunk(
         self, request: Request, budget: int, output: SchedulerOutput
@@ -318,7 +347,7 @@ class Scheduler(StepUpdate):
             self.waiting
             and budget > 0
             and len(self.running) < max_seqs
-            and len(output.scheduled) < max_seqs
+            and output.num_scheduled_seqs < max_seqs
         ):
             request = self.waiting.first_ready()
             if request is None:

@@ -52,23 +52,33 @@ class StepUpdate:
     ) -> tuple[list[Request], bool]:
         """The decode fast path of ``update``: a request that ran its one last token (no
         proposals) appends its sampled token and meets the stop rules (``check_stop``, inline)
-        in one tight loop; every other item goes through ``_update_one``. True when any
-        request stopped."""
+        in one tight loop; every other item goes through ``_update_one``. A step whose every
+        item the scheduler's decode fast path made is read from ``output.decodes``, so no
+        item is made unless one needs the general path. True when any request stopped."""
+        if output.all_decodes:
+            decodes = output.decodes
+            requests, starts = decodes.requests, decodes.num_computed_tokens
+            item_at = decodes.item
+        else:
+            items = output.scheduled
+            requests = [item.request for item in items]
+            starts = [  # -1: not a decode of the last token, which the loop hands on
+                -1 if item.num_new_tokens != 1 or item.spec_token_ids else item.num_computed_tokens
+                for item in items
+            ]
+            item_at = items.__getitem__
         updated: list[Request] = []
         append = updated.append
         stopped = False
         finished = _FINISHED_VALUES
-        for item in output.scheduled:
-            request = item.request
+        for index, (request, start) in enumerate(zip(requests, starts)):
             output_ids = request.output_token_ids
-            num_computed = item.num_computed_tokens + 1
+            num_computed = start + 1
             if (
-                item.num_new_tokens != 1
-                or item.spec_token_ids
-                or num_computed != len(request.prompt_token_ids) + len(output_ids)
+                num_computed != len(request.prompt_token_ids) + len(output_ids)
                 or request.status._value_ in finished
             ):
-                stopped |= self._update_one(item, sampled, updated)
+                stopped |= self._update_one(item_at(index), sampled, updated)
                 continue
             request.num_computed_tokens = num_computed
             token = sampled.get(request.request_id)
