@@ -15,6 +15,11 @@ compare.
 
     python tools/bench_host_overhead.py                      # SmolLM2-135M's config and tokenizer
     python tools/bench_host_overhead.py --num-seqs 256 --steps 32
+    python tools/bench_host_overhead.py --num-seqs 256 --logits device-like --timers outer
+
+``--logits device-like`` keeps the 50 MB of logits out of the host's caches, as a GPU's would
+be (``StandInModel`` says what it models and what it does not); "host total" means the same in
+both modes: the step minus the sampler call.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ PHASES = [  # (path from the engine, attribute, phase): top-level phases, then n
     ("scheduler", "update", "scheduler update"),
     ("", "_apply", "apply decisions + outputs"),
     ("", "sampler", "  of which sampler"),
-    ("", "_group_output", "  of which make outputs"),
+    ("", "_group_output", "  of which make outputs"),  # with timed_per_request's
     ("", "step", "step"),
 ]
-NESTED = {"  of which sampler", "  of which make outputs", "  of which detokenize + stops", "step"}
+MAKE_OUTPUTS, DETOKENIZE = "  of which make outputs", "  of which detokenize + stops"
+NESTED = {"  of which sampler", MAKE_OUTPUTS, DETOKENIZE, "step"}
 # ``--timers outer``: only the step and the sampler call inside it, so that "host total" (step
 # minus the sampler, whose argmax is device work on a GPU) carries no per-phase timer's cost
 OUTER_PHASES = [("sampler", "  of which sampler"), ("step", "step")]
@@ -52,17 +58,32 @@ HOST_TOTAL = "host total (step - sampler)"
 
 
 @contextlib.contextmanager
-def timed_detokenize(timer: PhaseTimer) -> Iterator[None]:
-    """Time every sequence's per-token work (detokenize, stop strings, logprobs): a method of
-    each sequence's state, so it is wrapped on the class for the measurement and put back."""
+def timed_per_request(timer: PhaseTimer) -> Iterator[None]:
+    """Time the per-request work inside "apply decisions + outputs", wrapped on the classes for
+    the measurement and put back: detokenizing and the stop checks (each sequence's
+    ``process_new_token``; in the one-pass path of an all-plain step, output_processor.py, a
+    plain decode's detokenizer ``add_token``), and making outputs (the engine's
+    ``_group_output``, wrapped by PHASES; in the one-pass path, ``_running_plain_output``).
+    A call nested in another of its phase counts once (``PhaseTimer.wrap``)."""
+    from pagedserve.engine import detokenizer
+    from pagedserve.engine.group_outputs import GroupOutputs
     from pagedserve.engine.sequence_group import SequenceState
 
-    real = SequenceState.process_new_token
-    timer.wrap(SequenceState, "process_new_token", "  of which detokenize + stops")
+    targets = [
+        (SequenceState, "process_new_token", DETOKENIZE),
+        (detokenizer.ByteLevelDetokenizer, "add_token", DETOKENIZE),
+        (detokenizer.FinalTextDetokenizer, "add_token", DETOKENIZE),
+        (detokenizer.IncrementalDetokenizer, "add_token", DETOKENIZE),
+        (GroupOutputs, "_running_plain_output", MAKE_OUTPUTS),
+    ]
+    real = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in targets]
+    for owner, attribute, phase in targets:
+        timer.wrap(owner, attribute, phase)
     try:
         yield
     finally:
-        SequenceState.process_new_token = real
+        for owner, attribute, method in real:
+            setattr(owner, attribute, method)
 
 
 class StandInModel:
@@ -213,13 +234,13 @@ def measure(
         r.num_output_tokens == 0 for r in engine.scheduler.running
     ):
         engine.step()  # the prefills, until every sequence decodes
-    with contextlib.nullcontext() if outer else timed_detokenize(timer):
+    with contextlib.nullcontext() if outer else timed_per_request(timer):
         timer.enabled = True
         for _ in range(steps):
             engine.step()
         timer.enabled = False
     if not outer:
-        phases.append("  of which detokenize + stops")
+        phases.append(DETOKENIZE)
     if len(engine.scheduler.running) != num_seqs:
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {num_seqs} were decoding")
     ms = {phase: 1e3 * timer.seconds[phase] / steps for phase in dict.fromkeys(phases)}
