@@ -2,10 +2,11 @@
 
 The blocking ``LLMEngine.step()`` runs in one dedicated engine thread, so the event loop (the
 HTTP server) stays responsive while the model runs. That thread is the only one that touches the
-engine: callers do not add or abort requests directly, they queue commands that the engine
-thread applies between steps. The loop steps while any request is unfinished and sleeps (blocked
-on the command queue) when idle. Each step's outputs go back to the callers' event loops through
-``call_soon_threadsafe``, one asyncio queue per request.
+engine, from its construction on (see ``AsyncLLM.__init__``): callers do not add or abort
+requests directly, they queue commands that the engine thread applies between steps. The loop
+steps while any request is unfinished and sleeps (blocked on the command queue) when idle. Each
+step's outputs go back to the callers' event loops through ``call_soon_threadsafe``, one asyncio
+queue per request.
 
 Invariants:
 - a request's stream ends with exactly one finished output, or with an exception;
@@ -100,7 +101,25 @@ class AsyncLLM:
     """An LLMEngine driven by a background thread, with ``generate`` as an async iterator."""
 
     def __init__(self, args: EngineArgs) -> None:
-        self.engine = LLMEngine(args)
+        """Build the engine on the engine thread itself and wait for it (its errors raise here).
+
+        On a CPU, every thread that runs a parallel torch op becomes the master of an OpenMP
+        thread pool of its own. A model loaded on the caller's thread and then stepped on the
+        engine thread leaves two pools, more OpenMP threads than cores, and libgomp then all but
+        stops spin-waiting: every parallel op pays a futex wake-up of its workers, and a decode
+        step at batch 1 ran ~2x slower than the same engine stepped where it was built. So all of
+        the engine's torch work (load, warm-up, steps) happens on one thread."""
+        self.dead_error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams, dead_error, _closed and queueing
+        self._closed = False
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._engine_thread, args=(args, built), name="pagedserve-engine", daemon=True
+        )
+        self._thread.start()
+        built.result()  # the engine, or the error that stopped its construction
         # A tokenizer of its own for callers: the engine thread detokenizes concurrently, and a
         # fast tokenizer must not be encoded in one thread while it decodes in another.
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -108,12 +127,6 @@ class AsyncLLM:
         self.scheduler_config = self.engine.scheduler_config
         self.cache_config = self.engine.cache_config
         self.lora_enabled = self.engine.lora_manager is not None
-        self.dead_error: BaseException | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _RequestStream] = {}
-        self._lock = threading.Lock()  # guards _streams, dead_error, _closed and queueing
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -123,7 +136,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """True while the engine accepts requests (its loop is started lazily, on demand)."""
+        """True while the engine accepts requests."""
         return not self._closed and self.dead_error is None
 
     @property
@@ -195,11 +208,15 @@ class AsyncLLM:
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter while requests run: its files are read and checked in a worker
-        thread, then it is registered between two steps. Raises ``InvalidRequestError``."""
+        thread (on a CPU, on the engine thread between steps: see ``__init__``), then it is
+        registered between two steps. Raises ``InvalidRequestError``."""
         manager = self.engine.lora_manager
         if manager is None:
             self.engine.add_lora(lora_request)  # raises: LoRA is not enabled
-        weights = await asyncio.to_thread(manager.read, lora_request)
+        if self.engine.runner.device.type == "cpu":  # torch on one thread (see __init__)
+            weights = await self._call(lambda engine: manager.read(lora_request))
+        else:
+            weights = await asyncio.to_thread(manager.read, lora_request)
         await self._call(lambda engine: engine.add_lora(lora_request, weights))
 
     async def remove_lora(self, lora_int_id: int) -> bool:
@@ -213,7 +230,6 @@ class AsyncLLM:
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_unavailable()
-            self._start_loop()
             self._commands.put(_CallCommand(fn, done))
         return await asyncio.wrap_future(done)
 
@@ -242,21 +258,12 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._start_loop()
             self._commands.put(command)
-
-    def _start_loop(self) -> None:
-        """Start the engine thread on first use (with ``_lock`` held)."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._engine_loop, name="pagedserve-engine", daemon=True
-            )
-            self._thread.start()
 
     def _submit(self, command) -> None:
         with self._lock:
-            if self._closed or self.dead_error is not None or self._thread is None:
-                return  # nothing to abort: the loop is gone or never ran
+            if self._closed or self.dead_error is not None:
+                return  # nothing to abort: the loop is gone
             self._commands.put(command)
 
     def _raise_if_unavailable(self) -> None:
@@ -266,6 +273,16 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
 
     # ---- engine thread -------------------------------------------------------------------
+
+    def _engine_thread(self, args: EngineArgs, built: concurrent.futures.Future) -> None:
+        """The engine thread's whole life: build the engine, then run its loop."""
+        try:
+            self.engine = LLMEngine(args)
+        except BaseException as error:  # noqa: BLE001 - raised again by __init__
+            built.set_exception(error)
+            return
+        built.set_result(None)
+        self._engine_loop()
 
     def _engine_loop(self) -> None:
         try:
