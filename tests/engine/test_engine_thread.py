@@ -13,8 +13,7 @@ import threading
 
 import pytest
 
-from pagedserve.engine import AsyncLLM, EngineArgs, LoRARequest, SamplingParams
-from pagedserve.engine import async_llm
+from pagedserve.engine import AsyncLLM, EngineArgs, LoRARequest, SamplingParams, async_llm
 from pagedserve.engine.lora.manager import LoRAManager
 from pagedserve.models.testing import make_peft_adapter
 
