@@ -36,19 +36,26 @@ class PhaseTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.enabled = False
         self.clock = clock
+        self._open: set[str] = set()  # phases with a timed call under way
 
     def wrap(self, owner: object, attribute: str, phase: str) -> None:
-        """Time every call of ``owner.attribute`` under ``phase`` (an instance attribute shadows it)."""
+        """Time every call of ``owner.attribute`` under ``phase`` (an instance attribute shadows it).
+
+        A call made inside another timed call of the same phase (a phase may wrap both a
+        method and one it calls on another path) is counted once, in the outer call."""
         inner: Callable = getattr(owner, attribute)
+        open_phases = self._open
 
         def timed(*args, **kwargs):
-            if not self.enabled:
+            if not self.enabled or phase in open_phases:
                 return inner(*args, **kwargs)
+            open_phases.add(phase)
             start = self.clock()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds[phase] += self.clock() - start
+                open_phases.discard(phase)
 
         setattr(owner, attribute, timed)
 

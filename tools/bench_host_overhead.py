@@ -15,6 +15,11 @@ compare.
 
     python tools/bench_host_overhead.py                      # SmolLM2-135M's config and tokenizer
     python tools/bench_host_overhead.py --num-seqs 256 --steps 32
+    python tools/bench_host_overhead.py --num-seqs 256 --logits device-like --timers outer
+
+``--logits device-like`` keeps the 50 MB of logits out of the host's caches, as a GPU's would
+be (``StandInModel`` says what it models and what it does not); "host total" means the same in
+both modes: the step minus the sampler call.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ PHASES = [  # (path from the engine, attribute, phase): top-level phases, then n
     ("scheduler", "update", "scheduler update"),
     ("", "_apply", "apply decisions + outputs"),
     ("", "sampler", "  of which sampler"),
-    ("", "_group_output", "  of which make outputs"),
+    ("", "_group_output", "  of which make outputs"),  # with timed_per_request's
     ("", "step", "step"),
 ]
-NESTED = {"  of which sampler", "  of which make outputs", "  of which detokenize + stops", "step"}
+MAKE_OUTPUTS, DETOKENIZE = "  of which make outputs", "  of which detokenize + stops"
+NESTED = {"  of which sampler", MAKE_OUTPUTS, DETOKENIZE, "step"}
 # ``--timers outer``: only the step and the sampler call inside it, so that "host total" (step
 # minus the sampler, whose argmax is device work on a GPU) carries no per-phase timer's cost
 OUTER_PHASES = [("sampler", "  of which sampler"), ("step", "step")]
@@ -52,17 +58,32 @@ HOST_TOTAL = "host total (step - sampler)"
 
 
 @contextlib.contextmanager
-def timed_detokenize(timer: PhaseTimer) -> Iterator[None]:
-    """Time every sequence's per-token work (detokenize, stop strings, logprobs): a method of
-    each sequence's state, so it is wrapped on the class for the measurement and put back."""
+def timed_per_request(timer: PhaseTimer) -> Iterator[None]:
+    """Time the per-request work inside "apply decisions + outputs", wrapped on the classes for
+    the measurement and put back: detokenizing and the stop checks (each sequence's
+    ``process_new_token``; in the one-pass path of an all-plain step, output_processor.py, a
+    plain decode's detokenizer ``add_token``), and making outputs (the engine's
+    ``_group_output``, wrapped by PHASES; in the one-pass path, ``_running_plain_output``).
+    A call nested in another of its phase counts once (``PhaseTimer.wrap``)."""
+    from pagedserve.engine import detokenizer
+    from pagedserve.engine.group_outputs import GroupOutputs
     from pagedserve.engine.sequence_group import SequenceState
 
-    real = SequenceState.process_new_token
-    timer.wrap(SequenceState, "process_new_token", "  of which detokenize + stops")
+    targets = [
+        (SequenceState, "process_new_token", DETOKENIZE),
+        (detokenizer.ByteLevelDetokenizer, "add_token", DETOKENIZE),
+        (detokenizer.FinalTextDetokenizer, "add_token", DETOKENIZE),
+        (detokenizer.IncrementalDetokenizer, "add_token", DETOKENIZE),
+        (GroupOutputs, "_running_plain_output", MAKE_OUTPUTS),
+    ]
+    real = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in targets]
+    for owner, attribute, phase in targets:
+        timer.wrap(owner, attribute, phase)
     try:
         yield
     finally:
-        SequenceState.process_new_token = real
+        for owner, attribute, method in real:
+            setattr(owner, attribute, method)
 
 
 class StandInModel:
@@ -70,11 +91,35 @@ class StandInModel:
 
     The logits are random rows made once, so greedy decoding picks varied tokens (the
     detokenizer sees real work) and a step's sampler reads real values.
+
+    ``logits="host"`` (the default): the logits are ``[rows, vocab]`` distinct fp32 values, 50 MB
+    at 256 rows of SmolLM2's vocabulary, which the sampler's argmax reads from host memory each
+    step, so every cache of the core is swept between two steps' Python.
+
+    ``logits="device-like"`` models what a GPU's host sees instead: tensors that live on the
+    device, whose reading never passes through the host's caches. Row ``i`` of the logits is
+    the window ``[i, i + vocab)`` of one buffer of ``vocab + rows`` values (an overlapping
+    ``as_strided`` view, read only), so the argmax reads ~0.2 MB that stay in the core's L2
+    and still picks a different token in each row (the buffer's maximum sits at a different
+    offset of each window). The hidden states are one column wide, so the runner's gather of
+    the rows to score (``hidden[logits_indices]``, a kernel on a GPU) moves 1 KB instead of
+    0.6 MB of host memory. What it does not model: the argmax still runs on this CPU (its time
+    is the sampler's, which "host total" excludes as before, but its code and its 0.2 MB still
+    pass through the core's caches); the host work a GPU adds (kernel launches, the transfer of
+    the sampled tokens and its wait) is not here; and the small ops on the stand-in's tensors
+    cost what a CPU op costs, not what a launch costs.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, max_rows: int, seed: int) -> None:
+    def __init__(
+        self, hidden_size: int, vocab_size: int, max_rows: int, seed: int, logits: str = "host"
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.logits = torch.randn(max_rows, vocab_size, generator=generator)
+        if logits == "device-like":
+            window = torch.randn(vocab_size + max_rows, generator=generator)
+            self.logits = window.as_strided((max_rows, vocab_size), (1, 1))
+            hidden_size = 1
+        else:
+            self.logits = torch.randn(max_rows, vocab_size, generator=generator)
         # contiguous, as a real model's: indexing a stride-0 expand() is a slower gather
         self.hidden = torch.zeros(max(max_rows, 4096), hidden_size)
 
@@ -91,11 +136,11 @@ class StandInModel:
         return torch.zeros(rows, self.logits.shape[1])
 
 
-def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
+def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool, logits: str = "host"):
     """A ModelRunner that loads no weights and allocates no KV cache; everything else is real.
 
     ``pad_decode``: decode steps go through the CUDA-graph path's padded buffers (run eagerly
-    here), to measure what building a step's inputs costs there.
+    here), to measure what building a step's inputs costs there. ``logits``: StandInModel's.
     """
     from pagedserve.engine.cuda_graph import CUDAGraphConfig
     from pagedserve.engine.model_runner import ModelRunner
@@ -112,7 +157,7 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
 
         def _load_model(self) -> StandInModel:
             mc = self.model_config
-            return StandInModel(mc.hidden_size, mc.vocab_size, max_rows, seed)
+            return StandInModel(mc.hidden_size, mc.vocab_size, max_rows, seed, logits)
 
         def _allocate_kv_caches(self, num_blocks: int) -> list:
             empty = torch.empty(0)
@@ -122,12 +167,14 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool):
 
 
 @contextlib.contextmanager
-def stand_in_forward(max_rows: int, seed: int, pad_decode: bool = False) -> Iterator[None]:
+def stand_in_forward(
+    max_rows: int, seed: int, pad_decode: bool = False, logits: str = "host"
+) -> Iterator[None]:
     """While open, every LLMEngine built gets the stand-in runner."""
     import pagedserve.engine.executor as executor  # where LLMEngine's runner is built
 
     real = executor.ModelRunner
-    executor.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode)
+    executor.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode, logits)
     try:
         yield
     finally:
@@ -144,6 +191,7 @@ def measure(
     clock=time.thread_time,
     outer: bool = False,
     output_kind: str = "cumulative",
+    logits: str = "host",
 ) -> dict:
     """ms per decode step in each phase at ``num_seqs`` running greedy decodes (``outer``:
     the step and its sampler call only)."""
@@ -166,7 +214,7 @@ def measure(
         max_num_batched_tokens=2048,
         seed=seed,
     )
-    with stand_in_forward(num_seqs, seed, pad_decode):
+    with stand_in_forward(num_seqs, seed, pad_decode, logits):
         engine = LLMEngine(args)
     timer = PhaseTimer(clock)
     if outer:
@@ -186,13 +234,13 @@ def measure(
         r.num_output_tokens == 0 for r in engine.scheduler.running
     ):
         engine.step()  # the prefills, until every sequence decodes
-    with contextlib.nullcontext() if outer else timed_detokenize(timer):
+    with contextlib.nullcontext() if outer else timed_per_request(timer):
         timer.enabled = True
         for _ in range(steps):
             engine.step()
         timer.enabled = False
     if not outer:
-        phases.append("  of which detokenize + stops")
+        phases.append(DETOKENIZE)
     if len(engine.scheduler.running) != num_seqs:
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {num_seqs} were decoding")
     ms = {phase: 1e3 * timer.seconds[phase] / steps for phase in dict.fromkeys(phases)}
@@ -207,7 +255,8 @@ def measure(
 def argmax_floor_ms(
     rows: int, vocab: int, seed: int, repeats: int = 20, clock=time.thread_time
 ) -> float:
-    """The baseline: one argmax over ``[rows, vocab]`` fp32 logits (best of ``repeats``)."""
+    """The baseline: one argmax over ``[rows, vocab]`` fp32 logits (best of ``repeats``; the
+    same host-memory logits in either ``--logits`` mode, so the ratio's base is one figure)."""
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
     best = float("inf")
     for _ in range(repeats):
@@ -266,6 +315,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="cumulative",
         help="the requests' RequestOutputKind (a server streams DELTA; LLM.generate: FINAL_ONLY)",
     )
+    parser.add_argument(
+        "--logits",
+        choices=["host", "device-like"],
+        default="host",
+        help="host: 50 MB of distinct logits read from host memory each step (sweeps the "
+        "caches); device-like: logits and hidden states whose reading stays in the core's L2, "
+        "as a GPU's would not touch host memory (StandInModel says what it does not model)",
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         from pagedserve.models.default_model import ensure_default_model
@@ -289,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             clock,
             outer=args.timers == "outer",
             output_kind=args.output_kind,
+            logits=args.logits,
         )
         for n in args.num_seqs
     }
@@ -296,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model config + tokenizer: {args.model} (forward: a stand-in that returns logits of the "
         f"real shape at no cost); greedy decodes, prompts of {args.prompt_len} random tokens, "
         f"{args.steps} decode steps measured, seed {args.seed}, {args.output_kind} outputs, "
+        f"{args.logits} logits, "
         f"padded decode inputs "
         f"{'on' if args.pad_decode else 'off'}; {os.cpu_count()} CPUs "
         f"({platform.machine()}), {args.threads} torch thread(s), "

@@ -121,3 +121,21 @@ def test_final_text_is_the_incremental_text_whether_flushed_or_not(tokenizer):
             if flush:
                 detok.flush()
         assert deferred.text == eager.text
+
+
+def test_the_whole_text_path_emits_what_the_decode_emits(tokenizer):
+    """A token whose bytes are whole characters is appended as its text, without a decode,
+    when nothing is pending: the same random streams with that path off (no whole texts) give
+    the same deltas, held-back bytes and split characters included."""
+    partial = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+    table = byte_level_table(tokenizer)
+    assert sum(t is not None for t in table.texts[True]) > len(tokenizer) // 2  # most tokens
+    assert all(table.texts[True][i] is None for i in partial)
+    rng = random.Random(9)
+    for n in range(200):
+        skip = bool(n % 2)
+        outputs = random_stream(tokenizer, partial, rng)
+        fast = ByteLevelDetokenizer(tokenizer, table.tables[skip], skip)
+        assert fast._texts is table.texts[skip]  # the path is on
+        slow = ByteLevelDetokenizer(tokenizer, table.tables[skip], skip, texts=[])
+        assert deltas(fast, outputs) == deltas(slow, outputs)

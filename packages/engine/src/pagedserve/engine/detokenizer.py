@@ -8,133 +8,40 @@ suffix, holding back text that ends in an incomplete UTF-8 character (decoded as
 Each of those decodes goes through the tokenizer's decode wrapper, which costs microseconds per
 call: at hundreds of running sequences that is milliseconds a step. For byte-level BPE tokenizers
 (GPT-2, SmolLM2, Llama-3, Qwen) a window's text is a pure function of its tokens' bytes, so a
-token id -> bytes table built once per tokenizer (``ByteLevelDecodeTable``) gives the very same
-string from a join and one UTF-8 decode. Tokenizers the table cannot represent (SentencePiece,
-byte fallback, WordPiece clean-up) keep the wrapper.
+token id -> bytes table built once per tokenizer (``ByteLevelDecodeTable``, byte_level_decode.py)
+gives the very same string from a join and one UTF-8 decode. Tokenizers the table cannot
+represent (SentencePiece, byte fallback, WordPiece clean-up) keep the wrapper.
 
 With the table, the output's text is simply the UTF-8 decode of its tokens' bytes, so no window
 is needed at all: ``ByteLevelDetokenizer`` feeds each new token's bytes to one incremental
 UTF-8 decoder (about a microsecond a token, where two window decodes cost several). It emits
 text at the same points as the window: when the bytes so far end on a whole character that is
-not U+FFFD. ``detokenizer_for`` picks it for a table tokenizer, ``IncrementalDetokenizer``
-otherwise.
+not U+FFFD. Most tokens are whole characters on their own; with nothing pending, such a token's
+text (the table's ``texts``) is appended without a decode at all. ``detokenizer_for`` picks it
+for a table tokenizer, ``IncrementalDetokenizer`` otherwise.
 """
 
 from __future__ import annotations
 
-import random
-import weakref
 from codecs import utf_8_decode as _utf_8_decode
-from functools import lru_cache
+
+from pagedserve.engine.byte_level_decode import (
+    ByteLevelDecodeTable,
+    byte_level_table,
+    decode_bytes,
+)
+
+__all__ = [
+    "ByteLevelDecodeTable",
+    "ByteLevelDetokenizer",
+    "FinalTextDetokenizer",
+    "IncrementalDetokenizer",
+    "byte_level_table",
+    "detokenizer_for",
+    "find_stop_string",
+]
 
 _WINDOW = 6
-_SELF_CHECK_WINDOWS = 64  # random windows compared with the wrapper before the table is used
-
-
-@lru_cache(maxsize=1)
-def _alphabet_to_latin1() -> dict[int, int]:
-    """The inverse of GPT-2's ``bytes_to_unicode`` as a ``str.translate`` table: each char of
-    the byte-level alphabet -> the Latin-1 char of its byte. Chars below 256 that are not in the
-    alphabet map to U+FFFF, so that a token holding one fails the Latin-1 encode."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = byte
-        else:
-            table[byte] = 0xFFFF
-            table[256 + extra] = byte
-            extra += 1
-    return table
-
-
-def _token_bytes(token: str, alphabet: dict[int, int]) -> bytes:
-    """The byte-level decoder's bytes for one token: its alphabet bytes, else its UTF-8."""
-    try:
-        return token.translate(alphabet).encode("latin-1")
-    except UnicodeEncodeError:
-        return token.encode("utf-8")
-
-
-class ByteLevelDecodeTable:
-    """Each token's bytes, as the byte-level decoder produces them, for one tokenizer.
-
-    The decoder maps a token whose every character is in the byte-level alphabet to those
-    bytes, and any other token (an added token such as ``<|im_end|>`` with a space in it) to its
-    UTF-8; the window's bytes are then decoded with U+FFFD for invalid sequences. Special tokens
-    decode to nothing under ``skip_special_tokens``. ``build`` returns None for a tokenizer
-    this does not describe exactly, and checks itself against the wrapper before it is used.
-    """
-
-    def __init__(self, with_special: list[bytes | None], skip_special: list[bytes | None]):
-        self.tables = {False: with_special, True: skip_special}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str | None:
-        """The window's text, or None for an id the table does not hold (then: the wrapper)."""
-        return decode_bytes(self.tables[skip_special_tokens], ids)
-
-    @classmethod
-    def build(cls, tokenizer) -> ByteLevelDecodeTable | None:
-        from tokenizers import decoders
-
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
-            return None
-        if getattr(tokenizer, "clean_up_tokenization_spaces", False) and (
-            type(backend.model).__name__ != "BPE"
-            or getattr(
-                tokenizer,
-                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-                False,
-            )
-        ):
-            return None  # the wrapper would rewrite spaces around punctuation
-        alphabet = _alphabet_to_latin1()
-        vocab = backend.get_vocab(with_added_tokens=True)
-        with_special: list[bytes | None] = [None] * (max(vocab.values(), default=-1) + 1)
-        for token, index in vocab.items():
-            with_special[index] = _token_bytes(token, alphabet)
-        skip_special = list(with_special)
-        for index, added in backend.get_added_tokens_decoder().items():
-            if added.special and index < len(skip_special):
-                skip_special[index] = b""
-        table = cls(with_special, skip_special)
-        return table if table._agrees_with(tokenizer) else None
-
-    def _agrees_with(self, tokenizer) -> bool:
-        """Random windows (special tokens and multi-byte pieces included) decode as the wrapper
-        decodes them; the tests compare every token and many more windows."""
-        size = len(self.tables[False])
-        rng = random.Random(0)
-        for n in range(_SELF_CHECK_WINDOWS):
-            ids = [rng.randrange(size) for _ in range(1 + n % (_WINDOW + 1))]
-            skip = bool(n % 2)
-            if self.decode(ids, skip) != tokenizer.decode(ids, skip_special_tokens=skip):
-                return False
-        return True
-
-
-def decode_bytes(table: list[bytes | None], ids: list[int]) -> str | None:
-    """The text of ``ids`` from a token -> bytes table; None for an id it does not hold."""
-    try:
-        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
-    except (IndexError, TypeError):
-        return None
-
-
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def byte_level_table(tokenizer) -> ByteLevelDecodeTable | None:
-    """The tokenizer's decode table (built on first use, kept as long as the tokenizer), or None
-    when the tokenizer needs its own decode."""
-    try:
-        table = _TABLES[tokenizer]
-    except KeyError:
-        table = _TABLES[tokenizer] = ByteLevelDecodeTable.build(tokenizer)
-    except TypeError:  # not weak-referenceable: build it each time
-        table = ByteLevelDecodeTable.build(tokenizer)
-    return table
 
 
 class IncrementalDetokenizer:
@@ -207,13 +114,28 @@ class ByteLevelDetokenizer:
     alone gives it.
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "text", "_table", "_pending", "_held")
+    __slots__ = (
+        "tokenizer",
+        "skip_special_tokens",
+        "text",
+        "_table",
+        "_texts",
+        "_pending",
+        "_held",
+    )
 
-    def __init__(self, tokenizer, table: list[bytes | None], skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        table: list[bytes | None],
+        skip_special_tokens: bool,
+        texts: list[str | None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self._table = table
+        self._texts = _whole_texts_of(tokenizer, table) if texts is None else texts
         self._pending = b""  # the decoder's buffer: bytes of an unfinished character
         self._held = ""  # decoded text not yet emitted: it ends in U+FFFD, or bytes are pending
 
@@ -229,7 +151,22 @@ class ByteLevelDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Append a token; return the newly complete text (possibly empty). This runs for
-        every running sequence at every step: the table lookup and the append are inline."""
+        every running sequence at every step: the table lookup and the append are inline.
+
+        The whole-text path: with nothing pending or held, a token whose bytes are whole
+        characters (``whole_texts``) is what the decode would emit, so it is appended as it is.
+        """
+        if not self._pending and not self._held:
+            try:
+                whole = self._texts[token_id]
+            except IndexError:
+                whole = None
+            if whole is not None:
+                text = self.text  # grown in place, as in ``_append``
+                self.text = ""
+                text += whole
+                self.text = text
+                return whole
         try:
             data = self._table[token_id]
         except IndexError:
@@ -281,6 +218,17 @@ class ByteLevelDetokenizer:
         self._pending, self._held = b"", ""
         self._append(delta)
         return delta
+
+
+def _whole_texts_of(tokenizer, table: list[bytes | None]) -> list[str | None]:
+    """The whole-text table that goes with ``table`` when it is the tokenizer's own (the
+    usual case); else none (every token takes the decode)."""
+    own = byte_level_table(tokenizer)
+    if own is not None:
+        for skip, candidate in own.tables.items():
+            if candidate is table:
+                return own.texts[skip]
+    return []
 
 
 class FinalTextDetokenizer:
@@ -339,7 +287,12 @@ def detokenizer_for(
     table = byte_level_table(tokenizer)
     if table is None:
         return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-    detok = ByteLevelDetokenizer(tokenizer, table.tables[skip_special_tokens], skip_special_tokens)
+    detok = ByteLevelDetokenizer(
+        tokenizer,
+        table.tables[skip_special_tokens],
+        skip_special_tokens,
+        table.texts[skip_special_tokens],
+    )
     return FinalTextDetokenizer(detok) if final_text else detok
 
 

@@ -139,13 +139,13 @@ class GroupOutputs:
             )
         else:
             completion = CompletionOutput(state.index, text, tokens.copy(), None, None, None, None)
+        cached = request.num_cached_tokens  # -1 until its first admission
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
             [completion],
             False,
-            max(request.num_cached_tokens, 0),
+            cached if cached > 0 else 0,
             self.metrics,
-            None,
         )

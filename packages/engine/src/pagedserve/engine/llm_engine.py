@@ -37,11 +37,12 @@ from pagedserve.engine.executor import create_runner
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.engine_mixin import LoRAEngineMixin
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
+from pagedserve.engine.output_processor import process_plain_step
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence_group import SequenceGroup
+from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
 from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
@@ -91,6 +92,7 @@ class LLMEngine(LoRAEngineMixin):
         self._ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.plain_requests = PlainRequests()
+        self.output_fast_path = True  # output_processor.py; False: the general path alone
         self._never_scheduled: set[str] = set()  # requests whose first_scheduled_time is unset
         self.stats = StatsCollector()
         self.structured_output = StructuredOutputManager(self._grammar_backend)
@@ -333,19 +335,24 @@ class LLMEngine(LoRAEngineMixin):
         """Apply each decision after the update; one output per group that has news.
 
         Plain requests are one sequence each: the groups of ``updated`` are distinct then, and
-        no set of updated ids is built for decisions that do not exist."""
+        no set of updated ids is built for decisions that do not exist. A step with no
+        decisions (every row plain) is processed in one pass (output_processor.py) unless
+        ``output_fast_path`` is off, the general path it is tested against."""
         updated_ids = {r.request_id for r in updated} if decisions else set()
-        ctx = StepContext(self.scheduler, self.tokenizer, self.runner.device, updated_ids)
-        batch.apply_plain(updated, ctx)
-        if decisions:
-            touched = dict.fromkeys(r.payload.group for r in updated)
-            for decision in decisions:
-                if decision.apply(ctx):
-                    touched.setdefault(decision.group)
+        now = time.monotonic()  # every token of the step: one time
+        ctx = StepContext(self.scheduler, self.tokenizer, self.runner.device, updated_ids, now=now)
+        if not decisions and self.output_fast_path and SequenceState.lean_path_enabled:
+            outputs = process_plain_step(updated, ctx, self._group_output)
         else:
-            touched = [r.payload.group for r in updated]
-        now = time.monotonic()
-        outputs = [self._group_output(group, now) for group in touched if group.has_new_output]
+            batch.apply_plain(updated, ctx)
+            if decisions:
+                touched = dict.fromkeys(r.payload.group for r in updated)
+                for decision in decisions:
+                    if decision.apply(ctx):
+                        touched.setdefault(decision.group)
+            else:
+                touched = [r.payload.group for r in updated]
+            outputs = [self._group_output(g, now) for g in touched if g.has_new_output]
         self._record_step(
             ctx.num_generation_tokens,
             ctx.num_prompt_tokens,

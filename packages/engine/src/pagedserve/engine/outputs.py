@@ -1,11 +1,16 @@
-"""What the engine returns: RequestOutput and CompletionOutput, shaped like vLLM's."""
+"""What the engine returns: RequestOutput and CompletionOutput, shaped like vLLM's.
+
+A DELTA stream makes one of each per running request per step, so they are slotted dataclasses:
+no per-object ``__dict__``, so they are cheaper to make and to read (vLLM keeps its output objects
+as lean, for the same reason).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request (a request with n > 1 has n of them)."""
 
@@ -34,7 +39,7 @@ class CompletionOutput:
         self.stop_reason = delta.stop_reason
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps (time.monotonic seconds) of one request's life."""
 
@@ -57,7 +62,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's news from a step: cumulative, a delta, or the final output, as its
     ``SamplingParams.output_kind`` asks (sampling_params.RequestOutputKind)."""

@@ -41,7 +41,7 @@ from pagedserve.scheduler import (
 _RUNNING = RequestStatus.RUNNING
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SequenceState:
     """What the engine keeps per sequence beyond the scheduler's view (``Request.payload``).
 
