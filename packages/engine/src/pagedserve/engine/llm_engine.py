@@ -332,12 +332,10 @@ class LLMEngine(LoRAEngineMixin):
         updated: list[Request],
         num_scheduled_tokens: int = 0,
     ) -> list[RequestOutput]:
-        """Apply each decision after the update; one output per group that has news.
-
-        Plain requests are one sequence each: the groups of ``updated`` are distinct then, and
-        no set of updated ids is built for decisions that do not exist. A step with no
-        decisions (every row plain) is processed in one pass (output_processor.py) unless
-        ``output_fast_path`` is off, the general path it is tested against."""
+        """Apply each decision after the update; one output per group that has news. A step
+        with no decisions (every row plain: one sequence per request) is processed in one pass
+        (output_processor.py) unless ``output_fast_path`` is off, the general path it is
+        tested against."""
         updated_ids = {r.request_id for r in updated} if decisions else set()
         now = time.monotonic()  # every token of the step: one time
         ctx = StepContext(self.scheduler, self.tokenizer, self.runner.device, updated_ids, now=now)
