@@ -37,6 +37,7 @@ from numba import prange
 
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.numba_half import _to_float32
+from pagedserve.kernels.numba_threads import follow_torch_threads
 from pagedserve.kernels.paged_attention_plan import (
     TILE_N,
     _num_kv_splits,
@@ -247,13 +248,6 @@ def _cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
     raise ValueError(f"paged_attention_numba: unsupported KV cache dtype {cache.dtype}")
 
 
-def _set_threads() -> int:
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    return threads
-
-
 def _launch(parallel: bool, arrays: tuple, work, merges, scale, window, cap, out) -> None:
     """Run the work items (``arrays``: query, caches, block tables, lengths and starts as the
     kernels read them) into ``out``, under ``prange`` or in this thread, then merge the KV
@@ -303,7 +297,7 @@ def paged_attention_numba(
     tiles = _work_items(q_lens, lens, max_q_len)
     if not len(tiles):
         return out.to(query.dtype)
-    threads = _set_threads()
+    threads = follow_torch_threads()
     splits = num_kv_splits or _num_kv_splits(len(tiles), int(lens.max()), threads)
     window = sliding_window or 0
     work, merges = _plan(tiles, starts, lens, 1 if window else splits, window)
@@ -349,7 +343,8 @@ def paged_attention_cpu(
 def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from numba's disk cache) the kernel for caches of these dtypes, on a
     one-block batch holding a prefill chunk and a decode (both the parallel and the serial
-    kernel) and the decoder layer's small ops (layer_ops_numba), before any request needs them;
+    kernel), the decoder layer's small ops (layer_ops_numba) and the decode GEMM
+    (dense_linear_numba), before any request needs them;
     a no-op where dispatch would not pick numba (on CPU) anyway."""
     if kernel_path(torch.empty(0), has_numba=True) != "numba":
         return
@@ -369,6 +364,7 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         for parallel in (True, False):  # both kernels, whatever the thread count
             out = torch.zeros(query.shape)
             _launch(parallel, arrays, work, merges, scale, 0, np.float32(0), out)
-    from pagedserve.kernels import layer_ops_numba
+    from pagedserve.kernels import dense_linear_numba, layer_ops_numba
 
     layer_ops_numba.warm_up()
+    dense_linear_numba.warm_up()

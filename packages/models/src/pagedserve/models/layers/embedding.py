@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelLoadError
 from pagedserve.models.weights import CheckpointTensor, copy_shard
 
@@ -70,7 +71,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.gather = gather
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1 and self.gather is not None:
             logits = self.gather(logits)
         return logits[..., : self.vocab_size]

@@ -2,7 +2,8 @@
 
 The parallel linear layers (linear.py) decide *which* part of a checkpoint tensor this rank
 holds and where it goes; the layer's linear method decides *how* it is held. The unquantized
-method holds one ``[out, in]`` weight in the model's dtype and applies ``F.linear``. A quantized
+method holds one ``[out, in]`` weight in the model's dtype and applies ``F.linear`` (through
+``pagedserve.kernels.linear``, which has a faster CPU path for decode batches). A quantized
 method (AWQ, GPTQ, FP8, INT8, GGUF) or a LoRA wrapper implements the same three steps with its
 own parameters (packed integers, scales, zero points, adapters): ``create_weights`` registers
 them on the layer, ``load_weight`` maps a logical shard onto each of them, ``apply`` computes
@@ -18,9 +19,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelLoadError
 from pagedserve.models.weights import CheckpointTensor, copy_shard
 
@@ -121,7 +122,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
 
 LinearMethodFactory = Callable[[], LinearMethodBase]

@@ -1,0 +1,65 @@
+"""The CPU decode GEMM (dense_linear_numba): as accurate as MKL against a float64 product, on
+the model shapes it serves (SmolLM2's projections, an lm_head-like width, widths that leave a
+partial block of output features), and batch invariant: a row's result is the same bits whether
+it is computed alone or with up to ``MAX_ROWS - 1`` others."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import dense_linear_numba as dense
+
+SHAPES = [(960, 576), (576, 1536), (3074, 576), (7, 40), (4099, 64)]  # (N, K)
+
+
+def _operands(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, dense.MAX_ROWS])
+def test_as_accurate_as_mkl_against_float64(n, k, rows):
+    x, w = _operands(rows, n, k, seed=n + rows)
+    exact = F.linear(x.double(), w.double())
+    got = dense.dense_linear_numba(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    mkl_error = (F.linear(x, w).double() - exact).abs().max().item()
+    our_error = (got.double() - exact).abs().max().item()
+    # fp32 rounding of a K-long dot: both errors are ~1e-6 here; ours may not be much worse
+    assert our_error <= max(2 * mkl_error, 1e-6), (our_error, mkl_error)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_rows_result_does_not_depend_on_its_batch(n, k):
+    x, w = _operands(dense.MAX_ROWS, n, k, seed=k)
+    together = dense.dense_linear_numba(x, w)
+    for size in (1, 2, 5):
+        for start in range(0, dense.MAX_ROWS - size + 1, size):
+            part = dense.dense_linear_numba(x[start : start + size].clone(), w)
+            assert torch.equal(part, together[start : start + size]), (size, start)
+
+
+def test_leading_dims_strided_rows_and_thread_counts():
+    x, w = _operands(6, 963, 64, seed=1)
+    want = dense.dense_linear_numba(x, w)
+    assert torch.equal(dense.dense_linear_numba(x.view(2, 3, 64), w), want.view(2, 3, 963))
+    strided = torch.zeros(6, 128)
+    strided[:, ::2] = x
+    assert torch.equal(dense.dense_linear_numba(strided[:, ::2], w), want)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the numba kernel follows torch's count: same bits
+        assert torch.equal(dense.dense_linear_numba(x, w), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_supports_only_what_it_computes():
+    w = torch.randn(8, 16)
+    assert dense.supports(torch.randn(dense.MAX_ROWS, 16), w)
+    assert not dense.supports(torch.randn(dense.MAX_ROWS + 1, 16), w)  # MKL's rows
+    assert not dense.supports(torch.randn(2, 16).double(), w.double())
+    assert not dense.supports(torch.randn(2, 16).bfloat16(), w.bfloat16())
+    assert not dense.supports(torch.randn(2, 16), w.t().contiguous().t()[:, :16])
+    assert not dense.supports(torch.randn(0, 16), w)
