@@ -40,6 +40,16 @@ def test_a_rows_result_does_not_depend_on_its_batch(n, k):
             assert torch.equal(part, together[start : start + size]), (size, start)
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_the_serial_kernel_gives_the_parallel_ones_bits(n, k):
+    x, w = _operands(5, n, k, seed=3)
+    arrays = [x.numpy(), w.numpy()]
+    parallel, serial = (torch.empty(5, n).numpy() for _ in range(2))
+    dense._dense_linear_parallel(*arrays, parallel)
+    dense._dense_linear_serial(*arrays, serial)
+    assert (parallel == serial).all()
+
+
 def test_leading_dims_strided_rows_and_thread_counts():
     x, w = _operands(6, 963, 64, seed=1)
     want = dense.dense_linear_numba(x, w)

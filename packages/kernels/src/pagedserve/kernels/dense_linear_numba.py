@@ -8,14 +8,15 @@ read memory at ~31 GB/s (a ``torch.sum`` over those weights), but MKL's sgemv be
 ``F.linear`` streams them at ~12.5 GB/s at one row and does worse at 2 to 16 rows, where its
 sgemm packs the weight first. This kernel reads each block of four weight rows once for all
 the rows of ``x`` (the block, 9-24 KB, stays in L1 while each row is dotted with it), the
-blocks shared out over the threads with ``prange``: ~26 GB/s at one row, 2.1x MKL's speed on
-SmolLM2's layers at batch 1, 2.0x at 4 and 8, 1.6x at 16, and 2.7x on its lm_head
-(docs/cpu.md, "Decode GEMMs").
+blocks shared out over the threads with ``prange`` (a weight under 1 MiB in the calling thread:
+see ``PARALLEL_FROM_WEIGHTS``): ~26 GB/s at one row, 2.1x MKL's speed on SmolLM2's layers at
+batch 1, 2.0x at 4 and 8, 1.6x at 16, and 2.7x on its lm_head (docs/cpu.md, "Decode GEMMs").
 
 **Batch invariance.** Each output element is one dot product whose summation order is fixed
 by the loop over the input features alone (reassociated into SIMD lanes by LLVM in the same way
-for every row): no row is paired with another, no split depends on the thread count. So a row's
-result is the same bits whether it is computed alone or among fifteen others. That matters to
+for every row): no row is paired with another, and a block is computed by the same inlined
+loop in the parallel and the serial kernel. So a row's result is the same bits whether it is
+computed alone or among fifteen others, on one thread or two. That matters to
 the engine: the same prompt may be computed in batches of different sizes (a prefix-cache hit
 shortens a prefill, speculative decoding verifies several rows), and two runs of one workload
 must agree bit for bit. (An earlier small-batch kernel that paired rows was taken out for
@@ -38,33 +39,54 @@ from pagedserve.kernels.numba_threads import follow_torch_threads
 # Decode batches up to here take this kernel; above it MKL's packed GEMM has enough rows to
 # reuse each weight from cache and the two are even (SmolLM2's shapes, 2 threads: 1.0x at 32).
 MAX_ROWS = 16
+# A weight smaller than this (1 MiB of fp32) runs in the calling thread: reading it takes tens
+# of microseconds, and a parallel region costs microseconds when the other core is idle but up
+# to a scheduler tick when it is busy (a tiny model's step was 20x slower on a loaded machine).
+PARALLEL_FROM_WEIGHTS = 1 << 18
 _BLOCK = 4  # output features per block: their weight rows are read once for all rows of x
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
 
-@numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _dense_linear_kernel(x, w, out):  # pragma: no cover - compiled
-    rows, k = x.shape
-    n_blocks = w.shape[0] // _BLOCK
-    for block in numba.prange(n_blocks):
-        o = block * _BLOCK
-        w0, w1, w2, w3 = w[o], w[o + 1], w[o + 2], w[o + 3]
-        for m in range(rows):
-            xm = x[m]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for j in range(k):
-                v = xm[j]
-                a0 += v * w0[j]
-                a1 += v * w1[j]
-                a2 += v * w2[j]
-                a3 += v * w3[j]
-            out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
-    for o in range(n_blocks * _BLOCK, w.shape[0]):  # the last N % 4 features, one dot each
-        for m in range(rows):
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _block_rows(x, w, out, o):  # pragma: no cover - compiled
+    """``out[:, o:o + 4] = x @ w[o:o + 4].T``, one row of ``x`` at a time, the same loop for
+    every row (so no row's sums depend on another's presence)."""
+    w0, w1, w2, w3 = w[o], w[o + 1], w[o + 2], w[o + 3]
+    for m in range(x.shape[0]):
+        xm = x[m]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for j in range(x.shape[1]):
+            v = xm[j]
+            a0 += v * w0[j]
+            a1 += v * w1[j]
+            a2 += v * w2[j]
+            a3 += v * w3[j]
+        out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _tail_rows(x, w, out):  # pragma: no cover - compiled
+    """The last ``N % 4`` output features, one dot product each."""
+    for o in range(w.shape[0] // _BLOCK * _BLOCK, w.shape[0]):
+        for m in range(x.shape[0]):
             acc = np.float32(0.0)
-            for j in range(k):
+            for j in range(x.shape[1]):
                 acc += x[m, j] * w[o, j]
             out[m, o] = acc
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def _dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
+    for block in numba.prange(w.shape[0] // _BLOCK):
+        _block_rows(x, w, out, block * _BLOCK)
+    _tail_rows(x, w, out)
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _dense_linear_serial(x, w, out):  # pragma: no cover - compiled
+    for block in range(w.shape[0] // _BLOCK):
+        _block_rows(x, w, out, block * _BLOCK)
+    _tail_rows(x, w, out)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -92,12 +114,15 @@ def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    follow_torch_threads()
-    _dense_linear_kernel(x2.numpy(), weight.numpy(), out.numpy())
+    parallel = weight.numel() >= PARALLEL_FROM_WEIGHTS and follow_torch_threads() > 1
+    kernel = _dense_linear_parallel if parallel else _dense_linear_serial
+    kernel(x2.numpy(), weight.numpy(), out.numpy())
     return out.view(*x.shape[:-1], n)
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the kernel now, not in the first request: it
-    has one signature (C-contiguous fp32 arrays)."""
-    dense_linear_numba(torch.zeros(2, 8), torch.zeros(2 * _BLOCK + 1, 8))
+    """Compile (or load from numba's disk cache) both kernels now, not in the first request:
+    each has one signature (C-contiguous fp32 arrays)."""
+    x, w = np.zeros((2, 8), np.float32), np.zeros((2 * _BLOCK + 1, 8), np.float32)
+    for kernel in (_dense_linear_parallel, _dense_linear_serial):
+        kernel(x, w, np.empty((2, w.shape[0]), np.float32))
