@@ -6,14 +6,18 @@ little to do. This times one decode step's linear layers (a layer's fused qkv, o
 gate_up and down_proj, times the layers; the lm_head on the sampled rows) on the model's own
 shapes, for each path:
 
-- ``linear``: ``torch.nn.functional.linear``, what the engine runs (MKL sgemm);
+- ``linear``: ``torch.nn.functional.linear`` (MKL sgemm), what the engine ran before the numba
+  kernel and still runs above ``MAX_ROWS`` rows;
+- ``numba``: ``dense_linear_numba``, what the engine runs for up to ``MAX_ROWS`` rows;
 - ``onednn-packed``: the weight reordered once into oneDNN's blocked layout
   (``Tensor.to_mkldnn``) and applied with ``torch.ops.mkldnn._linear_pointwise``, which takes
   any batch size (MKL's own packed sgemm, ``torch.ops.mkl._mkl_linear``, packs for one batch
   size and falls back to sgemm at every other, so it is left out).
 
-It prints milliseconds per decode step and each path's speed-up over ``linear``, per batch size
-and thread count, with the load average: read it on a quiet machine.
+It prints milliseconds per decode step (the layers plus the lm_head) and each path's speed-up
+over ``linear``, per batch size and thread count, with the load average: read it on a quiet
+machine. The floor beside them is the time to read every weight once (a ``torch.sum`` over each,
+the same threads): what a memory-bound step cannot beat.
 
     .venv/bin/python tools/bench_cpu_linear.py                       # SmolLM2-135M, 1 and 2 threads
     .venv/bin/python tools/bench_cpu_linear.py --batch-sizes 1 16 --threads 2
@@ -28,6 +32,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kernels.dense_linear_numba import MAX_ROWS
 
 
 def layer_shapes(config) -> list[tuple[int, int]]:
@@ -50,15 +56,23 @@ def step_ms(apply, weights, xs, repeats: int) -> float:
     return 1e3 * best
 
 
-def paths(shapes: list[tuple[int, int]], layers: int) -> dict[str, tuple]:
-    """Each path: (its weights, one per linear of a step; how to apply one)."""
-    dense = [torch.randn(n, k) for _ in range(layers) for n, k in shapes]
+def paths(shapes: list[tuple[int, int]], layers: int, lm_head: torch.Tensor) -> dict[str, tuple]:
+    """Each path: (its weights, one per linear of a step and the lm_head last; how to apply
+    one)."""
+    from pagedserve.kernels.dense_linear_numba import dense_linear_numba
+
+    dense = [torch.randn(n, k) for _ in range(layers) for n, k in shapes] + [lm_head]
     packed = [w.to_mkldnn() for w in dense]
 
     def onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    return {"linear": (dense, F.linear), "onednn-packed": (packed, onednn)}
+    return {
+        "linear": (dense, F.linear),
+        "numba": (dense, dense_linear_numba),
+        "onednn-packed": (packed, onednn),
+        "floor (read)": (dense, lambda x, w: w.sum()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,25 +87,30 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ModelConfig(model=args.model or str(ensure_default_model()))
     shapes = layer_shapes(config)
-    by_path = paths(shapes, config.num_layers)
     lm_head = torch.randn(config.vocab_size, config.hidden_size)
+    by_path = paths(shapes, config.num_layers, lm_head)
     print(
         f"model {config.model}: {config.num_layers} layers x linear (out, in) {shapes}, lm_head "
         f"{tuple(lm_head.shape)}; fp32; load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'threads':>7}{'batch':>7}" + "".join(f"{p + ' ms':>18}" for p in by_path) + "  x")
+    names = list(by_path)
+    print(f"{'threads':>7}{'batch':>7}" + "".join(f"{p + ' ms':>18}" for p in names), end="")
+    print("".join(f"{p + ' x':>16}" for p in names[1:3]))
     for threads in args.threads:
         torch.set_num_threads(threads)
         for m in args.batch_sizes:
             xs = [torch.randn(m, k) for _ in range(config.num_layers) for _, k in shapes]
-            head = step_ms(F.linear, [lm_head], [torch.randn(m, config.hidden_size)], args.repeats)
+            xs.append(torch.randn(m, config.hidden_size))
             times = {
-                name: step_ms(apply, weights, xs, args.repeats) + head
+                name: step_ms(apply, weights, xs, args.repeats)
                 for name, (weights, apply) in by_path.items()
+                if name != "numba" or m <= MAX_ROWS
             }
-            ratio = times["linear"] / times["onednn-packed"]
-            row = "".join(f"{t:>18.2f}" for t in times.values())
-            print(f"{threads:>7}{m:>7}{row}  {ratio:.2f}")
+            row = "".join(f"{times.get(p, float('nan')):>18.2f}" for p in names)
+            ratios = "".join(
+                f"{times['linear'] / times.get(p, float('nan')):>16.2f}" for p in names[1:3]
+            )
+            print(f"{threads:>7}{m:>7}{row}{ratios}")
     return 0
 
 
