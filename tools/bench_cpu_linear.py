@@ -8,7 +8,8 @@ shapes, for each path:
 
 - ``linear``: ``torch.nn.functional.linear`` (MKL sgemm), what the engine ran before the numba
   kernel and still runs above ``MAX_ROWS`` rows;
-- ``numba``: ``dense_linear_numba``, what the engine runs for up to ``MAX_ROWS`` rows;
+- ``numba``: ``dense_linear_numba``, what the engine runs for up to ``MAX_ROWS`` rows (timed
+  at every batch size, to show where MKL overtakes it);
 - ``onednn-packed``: the weight reordered once into oneDNN's blocked layout
   (``Tensor.to_mkldnn``) and applied with ``torch.ops.mkldnn._linear_pointwise``, which takes
   any batch size (MKL's own packed sgemm, ``torch.ops.mkl._mkl_linear``, packs for one batch
@@ -32,8 +33,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from pagedserve.kernels.dense_linear_numba import MAX_ROWS
 
 
 def layer_shapes(config) -> list[tuple[int, int]]:
@@ -104,12 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             times = {
                 name: step_ms(apply, weights, xs, args.repeats)
                 for name, (weights, apply) in by_path.items()
-                if name != "numba" or m <= MAX_ROWS
             }
-            row = "".join(f"{times.get(p, float('nan')):>18.2f}" for p in names)
-            ratios = "".join(
-                f"{times['linear'] / times.get(p, float('nan')):>16.2f}" for p in names[1:3]
-            )
+            row = "".join(f"{times[p]:>18.2f}" for p in names)
+            ratios = "".join(f"{times['linear'] / times[p]:>16.2f}" for p in names[1:3])
             print(f"{threads:>7}{m:>7}{row}{ratios}")
     return 0
 
