@@ -91,33 +91,31 @@ def _dense_linear_serial(x, w, out):  # pragma: no cover - compiled
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.linear(x, weight)`` can take this kernel: fp32 CPU tensors, at most
-    ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight."""
+    ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight. (Cheap
+    checks, cheapest first: ``linear`` asks at every layer of every step.)"""
     return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and x.is_cpu
+        and weight.is_cpu
         and weight.dim() == 2
-        and weight.is_contiguous()
-        and x.dim() >= 1
+        and 0 < x.numel() <= MAX_ROWS * weight.shape[1]
         and x.shape[-1] == weight.shape[1]
-        and x.numel() <= MAX_ROWS * weight.shape[1]
-        and x.numel() > 0
+        and weight.is_contiguous()
     )
 
 
 def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows and ``weight
     [N, K]`` (see :func:`supports`); returns ``[..., N]``."""
-    k, n = weight.shape[1], weight.shape[0]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    n, k = weight.shape
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    out = np.empty((x2.shape[0], n), np.float32)
     parallel = weight.numel() >= PARALLEL_FROM_WEIGHTS and follow_torch_threads() > 1
     kernel = _dense_linear_parallel if parallel else _dense_linear_serial
-    kernel(x2.numpy(), weight.numpy(), out.numpy())
-    return out.view(*x.shape[:-1], n)
+    kernel(x2.numpy(), weight.numpy(), out)
+    result = torch.from_numpy(out)
+    return result if x.dim() == 2 else result.view(*x.shape[:-1], n)
 
 
 def warm_up() -> None:

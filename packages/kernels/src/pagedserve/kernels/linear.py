@@ -17,8 +17,8 @@ from pagedserve.kernels.dispatch import kernel_path
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``."""
-    if x.device.type == "cpu" and kernel_path(x, has_numba=True) == "numba":
-        from pagedserve.kernels import dense_linear_numba as dense
+    if x.is_cpu and x.dtype is torch.float32 and kernel_path(x, has_numba=True) == "numba":
+        from pagedserve.kernels import dense_linear_numba as dense  # numba: on CPU only
 
         if dense.supports(x, weight):
             out = dense.dense_linear_numba(x, weight)
