@@ -69,32 +69,32 @@ def _dense_linear_kernel(x, w, out):  # pragma: no cover - compiled
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.linear(x, weight)`` can take this kernel: fp32 CPU tensors, at most
-    ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight."""
+    ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight. (``is_cpu``,
+    not ``device.type``: the latter formats a string, at every layer of every step.)"""
     return (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        and x.is_cpu
+        and weight.is_cpu
         and weight.dim() == 2
         and weight.is_contiguous()
         and x.dim() >= 1
         and x.shape[-1] == weight.shape[1]
-        and x.numel() <= MAX_ROWS * weight.shape[1]
-        and x.numel() > 0
+        and 0 < x.numel() <= MAX_ROWS * weight.shape[1]
     )
 
 
 def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows and ``weight
-    [N, K]`` (see :func:`supports`); returns ``[..., N]``."""
-    k, n = weight.shape[1], weight.shape[0]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    [N, K]`` (see :func:`supports`); returns ``[..., N]``. A decode step's ``x`` is already
+    contiguous ``[rows, K]``: it goes in, and the result comes out, without a reshape."""
+    n = weight.shape[0]
+    flat = x.dim() == 2 and x.is_contiguous()
+    x2 = x if flat else x.reshape(-1, weight.shape[1]).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     follow_torch_threads()
     _dense_linear_kernel(x2.numpy(), weight.numpy(), out.numpy())
-    return out.view(*x.shape[:-1], n)
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 def warm_up() -> None:

@@ -17,7 +17,7 @@ from pagedserve.kernels.dispatch import kernel_path
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``."""
-    if x.device.type == "cpu" and kernel_path(x, has_numba=True) == "numba":
+    if x.is_cpu and kernel_path(x, has_numba=True) == "numba":
         from pagedserve.kernels import dense_linear_numba as dense
 
         if dense.supports(x, weight):

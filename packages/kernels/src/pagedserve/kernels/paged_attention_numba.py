@@ -276,17 +276,23 @@ def _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
 
 
 def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_cap):
-    """The plan's work items over this layer's query and caches; rows no item covers are 0."""
-    out = torch.zeros(query.shape, dtype=torch.float32)
-    if not len(plan.work):
-        return out.to(query.dtype)
-    arrays = (
-        query.detach().to(torch.float32).contiguous().numpy(),
-        _cache_as_numpy(k_cache.detach()), _cache_as_numpy(v_cache.detach()), *plan.layout,
-    )  # fmt: skip
-    cap = np.float32(logits_soft_cap or 0.0)
-    _launch(plan.parallel, arrays, plan.work, plan.merges, scale, window, cap, out)
-    return out.to(query.dtype)
+    """The plan's work items over this layer's query and caches; rows no item covers are 0.
+    (Every row is some item's when no sequence was left out: then ``out`` need not be zeroed,
+    and an fp32 contiguous query, a decode step's, goes in as it is.)"""
+    fp32 = query.dtype == torch.float32
+    if plan.long_seqs or not len(plan.work):
+        out = torch.zeros(query.shape, dtype=torch.float32)
+    else:
+        out = torch.empty(query.shape, dtype=torch.float32)
+    if len(plan.work):
+        q = query if fp32 and query.is_contiguous() else query.to(torch.float32).contiguous()
+        arrays = (
+            q.detach().numpy(), _cache_as_numpy(k_cache.detach()),
+            _cache_as_numpy(v_cache.detach()), *plan.layout,
+        )  # fmt: skip
+        cap = np.float32(logits_soft_cap or 0.0)
+        _launch(plan.parallel, arrays, plan.work, plan.merges, scale, window, cap, out)
+    return out if fp32 else out.to(query.dtype)
 
 
 def paged_attention_numba(
