@@ -73,3 +73,4 @@ def test_supports_only_what_it_computes():
     assert not dense.supports(torch.randn(2, 16).bfloat16(), w.bfloat16())
     assert not dense.supports(torch.randn(2, 16), w.t().contiguous().t()[:, :16])
     assert not dense.supports(torch.randn(0, 16), w)
+    assert not dense.supports(torch.empty(2, 16, device="meta"), w)  # not a CPU tensor

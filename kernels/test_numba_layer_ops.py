@@ -66,3 +66,16 @@ def test_rms_norm_takes_a_strided_input():
     x = torch.randn(3, 1152)[:, ::2]
     weight = torch.randn(576)
     assert_close(ops.rms_norm_numba(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+def test_rms_norm_of_heads_keeps_their_shape():
+    """Qwen3 normalises each head of a [T, H, D] view of the fused qkv output."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4 * 64 + 64, generator=g)[:, :256].view(3, 4, 64)
+    res = torch.randn(3, 4, 64, generator=g)
+    weight = torch.randn(64, generator=g)
+    out, new_residual = ops.rms_norm_numba(x, weight, 1e-6, res)
+    want, want_residual = rms_norm_ref(x, weight, 1e-6, res)
+    assert out.shape == new_residual.shape == (3, 4, 64)
+    assert_close(out, want)
+    assert_close(new_residual, want_residual)

@@ -8,7 +8,11 @@ Variants are switches flipped in this process:
 
 - ``numba``: the engine as shipped on CPU (numba attention, numba layer ops);
 - ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv) on their PyTorch
-  references, attention still numba: what layer_ops_numba.py saves.
+  references, attention still numba: what layer_ops_numba.py saves;
+- ``layer-plans``: the numba attention plans its work at every layer, as it did before the
+  step's plan memo (``AttentionMetadata.kernel_plans``): what planning once per step saves.
+
+Switches combine with ``+`` (``ref-ops+layer-plans``).
 
 Then one batch-1 step's time per op (the kernels' entry points and the linear layers wrapped
 in timers: numba's own functions are invisible to torch.profiler), and the load (``/proc/loadavg``) and steal (``/proc/stat``) over the run.
@@ -39,20 +43,27 @@ def cpu_times() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
+SWITCHES = ("numba", "ref-ops", "layer-plans")
+
+
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
-    """Flip the switches of one variant for the steps run inside."""
+    """Flip the switches of one variant (names joined by ``+``) for the steps run inside."""
     from pagedserve.kernels import layer_ops_numba
+    from pagedserve.kernels import paged_attention_numba as pan
 
-    supports = layer_ops_numba.supports
-    if name == "ref-ops":
+    switches = set(name.split("+"))
+    if not switches <= set(SWITCHES):
+        raise ValueError(f"unknown variant {name!r} (switches {', '.join(SWITCHES)}, joined by +)")
+    supports, step_plan = layer_ops_numba.supports, pan.step_plan
+    if "ref-ops" in switches:
         layer_ops_numba.supports = lambda *tensors: False
-    elif name != "numba":
-        raise ValueError(f"unknown variant {name!r} (numba, ref-ops)")
+    if "layer-plans" in switches:
+        pan.step_plan = lambda *args, plans=None: step_plan(*args[:6], None)
     try:
         yield
     finally:
-        layer_ops_numba.supports = supports
+        layer_ops_numba.supports, pan.step_plan = supports, step_plan
 
 
 def start_decodes(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:

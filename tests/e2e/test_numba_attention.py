@@ -19,23 +19,21 @@ SHARED_PREFIX_PROMPT = LONG_PROMPT[:32] + [300, 301, 302, 303, 304]  # 4 cached 
 
 
 def _spy(monkeypatch) -> dict[str, list[int]]:
-    """Record the q_lens each path handled (numba: every sequence it was given work for)."""
+    """Record the q_lens each path handled (numba: every sequence its plan gave work to)."""
     seen: dict[str, list[int]] = {"numba": [], "sdpa": []}
-    numba_kernel, prefill = pan.paged_attention_numba, pan._prefill_ref
+    attend, prefill = pan._attend, pan._prefill_ref
 
-    def numba_spy(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **kw):
-        starts = query_start_loc.tolist()
-        limit = kw.get("max_q_len") or len(query)
-        seen["numba"] += [e - s for s, e in zip(starts, starts[1:]) if 0 < e - s <= limit]
-        return numba_kernel(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **kw
-        )
+    def numba_spy(query, k_cache, v_cache, plan, *args):
+        starts = plan.layout[2]  # query_start_loc
+        sequences = sorted(set(plan.work[:, 0].tolist()))
+        seen["numba"] += [int(starts[b + 1] - starts[b]) for b in sequences]
+        return attend(query, k_cache, v_cache, plan, *args)
 
     def prefill_spy(query, *args):
         seen["sdpa"].append(query.shape[0])
         return prefill(query, *args)
 
-    monkeypatch.setattr(pan, "paged_attention_numba", numba_spy)
+    monkeypatch.setattr(pan, "_attend", numba_spy)
     monkeypatch.setattr(pan, "_prefill_ref", prefill_spy)
     return seen
 
@@ -86,3 +84,19 @@ def test_smollm2_numba_path_generates_the_reference_tokens(
     llm = LLM(model=default_model_path, block_size=16)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [numba[p].outputs[0].token_ids[:16] for p in prompts] == ref
+
+
+def test_each_forward_plans_its_attention_once_for_all_layers(tmp_path, monkeypatch):
+    """The layers share their step's plan (``AttentionMetadata.kernel_plans``): one plan per
+    forward, not one per layer."""
+    from pagedserve.kernels import paged_attention_plan
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    path = make_tiny_checkpoint("llama", tmp_path / "llama", num_hidden_layers=3)
+    builds, build = [], paged_attention_plan._build
+    monkeypatch.setattr(paged_attention_plan, "_build", lambda *a: builds.append(1) or build(*a))
+    llm = LLM(model=str(path), block_size=8)
+    builds.clear()  # the start-up's warm-up call
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4))
+    assert len(builds) == 4  # the prefill and three decodes, over three layers each

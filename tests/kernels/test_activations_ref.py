@@ -13,6 +13,16 @@ def test_silu_and_mul_is_gate_first():
     assert torch.equal(silu_and_mul_ref(x), F.silu(gate) * up)
 
 
+def test_silu_and_mul_fp32_writes_a_new_tensor():
+    """The fp32 path multiplies in place into silu's result, never into its input."""
+    x = torch.randn(4, 64)[:, ::2]  # a strided view, as a fused projection's half could be
+    before = x.clone()
+    out = silu_and_mul_ref(x)
+    assert torch.equal(x, before)
+    assert torch.equal(out, F.silu(before[:, :16]) * before[:, 16:])
+    assert out.data_ptr() != x.data_ptr()
+
+
 def test_silu_and_mul_half_precision_is_close_to_fp32():
     x = torch.randn(4, 32)
     out = silu_and_mul_ref(x.to(torch.bfloat16))

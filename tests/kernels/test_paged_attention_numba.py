@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.kernels import paged_attention, paged_attention_ref
 from pagedserve.kernels import paged_attention_numba as pan
+from pagedserve.kernels import paged_attention_plan as plan_module
 from pagedserve.kernels.paged_attention_numba import (
     paged_attention_cpu,
     paged_attention_numba,
@@ -95,9 +96,9 @@ def test_long_prefill_is_split_into_parallel_tiles():
 
 
 def test_a_single_long_decode_is_split_over_the_kv_axis():
-    assert pan._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=2) == 3
-    assert pan._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=1) == 1
-    assert pan._num_kv_splits(n_tiles=4, max_kv_end=1000, threads=2) == 1
+    assert plan_module._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=2) == 3
+    assert plan_module._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=1) == 1
+    assert plan_module._num_kv_splits(n_tiles=4, max_kv_end=1000, threads=2) == 1
     tiles = np.array([[0, 0, 1], [1, 0, 1]])
     work, merges = pan._plan(tiles, np.array([0, 1, 2]), np.array([600, 100]), splits=3)
     # 600 positions in 3 ranges of whole 32-position tiles; the 100-token decode is not split
@@ -131,6 +132,50 @@ def test_cpu_path_splits_decode_and_prefill_and_matches_reference(heads):
     seqs = [(300, 1), (64, 64), (90, 15), (120, 16), (5, 1), (200, 40)]
     batch = make_paged_batch(seqs, *HEADS[heads], 64, 16)
     assert_matches_reference(batch, paged_attention_cpu(*batch.args()))
+
+
+def _layer(batch, seed):
+    """Another layer's query and caches over the same batch layout (the cache's stale slots
+    keep their NaN: they are the same slots)."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = (
+        c + torch.randn(c.shape, generator=g) for c in (batch.k_cache, batch.v_cache)
+    )
+    query = torch.randn(batch.query.shape, generator=g)
+    return query, k_cache, v_cache, *batch.args()[3:]
+
+
+@pytest.mark.parametrize("seqs", [[(100, 1)], [(600, 1)], CASES["mixed"]])
+def test_a_step_plans_once_for_all_its_layers(seqs):
+    """The layers of a step share one plan through the step's memo: the second layer finds
+    the first one's, and each layer's output has the same bits as when planned alone."""
+    batch = make_paged_batch(seqs, 9, 3, 64, 16, seed=6)
+    plans: dict = {}
+    for seed in range(3):
+        args = _layer(batch, seed)
+        assert torch.equal(paged_attention_cpu(*args, plans=plans), paged_attention_cpu(*args))
+        assert_matches_reference(batch, paged_attention_cpu(*batch.args(), plans=plans))
+    assert len(plans) == 1
+
+
+def test_a_plan_is_reused_for_its_own_tensors_only():
+    """A memo entry built from one batch's tensors is not taken for another batch's."""
+    first = make_paged_batch([(40, 1), (9, 1)], 9, 3, 64, 16, seed=7)
+    second = make_paged_batch([(300, 1), (20, 12), (70, 30)], 9, 3, 64, 16, seed=8)
+    plans: dict = {}
+    assert_matches_reference(first, paged_attention_cpu(*first.args(), plans=plans))
+    assert_matches_reference(second, paged_attention_cpu(*second.args(), plans=plans))
+
+
+def test_windowed_and_global_layers_of_a_step_plan_apart():
+    """Gemma's local and global layers share a step's memo and keep a plan each."""
+    batch = make_paged_batch([(90, 1), (40, 5), (33, 1)], 8, 2, 64, 16, seed=9)
+    plans: dict = {}
+    for window in (None, 16, None, 16):
+        expected = paged_attention_ref(*batch.args(), sliding_window=window)
+        got = paged_attention_cpu(*batch.args(), sliding_window=window, plans=plans)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1.3e-6)
+    assert len(plans) == 2
 
 
 def test_public_function_takes_the_numba_path_on_cpu(monkeypatch):

@@ -88,12 +88,18 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping):
 
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether these operands can take the numba path: CPU fp32 (anything else: reference)."""
-    return all(t.dtype == torch.float32 and not t.is_cuda for t in tensors)
+    for t in tensors:
+        if t.dtype != torch.float32 or t.is_cuda:
+            return False
+    return True
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as contiguous ``[rows, hidden]`` (no copy where it already is): one compiled
-    layout, the one :func:`warm_up` compiles, so that no request waits for numba."""
+    """``t`` as contiguous ``[rows, hidden]``: ``t`` itself where it already is (a decode
+    step's hidden states), else a reshaped copy. One compiled layout, the one :func:`warm_up`
+    compiles, so that no request waits for numba."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
@@ -102,16 +108,17 @@ def rms_norm_numba(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm_ref``'s contract for fp32 CPU tensors (see the module docstring)."""
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype)
+    xa, out = x2.numpy(), torch.empty_like(x2)
     if residual is None:
-        xa = x2.numpy()
         _rms_norm_kernel(xa, xa, weight.numpy(), np.float32(eps), out.numpy(), xa, False)
-        return out.view(x.shape)
-    new_residual = torch.empty(x2.shape, dtype=x.dtype)
+        return out if x2 is x else out.view(x.shape)
+    new_residual = torch.empty_like(x2)
     _rms_norm_kernel(
-        x2.numpy(), _rows(residual).numpy(), weight.numpy(), np.float32(eps), out.numpy(),
+        xa, _rows(residual).numpy(), weight.numpy(), np.float32(eps), out.numpy(),
         new_residual.numpy(), True,
     )  # fmt: skip
+    if x2 is x:
+        return out, new_residual
     return out.view(x.shape), new_residual.view(x.shape)
 
 

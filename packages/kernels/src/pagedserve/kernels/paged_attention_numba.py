@@ -37,12 +37,12 @@ from numba import prange
 
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.numba_half import _to_float32
-from pagedserve.kernels.numba_threads import follow_torch_threads
 from pagedserve.kernels.paged_attention_plan import (
     TILE_N,
-    _num_kv_splits,
+    StepPlan,
     _plan,
     _work_items,
+    step_plan,
 )
 from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 
@@ -252,7 +252,8 @@ def _launch(parallel: bool, arrays: tuple, work, merges, scale, window, cap, out
     """Run the work items (``arrays``: query, caches, block tables, lengths and starts as the
     kernels read them) into ``out``, under ``prange`` or in this thread, then merge the KV
     splits."""
-    n_parts, n_q_heads, head_dim = int((work[:, 5] >= 0).sum()), out.shape[1], out.shape[2]
+    n_parts = int(merges[:, 2].sum()) if len(merges) else 0  # one slot per split of a tile
+    n_q_heads, head_dim = out.shape[1], out.shape[2]
     part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
     part_max = np.empty((n_parts, n_q_heads), np.float32)
     part_sum = np.empty((n_parts, n_q_heads), np.float32)
@@ -264,6 +265,34 @@ def _launch(parallel: bool, arrays: tuple, work, merges, scale, window, cap, out
         numba.set_parallel_chunksize(previous_chunksize)
     if len(merges):
         _merge_kv_splits(part_acc, part_max, part_sum, merges, out.numpy())
+
+
+def _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if query.is_cuda or k_cache.is_cuda:
+        raise ValueError("paged_attention_numba: runs on CPU tensors only")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention_numba: KV caches must be contiguous")
+
+
+def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_cap):
+    """The plan's work items over this layer's query and caches; rows no item covers are 0.
+    (Every row is some item's when no sequence was left out: then ``out`` need not be zeroed,
+    and an fp32 contiguous query, a decode step's, goes in as it is.)"""
+    fp32 = query.dtype == torch.float32
+    if plan.long_seqs or not len(plan.work):
+        out = torch.zeros(query.shape, dtype=torch.float32)
+    else:
+        out = torch.empty(query.shape, dtype=torch.float32)
+    if len(plan.work):
+        q = query if fp32 and query.is_contiguous() else query.to(torch.float32).contiguous()
+        arrays = (
+            q.detach().numpy(), _cache_as_numpy(k_cache.detach()),
+            _cache_as_numpy(v_cache.detach()), *plan.layout,
+        )  # fmt: skip
+        cap = np.float32(logits_soft_cap or 0.0)
+        _launch(plan.parallel, arrays, plan.work, plan.merges, scale, window, cap, out)
+    return out if fp32 else out.to(query.dtype)
 
 
 def paged_attention_numba(
@@ -278,37 +307,21 @@ def paged_attention_numba(
     num_kv_splits: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
 
     With ``max_q_len``, sequences with more new tokens are left out (their rows stay 0).
     ``num_kv_splits`` > 1 cuts each decode row's KV positions into that many ranges, run in
     parallel and merged (flash-decoding); by default that happens only when there are too
-    few decode rows to keep every thread busy."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if query.is_cuda or k_cache.is_cuda:
-        raise ValueError("paged_attention_numba: runs on CPU tensors only")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_attention_numba: KV caches must be contiguous")
-    out = torch.zeros(query.shape, dtype=torch.float32)
-    starts = query_start_loc.to(torch.int64).numpy()
-    lens = seq_lens.to(torch.int64).numpy()
-    q_lens = starts[1:] - starts[:-1]
-    tiles = _work_items(q_lens, lens, max_q_len)
-    if not len(tiles):
-        return out.to(query.dtype)
-    threads = follow_torch_threads()
-    splits = num_kv_splits or _num_kv_splits(len(tiles), int(lens.max()), threads)
+    few decode rows to keep every thread busy. ``plans``: the step's memo of work plans
+    (paged_attention_plan.step_plan), shared by its layers; None plans this call alone."""
+    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     window = sliding_window or 0
-    work, merges = _plan(tiles, starts, lens, 1 if window else splits, window)
-    arrays = (
-        query.detach().to(torch.float32).contiguous().numpy(),
-        _cache_as_numpy(k_cache.detach()), _cache_as_numpy(v_cache.detach()),
-        block_tables.to(torch.int32).numpy(), lens, starts,
-    )  # fmt: skip
-    cap = np.float32(logits_soft_cap or 0.0)
-    _launch(threads > 1 and len(work) > 1, arrays, work, merges, scale, window, cap, out)
-    return out.to(query.dtype)
+    plan = step_plan(
+        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, plans
+    )
+    return _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap)
 
 
 def paged_attention_cpu(
@@ -321,22 +334,20 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
-    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens."""
-    out = paged_attention_numba(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_q_len=NUMBA_MAX_Q_LEN, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )  # fmt: skip
-    bounds = query_start_loc.tolist()
-    for b in range(len(bounds) - 1):
-        start, end = bounds[b], bounds[b + 1]
-        if end - start > NUMBA_MAX_Q_LEN:
-            out[start:end] = _prefill_ref(
-                query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale,
-                sliding_window, logits_soft_cap,
-            )  # fmt: skip
+    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens. ``plans``:
+    the step's memo (see :func:`paged_attention_numba`)."""
+    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    window = sliding_window or 0
+    plan = step_plan(block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window, plans)
+    out = _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap)
+    for b, start, end in plan.long_seqs:
+        out[start:end] = _prefill_ref(
+            query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale,
+            sliding_window, logits_soft_cap,
+        )  # fmt: skip
     return out
 
 

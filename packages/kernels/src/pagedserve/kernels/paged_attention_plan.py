@@ -2,15 +2,25 @@
 
 A step's sequences become tiles of ``PREFILL_TILE_Q`` new tokens (a decode row is a one-token
 tile); a single long decode, too few tiles to keep every thread busy, is cut along its KV axis
-into ranges merged afterwards (flash-decoding). Compiled with numba: the plan runs for every
-layer of every step, where numpy's per-call costs (some 40 small array ops) added up to more
-than the attention of a small decode batch.
+into ranges merged afterwards (flash-decoding). Compiled with numba: numpy's per-call costs
+(some 40 small array ops) added up to more than the attention of a small decode batch.
+
+The plan depends on the batch's layout alone (query_start_loc, seq_lens, block tables) and
+the layer's sliding window, so it is the same for every layer of a step: :func:`step_plan`
+builds it once, at the first layer, and keeps it in the step's ``plans`` memo (a dict the
+caller owns for one step: ``AttentionMetadata.kernel_plans``), where the other layers find it,
+with the layout's arrays already converted for the kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
+import torch
+
+from pagedserve.kernels.numba_threads import follow_torch_threads
 
 TILE_N = 32  # KV positions scored per online-softmax step
 MIN_SPLIT_POSITIONS = 256  # a KV split of a single decode is worth its merge from here on
@@ -88,3 +98,64 @@ def _plan(tiles, starts, seq_lens, splits, window=0):
             g += 1
     order = np.argsort(work[:, 3] - work[:, 4], kind="mergesort")  # stable, longest first
     return work[order], merges
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work for the numba attention, as every layer (of one window) runs it.
+
+    ``layout`` is (block tables int32, seq_lens int64, query_start_loc int64) as the kernels
+    read them; ``work``/``merges`` as :func:`_plan` returns them; ``parallel``: run the items
+    under ``prange``; ``long_seqs``: (sequence, first row, last row + 1) of the sequences with
+    more than ``max_q_len`` new tokens, which no work item covers. ``source`` holds the
+    tensors it was built from: a memo entry is reused for those very tensors only."""
+
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    layout: tuple[np.ndarray, np.ndarray, np.ndarray]
+    work: np.ndarray
+    merges: np.ndarray
+    parallel: bool
+    long_seqs: tuple[tuple[int, int, int], ...]
+
+
+def _build(block_tables, seq_lens, query_start_loc, max_q_len, splits, window, threads):
+    """The plan of one layout, from scratch: what the numba attention did at every layer."""
+    starts = query_start_loc.to(torch.int64).numpy()
+    lens = seq_lens.to(torch.int64).numpy()
+    q_lens = starts[1:] - starts[:-1]
+    tiles = _work_items(q_lens, lens, max_q_len)
+    if window or not len(tiles):
+        splits = 1  # a window's splits would cut absolute positions
+    elif not splits:
+        splits = _num_kv_splits(len(tiles), int(lens.max()), threads)
+    work, merges = _plan(tiles, starts, lens, splits, window)
+    long_seqs = ()
+    if max_q_len is not None:
+        long = np.flatnonzero(q_lens > max_q_len).tolist()
+        long_seqs = tuple((b, int(starts[b]), int(starts[b + 1])) for b in long)
+    layout = (block_tables.to(torch.int32).numpy(), lens, starts)
+    source = (block_tables, seq_lens, query_start_loc)
+    return StepPlan(source, layout, work, merges, threads > 1 and len(work) > 1, long_seqs)
+
+
+def step_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_q_len: int | None = None,
+    num_kv_splits: int | None = None,
+    window: int = 0,
+    plans: dict | None = None,
+) -> StepPlan:
+    """The step's plan for these arguments: from ``plans`` when an earlier layer built it
+    from the same tensors, else built now (and kept there). Sets numba's thread count
+    (:func:`follow_torch_threads`), which the plan's split and parallel choices depend on."""
+    threads = follow_torch_threads()
+    key = ("paged_attention_numba", max_q_len, num_kv_splits, window, threads)
+    plan = plans.get(key) if plans is not None else None
+    source = (block_tables, seq_lens, query_start_loc)
+    if plan is None or any(a is not b for a, b in zip(plan.source, source, strict=True)):
+        plan = _build(*source, max_q_len, num_kv_splits, window, threads)
+        if plans is not None:
+            plans[key] = plan
+    return plan
