@@ -10,7 +10,9 @@ Variants are switches flipped in this process:
 - ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv) on their PyTorch
   references, attention still numba: what layer_ops_numba.py saves;
 - ``layer-plans``: the numba attention plans its work at every layer, as it did before the
-  step's plan memo (``AttentionMetadata.kernel_plans``): what planning once per step saves.
+  step's plan memo (``AttentionMetadata.kernel_plans``): what planning once per step saves;
+- ``mkl-linear``: the linear layers and the lm_head on MKL (``F.linear``) at every batch size,
+  as before the numba decode GEMM (dense_linear_numba.py): what that kernel saves.
 
 Switches combine with ``+`` (``ref-ops+layer-plans``).
 
@@ -43,19 +45,22 @@ def cpu_times() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-SWITCHES = ("numba", "ref-ops", "layer-plans")
+SWITCHES = ("numba", "ref-ops", "layer-plans", "mkl-linear")
 
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """Flip the switches of one variant (names joined by ``+``) for the steps run inside."""
-    from pagedserve.kernels import layer_ops_numba
+    from pagedserve.kernels import dense_linear_numba, layer_ops_numba
     from pagedserve.kernels import paged_attention_numba as pan
 
     switches = set(name.split("+"))
     if not switches <= set(SWITCHES):
         raise ValueError(f"unknown variant {name!r} (switches {', '.join(SWITCHES)}, joined by +)")
     supports, step_plan = layer_ops_numba.supports, pan.step_plan
+    dense_supports = dense_linear_numba.supports
+    if "mkl-linear" in switches:
+        dense_linear_numba.supports = lambda *tensors: False
     if "ref-ops" in switches:
         layer_ops_numba.supports = lambda *tensors: False
     if "layer-plans" in switches:
@@ -64,6 +69,7 @@ def variant(name: str) -> Iterator[None]:
         yield
     finally:
         layer_ops_numba.supports, pan.step_plan = supports, step_plan
+        dense_linear_numba.supports = dense_supports
 
 
 def start_decodes(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
