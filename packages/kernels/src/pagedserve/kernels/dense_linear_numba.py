@@ -6,8 +6,8 @@ they read, so reading the weights is the floor (SmolLM2-135M: ~425 MB over its 3
 ~113 MB of lm_head per step, in fp32). On the 2-core AMD EPYC this project runs on, two threads
 read memory at ~31 GB/s (a ``torch.sum`` over those weights), but MKL's sgemv behind
 ``F.linear`` streams them at ~12.5 GB/s at one row and does worse at 2 to 16 rows, where its
-sgemm packs the weight first. This kernel reads each block of four weight rows once for all
-the rows of ``x`` (the block, 9-24 KB, stays in L1 while each row is dotted with it), the
+sgemm packs the weight first. This kernel reads each block of eight weight rows once for all
+the rows of ``x`` (the block, 18-48 KB, stays in L1 or L2 while each row is dotted with it), the
 blocks shared out over the threads with ``prange`` (a weight under 1 MiB in the calling thread:
 see ``PARALLEL_FROM_WEIGHTS``): ~26 GB/s at one row, 2.1x MKL's speed on SmolLM2's layers at
 batch 1, 2.0x at 4 and 8, 1.6x at 16, and 2.7x on its lm_head (docs/cpu.md, "Decode GEMMs").
@@ -37,36 +37,42 @@ import torch
 from pagedserve.kernels.numba_threads import follow_torch_threads
 
 # Decode batches up to here take this kernel; above it MKL's packed GEMM has enough rows to
-# reuse each weight from cache and the two are even (SmolLM2's shapes, 2 threads: 1.0x at 32).
+# reuse each weight from cache (SmolLM2's shapes at 32 rows: 1.35x MKL on 2 threads, 0.98x on 1).
 MAX_ROWS = 16
 # A weight smaller than this (1 MiB of fp32) runs in the calling thread: reading it takes tens
 # of microseconds, and a parallel region costs microseconds when the other core is idle but up
 # to a scheduler tick when it is busy (a tiny model's step was 20x slower on a loaded machine).
 PARALLEL_FROM_WEIGHTS = 1 << 18
-_BLOCK = 4  # output features per block: their weight rows are read once for all rows of x
+_BLOCK = 8  # output features per block: their weight rows are read once for all rows of x
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _block_rows(x, w, out, o):  # pragma: no cover - compiled
-    """``out[:, o:o + 4] = x @ w[o:o + 4].T``, one row of ``x`` at a time, the same loop for
+    """``out[:, o:o + 8] = x @ w[o:o + 8].T``, one row of ``x`` at a time, the same loop for
     every row (so no row's sums depend on another's presence)."""
     w0, w1, w2, w3 = w[o], w[o + 1], w[o + 2], w[o + 3]
+    w4, w5, w6, w7 = w[o + 4], w[o + 5], w[o + 6], w[o + 7]
     for m in range(x.shape[0]):
         xm = x[m]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
         for j in range(x.shape[1]):
             v = xm[j]
             a0 += v * w0[j]
             a1 += v * w1[j]
             a2 += v * w2[j]
             a3 += v * w3[j]
+            a4 += v * w4[j]
+            a5 += v * w5[j]
+            a6 += v * w6[j]
+            a7 += v * w7[j]
         out[m, o], out[m, o + 1], out[m, o + 2], out[m, o + 3] = a0, a1, a2, a3
+        out[m, o + 4], out[m, o + 5], out[m, o + 6], out[m, o + 7] = a4, a5, a6, a7
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _tail_rows(x, w, out):  # pragma: no cover - compiled
-    """The last ``N % 4`` output features, one dot product each."""
+    """The last ``N % 8`` output features, one dot product each."""
     for o in range(w.shape[0] // _BLOCK * _BLOCK, w.shape[0]):
         for m in range(x.shape[0]):
             acc = np.float32(0.0)
