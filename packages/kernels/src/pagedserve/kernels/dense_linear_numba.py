@@ -9,8 +9,9 @@ read memory at ~31 GB/s (a ``torch.sum`` over those weights), but MKL's sgemv be
 sgemm packs the weight first. This kernel reads each block of eight weight rows once for all
 the rows of ``x`` (the block, 18-48 KB, stays in L1 or L2 while each row is dotted with it), the
 blocks shared out over the threads with ``prange`` (a weight under 1 MiB in the calling thread:
-see ``PARALLEL_FROM_WEIGHTS``): ~26 GB/s at one row, 2.1x MKL's speed on SmolLM2's layers at
-batch 1, 2.0x at 4 and 8, 1.6x at 16, and 2.7x on its lm_head (docs/cpu.md, "Decode GEMMs").
+see ``PARALLEL_FROM_WEIGHTS``): ~25 GB/s at one row; on SmolLM2's step (layers and lm_head,
+two threads) 2.05x MKL's speed at one row, 2.3x at 4, 1.8x at 8, 1.5x at 16 (docs/cpu.md,
+"Decode GEMMs").
 
 **Batch invariance.** Each output element is one dot product whose summation order is fixed
 by the loop over the input features alone (reassociated into SIMD lanes by LLVM in the same way
