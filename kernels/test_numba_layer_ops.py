@@ -1,7 +1,7 @@
 """The CPU engine's numba paths for a decoder layer's small ops, each held to its PyTorch
 reference: RMSNorm (with and without the residual add), rotary embedding (neox and GPT-J pairs,
-partial rotary, strided views of a fused qkv output) and store_kv (slot -1 skipped, stale slots
-untouched)."""
+partial rotary, strided views of a fused qkv output), store_kv (slot -1 skipped, stale slots
+untouched) and silu_and_mul (wide gates included: exp's range ends)."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from tolerances import assert_close
 from pagedserve.kernels import layer_ops_numba as ops
 from pagedserve.kernels.rms_norm import rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
+from pagedserve.kernels.silu_and_mul import silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv_ref
 
 
@@ -79,3 +80,18 @@ def test_rms_norm_of_heads_keeps_their_shape():
     assert out.shape == new_residual.shape == (3, 4, 64)
     assert_close(out, want)
     assert_close(new_residual, want_residual)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (5, 2 * 40), (2, 3, 2 * 8)])
+def test_silu_and_mul_matches_reference(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=g) * 4
+    x.view(-1)[:6] = torch.tensor([-200.0, -90.0, -30.0, 30.0, 90.0, 0.0])  # exp's range ends
+    got = ops.silu_and_mul_numba(x)
+    assert got.shape == (*shape[:-1], shape[-1] // 2)
+    assert_close(got, silu_and_mul_ref(x))
+    strided = torch.zeros(*shape[:-1], 2 * shape[-1])[..., ::2]
+    strided.copy_(x)
+    assert torch.equal(ops.silu_and_mul_numba(strided), got)
+    with pytest.raises(ValueError, match="even"):
+        ops.silu_and_mul_numba(torch.zeros(2, 7))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 
 @triton.jit
@@ -54,6 +54,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for ``x = [gate | up]`` along the last dim."""
-    if use_triton(x):
+    path = kernel_path(x, has_numba=True)
+    if path == "triton":
         return silu_and_mul_triton(x)
+    if path == "numba" and x.dtype is torch.float32:
+        from pagedserve.kernels import layer_ops_numba as ops  # numba: on CPU only
+
+        return ops.silu_and_mul_numba(x)
     return silu_and_mul_ref(x)
