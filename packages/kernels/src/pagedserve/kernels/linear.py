@@ -9,17 +9,27 @@ MKL alone.
 
 from __future__ import annotations
 
+from functools import cache
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.dispatch import kernel_path
 
 
+@cache
+def _numba_gemm() -> ModuleType:
+    """dense_linear_numba, imported on the first CPU call (numba is not loaded on a GPU)."""
+    from pagedserve.kernels import dense_linear_numba
+
+    return dense_linear_numba
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``."""
     if x.is_cpu and x.dtype is torch.float32 and kernel_path(x, has_numba=True) == "numba":
-        from pagedserve.kernels import dense_linear_numba as dense  # numba: on CPU only
-
+        dense = _numba_gemm()
         if dense.supports(x, weight):
             out = dense.dense_linear_numba(x, weight)
             return out if bias is None else out.add_(bias)
