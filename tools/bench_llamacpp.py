@@ -18,8 +18,16 @@ machine with the same thread count, and drives each with tools/bench_serving.py'
 It prints each engine's table and the ratios pagedserve / llama.cpp: output tokens/s (higher
 is better for pagedserve), TPOT p50 and TTFT p50 (lower is better for pagedserve).
 
+The machine's speed drifts (a 2-core VM's memory bandwidth moved by 25 % and more between
+runs minutes apart), and one engine runs after the other, so one run's ratio carries that
+drift. ``--rounds N`` runs the whole sequence N times, in turns (A B, then B A, ...; each
+server started afresh, so no prefix cache carries over), prints each round's ratios and then
+the median, lowest and highest ratio over the rounds.
+
     .venv/bin/python tools/bench_llamacpp.py                 # SmolLM2-135M f32, 2 threads
     .venv/bin/python tools/bench_llamacpp.py --concurrency 1 16 --num-requests 8 32
+    .venv/bin/python tools/bench_llamacpp.py --concurrency 1 16 --num-requests 8 48 \
+        --long-prompt 0 --llamacpp-cache-type f16 --rounds 2        # A B B A
 """
 
 from __future__ import annotations
@@ -237,6 +245,21 @@ def print_ratios(rows: list[tuple[str, str, float, float, float]], ours: str) ->
         print(f"{peer:<22}{mode:<14}{tokens:>9.2f}{tpot:>12.2f}{ttft:>12.2f}")
 
 
+def print_ratio_summary(rounds: list[list[tuple[str, str, float, float, float]]], ours: str) -> None:
+    """Median (lowest..highest) of each ratio over the rounds."""
+    by_run: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for rows in rounds:
+        for peer, mode, *ratios in rows:
+            by_run.setdefault((peer, mode), []).append(tuple(ratios))
+    print(f"\n{ours} / peer over {len(rounds)} rounds: median (lowest..highest)")
+    print(f"{'peer':<22}{'run':<14}{'tok/s x':>20}{'TPOT p50 x':>20}{'TTFT p50 x':>20}")
+    for (peer, mode), ratios in by_run.items():
+        cells = []
+        for column in zip(*ratios):
+            cells.append(f"{statistics.median(column):.2f} ({min(column):.2f}..{max(column):.2f})")
+        print(f"{peer:<22}{mode:<14}" + "".join(f"{c:>20}" for c in cells))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
@@ -268,6 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--jobs", type=int, default=2, help="compile jobs for llama.cpp's build")
     parser.add_argument("--log-dir", default="/tmp/bench_llamacpp", help="servers' logs")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run every server this many times, in turns"
+    )
     args = parser.parse_args(argv)
     if len(args.num_requests) != len(args.concurrency):
         parser.error("give one --num-requests per --concurrency level")
@@ -301,16 +327,25 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n== transformers: one forward over each {args.long_prompt}-token prompt (ms): {times}"
         )
-    for server in servers(args, binary, gguf):
-        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"\n== {server.name} (load average before: {load})")
-        results[server.name] = measure(server, args, log_dir)
-        bench_serving.print_table(results[server.name]["runs"])
-        if results[server.name]["long_ttft_ms"]:
-            ttfts = ", ".join(f"{t:.0f}" for t in results[server.name]["long_ttft_ms"])
-            print(f"{args.long_prompt}-token prompt TTFT (ms): {ttfts}")
-    for ours in (name for name in results if name.startswith("pagedserve")):
-        print_ratios(ratio_rows(results, ours), ours)
+    listed = servers(args, binary, gguf)
+    round_ratios: dict[str, list] = {}
+    for round_index in range(args.rounds):
+        this_round = dict(results)  # the transformers baseline, then this round's servers
+        for server in listed if round_index % 2 == 0 else listed[::-1]:
+            load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+            print(f"\n== round {round_index + 1}: {server.name} (load average before: {load})")
+            this_round[server.name] = measure(server, args, log_dir)
+            bench_serving.print_table(this_round[server.name]["runs"])
+            if this_round[server.name]["long_ttft_ms"]:
+                ttfts = ", ".join(f"{t:.0f}" for t in this_round[server.name]["long_ttft_ms"])
+                print(f"{args.long_prompt}-token prompt TTFT (ms): {ttfts}")
+        for ours in (name for name in this_round if name.startswith("pagedserve")):
+            rows = ratio_rows(this_round, ours)
+            print_ratios(rows, ours)
+            round_ratios.setdefault(ours, []).append(rows)
+    if args.rounds > 1:
+        for ours, rounds in round_ratios.items():
+            print_ratio_summary(rounds, ours)
     return 0
 
 

@@ -94,3 +94,38 @@ def test_ratios_are_ours_over_each_peer():
     assert rows[0] == ("llama.cpp kv f16", "c=1", 0.8, 1.25, 2.0)
     assert rows[1] == ("llama.cpp kv f16", "c=16", 1.5, 0.625, 0.8)
     assert rows[2][:2] == ("llama.cpp kv f16", "long prompt") and rows[2][4] == 1000.0 / 2000.0
+
+
+def test_rounds_summary_is_the_median_and_range_of_each_ratio(capsys):
+    peer = "llama.cpp kv f16"
+    rounds = [
+        [(peer, "c=1", 0.8, 1.2, 1.4), (peer, "c=16", 1.2, 0.9, 0.7)],
+        [(peer, "c=1", 1.0, 1.0, 1.2), (peer, "c=16", 1.6, 0.7, 0.5)],
+        [(peer, "c=1", 0.9, 1.1, 1.3), (peer, "c=16", 1.3, 0.8, 0.9)],
+    ]
+    bench_llamacpp.print_ratio_summary(rounds, "pagedserve kv auto")
+    lines = capsys.readouterr().out.splitlines()
+    assert "over 3 rounds" in lines[1]
+    assert lines[3].split()[-6:] == ["0.90", "(0.80..1.00)", "1.10", "(1.00..1.20)", "1.30",
+                                     "(1.20..1.40)"]  # fmt: skip
+    assert lines[4].split()[-6:] == ["1.30", "(1.20..1.60)", "0.80", "(0.70..0.90)", "0.70",
+                                     "(0.50..0.90)"]  # fmt: skip
+
+
+def test_rounds_take_turns(monkeypatch, tmp_path):
+    """Round 1 runs the servers in their listed order, round 2 in reverse, each measured."""
+    order = []
+    names = ["pagedserve kv auto", "llama.cpp kv f16"]
+    listed = [bench_llamacpp.Server(name, ["x"], {}) for name in names]
+    monkeypatch.setattr(bench_llamacpp, "servers", lambda *a: listed)
+    monkeypatch.setattr(bench_llamacpp.bench_serving, "print_table", lambda runs: None)
+
+    def measure(server, args, log_dir):
+        order.append(server.name)
+        return {"runs": [], "long_ttft_ms": []}
+
+    monkeypatch.setattr(bench_llamacpp, "measure", measure)
+    argv = ["--model", str(tmp_path), "--llamacpp-cache-type", "--rounds", "2"]
+    argv += ["--log-dir", str(tmp_path / "logs"), "--long-prompt", "0"]
+    assert bench_llamacpp.main(argv) == 0
+    assert order == names + names[::-1]
