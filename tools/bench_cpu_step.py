@@ -7,7 +7,7 @@ whose load drifts (other processes, the hypervisor's steal) weighs on all varian
 Variants are switches flipped in this process:
 
 - ``numba``: the engine as shipped on CPU (numba attention, numba layer ops);
-- ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv) on their PyTorch
+- ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv, SiLU) on their PyTorch
   references, attention still numba: what layer_ops_numba.py saves;
 - ``layer-plans``: the numba attention plans its work at every layer, as it did before the
   step's plan memo (``AttentionMetadata.kernel_plans``): what planning once per step saves;

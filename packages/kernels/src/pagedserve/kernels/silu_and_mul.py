@@ -57,8 +57,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     path = kernel_path(x, has_numba=True)
     if path == "triton":
         return silu_and_mul_triton(x)
-    if path == "numba" and x.dtype is torch.float32:
+    if path == "numba":
         from pagedserve.kernels import layer_ops_numba as ops  # numba: on CPU only
 
-        return ops.silu_and_mul_numba(x)
+        if ops.supports(x):
+            return ops.silu_and_mul_numba(x)
     return silu_and_mul_ref(x)
