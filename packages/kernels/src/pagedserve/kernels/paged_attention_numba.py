@@ -82,22 +82,53 @@ def _score_tile(q, k_cache, block_table, start, n, group, s):
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
     """``acc[r] += sum_j p[r, j] V[start + j]`` (rows as in ``_score_tile``); a row whose
-    probability is exactly 0 there (past its own position) skips that V row."""
+    probability is exactly 0 at a position (past its own) skips that V row. Positions go four
+    at a time where a row weighs all four (every decode row): one pass over ``acc[r]`` adds
+    four V rows, a quarter of the loads and stores of ``acc`` (the loop is store-bound)."""
     block_size, n_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     n_tokens = p.shape[0] // (n_kv_heads * group)
-    for j in range(n):
+    for j in range(0, n - n % 4, 4):
+        pos = start + j
+        at0 = v_cache[block_table[pos // block_size], pos % block_size]
+        at1 = v_cache[block_table[(pos + 1) // block_size], (pos + 1) % block_size]
+        at2 = v_cache[block_table[(pos + 2) // block_size], (pos + 2) % block_size]
+        at3 = v_cache[block_table[(pos + 3) // block_size], (pos + 3) % block_size]
+        r = 0
+        for _ in range(n_tokens):
+            for h in range(n_kv_heads):
+                v0, v1, v2, v3 = at0[h], at1[h], at2[h], at3[h]
+                for _ in range(group):
+                    w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
+                    if w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0:
+                        for d in range(head_dim):
+                            acc[r, d] += (w0 * _to_float32(v0[d]) + w1 * _to_float32(v1[d])) + (
+                                w2 * _to_float32(v2[d]) + w3 * _to_float32(v3[d])
+                            )
+                    else:
+                        _add_weighted(acc, r, w0, v0)
+                        _add_weighted(acc, r, w1, v1)
+                        _add_weighted(acc, r, w2, v2)
+                        _add_weighted(acc, r, w3, v3)
+                    r += 1
+    for j in range(n - n % 4, n):
         pos = start + j
         values = v_cache[block_table[pos // block_size], pos % block_size]
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
-                value = values[h]
                 for _ in range(group):
-                    weight = p[r, j]
-                    if weight != 0:
-                        for d in range(head_dim):
-                            acc[r, d] += weight * _to_float32(value[d])
+                    _add_weighted(acc, r, p[r, j], values[h])
                     r += 1
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _add_weighted(acc, r, weight, value):
+    """``acc[r] += weight * value``, skipped for a weight of exactly 0 (a position past the
+    row's own: skipped, an inf or NaN there cannot reach the row, as with the reference's
+    mask)."""
+    if weight != 0:
+        for d in range(acc.shape[1]):
+            acc[r, d] += weight * _to_float32(value[d])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
