@@ -101,7 +101,9 @@ class GemmaAttention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache: KVCache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split_with_sizes(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:

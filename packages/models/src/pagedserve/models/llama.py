@@ -78,7 +78,10 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ):
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # split_with_sizes: Tensor.split's Python wrapper costs ~2 us more, 30 times a step
+        q, k, v = self.qkv_proj(hidden).split_with_sizes(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
