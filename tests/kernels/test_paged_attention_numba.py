@@ -19,6 +19,7 @@ import torch
 from pagedserve.kernels import paged_attention, paged_attention_ref
 from pagedserve.kernels import paged_attention_numba as pan
 from pagedserve.kernels import paged_attention_plan as plan_module
+from pagedserve.kernels.numba_half import _to_float32
 from pagedserve.kernels.paged_attention_numba import (
     paged_attention_cpu,
     paged_attention_numba,
@@ -190,7 +191,7 @@ def test_public_function_takes_the_numba_path_on_cpu(monkeypatch):
 @numba.njit(cache=False)
 def _widen(bits, out):
     for i in range(bits.shape[0]):
-        out[i] = pan._to_float32(bits[i])
+        out[i] = _to_float32(bits[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
