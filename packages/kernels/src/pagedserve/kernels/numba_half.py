@@ -25,6 +25,18 @@ def _bits_as_float32(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def _float32_as_bits(typingctx, value):
+    """Reinterpret a float32 as its uint32 bit pattern."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
 def _to_float32(x):
     """A cache element as fp32: fp32 as is, int16 as bf16 bits, uint16 as fp16 bits."""
     raise NotImplementedError("only callable from numba-compiled code")
@@ -47,10 +59,13 @@ def _to_float32_impl(x):
             magnitude = np.uint32(h & np.uint32(0x7FFF))
             shifted = np.uint32(magnitude << np.uint32(13))
             # One multiply rebiases the exponent and renormalises subnormals exactly.
-            f = _bits_as_float32(shifted) * np.float32(2.0**112)
-            if magnitude >= np.uint32(0x7C00):  # inf / NaN keep an all-ones exponent
-                f = _bits_as_float32(np.uint32(shifted | np.uint32(0x7F800000)))
-            return -f if h & np.uint32(0x8000) else f
+            finite = _float32_as_bits(_bits_as_float32(shifted) * np.float32(2.0**112))
+            special = np.uint32(shifted | np.uint32(0x7F800000))  # inf / NaN: all-ones exponent
+            # Branch-free (a mask, not an if): no control flow for numba to inline, and a
+            # loop over a 16-bit cache row stays one vectorisable block.
+            is_special = np.uint32(0) - np.uint32(magnitude >= np.uint32(0x7C00))
+            bits = (finite & ~is_special) | (special & is_special)
+            return _bits_as_float32(np.uint32(bits | ((h & np.uint32(0x8000)) << np.uint32(16))))
 
         return fp16
     return None

@@ -89,7 +89,7 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
                     r += 1
 
 
-@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=_FASTMATH)
 def _add_weighted(acc, r, weight, value):
     """``acc[r] += weight * value``, skipped for a weight of exactly 0 (a position past the
     row's own: skipped, an inf or NaN there cannot reach the row, as with the reference's
