@@ -40,7 +40,7 @@ import torch
 from numba import prange
 
 from pagedserve.kernels.dispatch import kernel_path
-from pagedserve.kernels.paged_attention_numba_tile import _attend_tile
+from pagedserve.kernels.paged_attention_numba_tile import _FASTMATH, _attend_tile
 from pagedserve.kernels.paged_attention_plan import (
     StepPlan,
     _plan,
@@ -53,9 +53,6 @@ from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 # instead: the crossover measured on a 2-core AVX-512 CPU with SmolLM2's heads over 200- and
 # 1000-token contexts (tools/bench_cpu_attention.py); flash is ~4x faster on long chunks.
 NUMBA_MAX_Q_LEN = 15
-# Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
-# NaN/inf are left out: -inf is the running max before a row has seen anything.
-_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)

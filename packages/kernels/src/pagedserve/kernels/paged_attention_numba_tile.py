@@ -92,8 +92,8 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _add_weighted(acc, r, weight, value):
     """``acc[r] += weight * value``, skipped for a weight of exactly 0 (a position past the
-    row's own: skipped, an inf or NaN there cannot reach the row, as with the reference's
-    mask)."""
+    row's own), so that an inf or NaN there cannot reach the row, as the reference's mask
+    keeps it out."""
     if weight != 0:
         for d in range(acc.shape[1]):
             acc[r, d] += weight * _to_float32(value[d])
