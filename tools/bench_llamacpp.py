@@ -297,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if len(args.num_requests) != len(args.concurrency):
         parser.error("give one --num-requests per --concurrency level")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.model is None:
         from pagedserve.models.default_model import ensure_default_model
 

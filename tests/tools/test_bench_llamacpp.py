@@ -129,3 +129,8 @@ def test_rounds_take_turns(monkeypatch, tmp_path):
     argv += ["--log-dir", str(tmp_path / "logs"), "--long-prompt", "0"]
     assert bench_llamacpp.main(argv) == 0
     assert order == names + names[::-1]
+
+
+def test_rounds_below_one_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_llamacpp.parse_args(["--model", str(tmp_path), "--rounds", "0"])
