@@ -21,12 +21,12 @@ by one loop over the input features (reassociated into SIMD lanes by LLVM), and 
 element comes out of that same loop, ``_dot_four_rows``: a batch whose row count is not a
 multiple of four repeats its last row to fill the last group rather than running a narrower
 loop, whose lanes LLVM would split differently. The same inlined loop serves the parallel and
-the serial kernel. So a row's result is the same bits whether it is
-computed alone or among fifteen others, on one thread or two. That matters to
-the engine: the same prompt may be computed in batches of different sizes (a prefix-cache hit
-shortens a prefill, speculative decoding verifies several rows), and two runs of one workload
-must agree bit for bit. (An earlier small-batch kernel that ran one loop for pairs of rows and
-another for a lone row was taken out for breaking exactly that; kernels/test_dense_linear_numba.py checks the property.) Above
+the serial kernel. So a row's result is the same bits whether it is computed alone or among
+fifteen others, on one thread or two. That matters to the engine: the same prompt may be
+computed in batches of different sizes (a prefix-cache hit shortens a prefill, speculative
+decoding verifies several rows), and two runs of one workload must agree bit for bit. (An
+earlier small-batch kernel that ran one loop for pairs of rows and another for a lone row was
+taken out for breaking exactly that; kernels/test_dense_linear_numba.py checks the property.) Above
 ``MAX_ROWS`` MKL takes over, as it did for every batch before this kernel.
 
 Same contract as ``F.linear(x, weight)`` for fp32 CPU tensors, without bias (``linear`` adds
