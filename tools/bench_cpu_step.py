@@ -6,7 +6,9 @@ each round runs ``--steps-per-round`` steps under every variant in turn, so that
 whose load drifts (other processes, the hypervisor's steal) weighs on all variants alike.
 Variants are switches flipped in this process:
 
-- ``numba``: the engine as shipped on CPU (numba attention, numba layer ops);
+- ``numba``: the engine as shipped on CPU (each decoder layer of a small step one numba call:
+  kernels/decoder_layer_numba.py);
+- ``unfused``: the same kernels called module by module (what the fused layer saves);
 - ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv, SiLU) on their PyTorch
   references, attention still numba: what layer_ops_numba.py saves;
 - ``layer-plans``: the numba attention plans its work at every layer, as it did before the
@@ -14,7 +16,8 @@ Variants are switches flipped in this process:
 - ``mkl-linear``: the linear layers and the lm_head on MKL (``F.linear``) at every batch size,
   as before the numba decode GEMM (dense_linear_numba.py): what that kernel saves.
 
-Switches combine with ``+`` (``ref-ops+layer-plans``).
+Switches combine with ``+`` (``ref-ops+layer-plans``); every switch but ``numba`` implies
+``unfused`` (the others change what the modules call).
 
 Then one batch-1 step's time per op (the kernels' entry points and the linear layers wrapped
 in timers: numba's own functions are invisible to torch.profiler), and the load (``/proc/loadavg``) and steal (``/proc/stat``) over the run.
@@ -45,7 +48,7 @@ def cpu_times() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-SWITCHES = ("numba", "ref-ops", "layer-plans", "mkl-linear")
+SWITCHES = ("numba", "unfused", "ref-ops", "layer-plans", "mkl-linear")
 
 
 @contextlib.contextmanager
@@ -53,12 +56,15 @@ def variant(name: str) -> Iterator[None]:
     """Flip the switches of one variant (names joined by ``+``) for the steps run inside."""
     from pagedserve.kernels import dense_linear_numba, layer_ops_numba
     from pagedserve.kernels import paged_attention_numba as pan
+    from pagedserve.models import llama
 
     switches = set(name.split("+"))
     if not switches <= set(SWITCHES):
         raise ValueError(f"unknown variant {name!r} (switches {', '.join(SWITCHES)}, joined by +)")
     supports, step_plan = layer_ops_numba.supports, pan.step_plan
-    dense_supports = dense_linear_numba.supports
+    dense_supports, fused_layer = dense_linear_numba.supports, llama.fused_decoder_layer
+    if switches - {"numba"}:
+        llama.fused_decoder_layer = lambda *args: None
     if "mkl-linear" in switches:
         dense_linear_numba.supports = lambda *tensors: False
     if "ref-ops" in switches:
@@ -69,7 +75,7 @@ def variant(name: str) -> Iterator[None]:
         yield
     finally:
         layer_ops_numba.supports, pan.step_plan = supports, step_plan
-        dense_linear_numba.supports = dense_supports
+        dense_linear_numba.supports, llama.fused_decoder_layer = dense_supports, fused_layer
 
 
 def start_decodes(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
@@ -105,6 +111,7 @@ def time_variants(
 
 
 OPS = [  # (module, attribute, op) timed in the per-op breakdown
+    ("pagedserve.models.llama", "fused_decoder_layer", "decoder layers, fused"),
     ("pagedserve.models.layers.norm", "rms_norm", "rms_norm (+ residual)"),
     ("pagedserve.models.layers.rotary", "rotary_embedding", "rotary"),
     ("pagedserve.models.layers.attention", "store_kv", "store_kv"),

@@ -245,7 +245,9 @@ def print_ratios(rows: list[tuple[str, str, float, float, float]], ours: str) ->
         print(f"{peer:<22}{mode:<14}{tokens:>9.2f}{tpot:>12.2f}{ttft:>12.2f}")
 
 
-def print_ratio_summary(rounds: list[list[tuple[str, str, float, float, float]]], ours: str) -> None:
+def print_ratio_summary(
+    rounds: list[list[tuple[str, str, float, float, float]]], ours: str
+) -> None:
     """Median (lowest..highest) of each ratio over the rounds."""
     by_run: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for rows in rounds:

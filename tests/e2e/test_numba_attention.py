@@ -2,7 +2,8 @@
 token for token: a tiny GQA llama (chunked prefill, a prefix-cache hit, decode) and SmolLM2.
 
 The spies prove the wiring: decode rows and short chunks over a cached prefix reach the numba
-kernel, longer prefill chunks reach SDPA, and the reference run touches neither.
+kernel (module by module, or inside the fused decoder layer of a step of at most 16 rows),
+longer prefill chunks reach SDPA, and the reference run touches neither.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
+from pagedserve.kernels import decoder_layer_numba
 from pagedserve.kernels import paged_attention_numba as pan
 from pagedserve.models.testing import make_tiny_checkpoint
 
@@ -22,18 +24,27 @@ def _spy(monkeypatch) -> dict[str, list[int]]:
     """Record the q_lens each path handled (numba: every sequence its plan gave work to)."""
     seen: dict[str, list[int]] = {"numba": [], "sdpa": []}
     attend, prefill = pan._attend, pan._prefill_ref
+    fused_layer = decoder_layer_numba.decoder_layer_numba
 
-    def numba_spy(query, k_cache, v_cache, plan, *args):
+    def record(plan):
         starts = plan.layout[2]  # query_start_loc
         sequences = sorted(set(plan.work[:, 0].tolist()))
         seen["numba"] += [int(starts[b + 1] - starts[b]) for b in sequences]
+
+    def numba_spy(query, k_cache, v_cache, plan, *args):
+        record(plan)
         return attend(query, k_cache, v_cache, plan, *args)
+
+    def fused_spy(*args):
+        record(args[-1])
+        return fused_layer(*args)
 
     def prefill_spy(query, *args):
         seen["sdpa"].append(query.shape[0])
         return prefill(query, *args)
 
     monkeypatch.setattr(pan, "_attend", numba_spy)
+    monkeypatch.setattr(decoder_layer_numba, "decoder_layer_numba", fused_spy)
     monkeypatch.setattr(pan, "_prefill_ref", prefill_spy)
     return seen
 

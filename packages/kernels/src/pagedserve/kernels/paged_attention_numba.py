@@ -259,8 +259,9 @@ def paged_attention_cpu(
 def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from numba's disk cache) the kernel for caches of these dtypes, on a
     one-block batch holding a prefill chunk and a decode (both the parallel and the serial
-    kernel), the decoder layer's small ops (layer_ops_numba) and the decode GEMM
-    (dense_linear_numba), before any request needs them;
+    kernel), the decoder layer's small ops (layer_ops_numba), the decode GEMM
+    (dense_linear_numba) and the fused decoder layer (decoder_layer_numba), before any request
+    needs them;
     a no-op where dispatch would not pick numba (on CPU) anyway."""
     if kernel_path(torch.empty(0), has_numba=True) != "numba":
         return
@@ -280,7 +281,8 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         for parallel in (True, False):  # both kernels, whatever the thread count
             out = np.zeros(query.shape, np.float32)
             _launch(parallel, arrays, work, merges, scale, 0, np.float32(0), out)
-    from pagedserve.kernels import dense_linear_numba, layer_ops_numba
+    from pagedserve.kernels import decoder_layer_numba, dense_linear_numba, layer_ops_numba
 
     layer_ops_numba.warm_up()
     dense_linear_numba.warm_up()
+    decoder_layer_numba.warm_up()

@@ -1,0 +1,268 @@
+"""A Llama decoder layer over a decode step's few rows on CPU, in one numba call.
+
+At a batch-1 decode on a 2-core CPU the layer's own work is the weights' read (the GEMMs run at
+the memory's speed: dense_linear_numba.py) plus microseconds of small ops; the rest is Python.
+The layer as modules is ~12 kernel calls (two RMSNorms, four GEMMs, rotary, the KV store, the
+attention, SiLU), each through an ``nn.Module``, the dispatch, a wrapper that turns tensors into
+numpy arrays and back, plus the splits and views between them: ~100 us a layer, ~3 ms of a
+~21 ms step over SmolLM2's 30 layers, where llama.cpp's whole token takes ~18-20 ms. Here the
+same kernels run from one compiled function, so the layer costs one call's dispatch:
+
+    h, r  = rms_norm(x + residual)                      (layer_ops_numba._rms_norm_kernel)
+    q,k,v = split(h @ W_qkv.T + b_qkv)                  (dense_linear_numba kernels)
+    q, k  = rotary(q, k);  cache[slots] = k, v          (layer_ops_numba)
+    a     = paged_attention(q, cache, the step's plan)  (paged_attention_numba kernels)
+    h, r  = rms_norm(a @ W_o.T + r)
+    out   = (silu(h @ W_gate.T) * (h @ W_up.T)) @ W_down.T
+
+**The same bits as the layer run module by module** on the numba path: every op is the very
+kernel the modules call, on the same values, with the same choices (a GEMM's weight shared over
+the threads from ``PARALLEL_FROM_WEIGHTS`` on, the attention's work items, KV splits and
+parallel flag from the step's plan). Only the glue differs: q, k and v are copied out of the
+fused projection's rows instead of viewed, which moves values, not rounding. So switching a
+step between the two paths (a batch of 17 rows goes module by module, a batch of 16 here)
+changes no output; tests/models/test_fused_decoder_layer.py holds them equal bit for bit.
+
+Only the layer :func:`supports` takes this path: the caller (the model) checks the rest (fp32
+weights without quantization or LoRA, one rank, no per-head norms). The compiled function
+calls other ``cache=True`` functions; numba's disk cache keys a function on its own file only,
+so an edit to a kernel it calls needs this file touched (or numba's cache cleared) in a
+working tree. An installed package's files all change together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from pagedserve.kernels.dense_linear_numba import (
+    MAX_ROWS,
+    PARALLEL_FROM_WEIGHTS,
+    _dense_linear_parallel,
+    _dense_linear_serial,
+)
+from pagedserve.kernels.layer_ops_numba import (
+    _rms_norm_kernel,
+    _rotate,
+    _silu_and_mul_kernel,
+    _store_kv_kernel,
+)
+from pagedserve.kernels.numba_threads import follow_torch_threads
+from pagedserve.kernels.paged_attention_numba import (
+    _merge_kv_splits,
+    _paged_attention_kernel,
+    _paged_attention_serial,
+)
+from pagedserve.kernels.paged_attention_plan import StepPlan
+
+# numba's own ``set_parallel_chunksize`` in compiled code goes through a ctypes pointer, which
+# keeps a function from numba's disk cache; this is the same C function of numba's threading
+# layer, by the symbol numba registers with LLVM when its thread pool starts (the wrapper starts
+# it, through follow_torch_threads, before the first call compiles or loads the layer).
+_set_parallel_chunksize = numba.types.ExternalFunction(
+    "set_parallel_chunksize", numba.types.uint32(numba.types.uint32)
+)
+
+
+@numba.njit(cache=True)
+def _linear(x, w, threads):  # pragma: no cover - compiled
+    """``x @ w.T`` as ``dense_linear_numba`` computes it (the same kernel for the same weight)."""
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
+        _dense_linear_parallel(x, w, out)
+    else:
+        _dense_linear_serial(x, w, out)
+    return out
+
+
+@numba.njit(cache=True)
+def _attention(q, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap):
+    """paged_attention_numba's ``_launch`` for a step whose every row is some work item's."""  # noqa: D401
+    block_tables, seq_lens, starts = layout
+    out = np.empty(q.shape, np.float32)
+    n_parts = merges[:, 2].sum() if merges.shape[0] else 0
+    part_acc = np.empty((n_parts, q.shape[1], q.shape[2]), np.float32)
+    part_max = np.empty((n_parts, q.shape[1]), np.float32)
+    part_sum = np.empty((n_parts, q.shape[1]), np.float32)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, starts, work, scale, window, cap, out)
+    if parallel:
+        previous = _set_parallel_chunksize(1)  # work items one by one, longest first
+        _paged_attention_kernel(*args, part_acc, part_max, part_sum)
+        _set_parallel_chunksize(previous)
+    else:
+        _paged_attention_serial(*args, part_acc, part_max, part_sum)
+    if merges.shape[0]:
+        _merge_kv_splits(part_acc, part_max, part_sum, merges, out)
+    return out
+
+
+@numba.njit(cache=True)
+def _qkv_heads(qkv, n_heads, n_kv_heads, head_dim):
+    """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: contiguous copies of the fused projection."""
+    t, q_size, kv_size = qkv.shape[0], n_heads * head_dim, n_kv_heads * head_dim
+    q = qkv[:, :q_size].copy().reshape(t, n_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].copy().reshape(t, n_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].copy().reshape(t, n_kv_heads, head_dim)
+    return q, k, v
+
+
+@numba.njit(cache=True)
+def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias, heads,
+                   rotary, cache, attention, threads):  # fmt: skip  # pragma: no cover
+    """One layer (see the module docstring); returns (the MLP's output, the new residual).
+
+    ``norms``: (input, post-attention) RMSNorm weights; ``eps``: theirs; ``weights``: (qkv,
+    o, gate_up, down); ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
+    dim); ``rotary``: (positions, cos/sin cache, neox?); ``cache``: (K cache, V cache, slot
+    mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap)."""
+    w_qkv, w_o, w_gate_up, w_down = weights
+    normed = np.empty_like(hidden)
+    if has_residual:
+        summed = np.empty_like(hidden)
+        _rms_norm_kernel(hidden, residual, norms[0], eps[0], normed, summed, True)
+    else:
+        summed = hidden
+        _rms_norm_kernel(hidden, hidden, norms[0], eps[0], normed, hidden, False)
+    qkv = _linear(normed, w_qkv, threads)
+    if qkv_bias.shape[0]:
+        for t in range(qkv.shape[0]):
+            qkv[t] += qkv_bias
+    q, k, v = _qkv_heads(qkv, heads[0], heads[1], heads[2])
+    positions, cos_sin, is_neox = rotary
+    _rotate(q, positions, cos_sin, is_neox)
+    _rotate(k, positions, cos_sin, is_neox)
+    _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
+    layout, work, merges, parallel, scale, window, cap = attention
+    attended = _attention(q, cache[0], cache[1], layout, work, merges, parallel, scale, window, cap)
+    projected = _linear(attended.reshape(q.shape[0], -1), w_o, threads)
+    normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
+    _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
+    gate_up = _linear(normed2, w_gate_up, threads)
+    activated = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _silu_and_mul_kernel(gate_up, activated)
+    return _linear(activated, w_down, threads), summed2
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer's weights and constants as the fused kernel reads them: numpy views of the
+    model's own tensors (no copies), converted once (per call they cost ~30 us a layer).
+
+    ``norms``: the input and post-attention RMSNorm weights, ``eps`` theirs; ``linears``: the
+    (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
+    ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
+    sliding window or 0; ``cap``: the scores' soft cap or 0."""
+
+    norms: tuple[np.ndarray, np.ndarray]
+    eps: tuple[np.float32, np.float32]
+    linears: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    qkv_bias: np.ndarray
+    heads: tuple[int, int, int]
+    cos_sin: np.ndarray
+    is_neox: bool
+    scale: np.float32
+    window: int
+    cap: np.float32
+
+    @classmethod
+    def of(
+        cls,
+        norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]],
+        linears: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        qkv_bias: torch.Tensor | None,
+        heads: tuple[int, int, int],
+        rotary: tuple[torch.Tensor, bool],
+        attention: tuple[float, int | None, float | None],
+    ) -> DecoderLayerWeights:
+        """From the modules' tensors: ``rotary`` (cos/sin cache, neox?), ``attention``
+        (scale, sliding window or None, soft cap or None)."""
+        (norm_in, eps_in), (norm_post, eps_post) = norms
+        scale, window, cap = attention
+        return cls(
+            (norm_in.detach().numpy(), norm_post.detach().numpy()),
+            (np.float32(eps_in), np.float32(eps_post)),
+            tuple(w.detach().numpy() for w in linears),
+            _NO_BIAS if qkv_bias is None else qkv_bias.detach().numpy(),
+            tuple(int(n) for n in heads),
+            rotary[0].numpy(),
+            bool(rotary[1]),
+            np.float32(scale),
+            window or 0,
+            np.float32(cap or 0.0),
+        )
+
+
+def supports(
+    hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: StepPlan
+) -> bool:
+    """Whether a step can take this path: fp32 CPU rows (at most the decode GEMM's
+    ``MAX_ROWS``), a contiguous fp32 cache, and every sequence in the attention plan's work
+    items (none long enough for SDPA's prefill)."""
+    k_cache, v_cache = kv_cache
+    return (
+        hidden.dtype is torch.float32
+        and k_cache.dtype is torch.float32
+        and hidden.is_cpu
+        and 0 < hidden.shape[0] <= MAX_ROWS
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and not plan.long_seqs
+    )
+
+
+def decoder_layer_numba(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    layer: DecoderLayerWeights,
+    positions: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    plan: StepPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer on ``hidden [T, hidden]`` (contiguous fp32; see :func:`supports`); returns
+    ``(out, residual)`` as ``LlamaDecoderLayer.forward`` does. ``plan``: the step's attention
+    plan for this layer's window (paged_attention_plan.step_plan)."""
+    x = hidden.numpy()
+    out, summed = _decoder_layer(
+        x, x if residual is None else residual.numpy(), residual is not None, layer.norms,
+        layer.eps, layer.linears, layer.qkv_bias, layer.heads,
+        (_int64(positions), layer.cos_sin, layer.is_neox),
+        (kv_cache[0].numpy(), kv_cache[1].numpy(), _int64(slot_mapping)),
+        (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap),
+        follow_torch_threads(),
+    )  # fmt: skip
+    return torch.from_numpy(out), torch.from_numpy(summed)
+
+
+_NO_BIAS = np.empty(0, np.float32)
+
+
+def _int64(t: torch.Tensor) -> np.ndarray:
+    """Positions and slots as int64 numpy (the engine's dtype): one compiled signature."""
+    return t.numpy() if t.dtype is torch.int64 else t.to(torch.int64).numpy()
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the fused layer now, not in the first request:
+    its one signature (fp32, int64 positions and slots) on a one-token layer. The GEMMs'
+    and the attention's serial and parallel kernels sit behind its branches and compile
+    with it."""
+    from pagedserve.kernels.paged_attention_plan import step_plan
+
+    hidden, head_dim = 8, 4
+    weights = DecoderLayerWeights.of(
+        ((torch.ones(hidden), 1e-6), (torch.ones(hidden), 1e-6)),
+        (torch.zeros(4 * head_dim, hidden), torch.zeros(hidden, 2 * head_dim),
+         torch.zeros(2 * hidden, hidden), torch.zeros(hidden, hidden)),
+        None, (2, 1, head_dim), (torch.zeros(4, head_dim), True), (1.0, None, None),
+    )  # fmt: skip
+    cache = (torch.zeros(2, 4, 1, head_dim), torch.zeros(2, 4, 1, head_dim))
+    one = torch.zeros(1, dtype=torch.int64)
+    plan = step_plan(
+        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )  # fmt: skip
+    decoder_layer_numba(torch.zeros(1, hidden), None, weights, one, cache, one, plan)
