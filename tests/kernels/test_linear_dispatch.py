@@ -33,15 +33,25 @@ def test_decode_rows_take_numba_and_the_rest_mkl(monkeypatch):
 
 
 def test_a_models_decode_step_runs_its_gemms_on_numba(monkeypatch, tiny_checkpoint):
+    """Module by module (the fused CPU layer turned off): every projection and the lm_head
+    through ``linear``'s numba path. Fused (as shipped): the layers' GEMMs run inside the one
+    numba call per layer (tests/models/test_fused_decoder_layer.py), the lm_head still here."""
     from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.models import llama
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
     llm = LLM(model=tiny_checkpoint("llama"), num_gpu_blocks_override=64)
-    calls = _count_numba_calls(monkeypatch)
-    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3))
     layers = llm.engine.runner.model_config.num_layers
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    with monkeypatch.context() as unfused:
+        unfused.setattr(llama, "fused_decoder_layer", lambda *args: None)
+        calls = _count_numba_calls(unfused)
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy)
     rows = [shape[0] for shape in calls]
     # the prefill: qkv, o, gate_up and down of every layer on 3 rows, the lm_head on the last;
     # each of the two decode steps: all of them on one row
     assert rows == [3] * 4 * layers + [1] + [1] * 2 * (4 * layers + 1)
+    calls = _count_numba_calls(monkeypatch)
+    llm.generate({"prompt_token_ids": [8, 9, 10]}, greedy)
+    assert [shape[0] for shape in calls] == [1, 1, 1]  # the lm_head of each step

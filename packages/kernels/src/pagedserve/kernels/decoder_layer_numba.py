@@ -25,9 +25,8 @@ changes no output; tests/models/test_fused_decoder_layer.py holds them equal bit
 
 Only the layer :func:`supports` takes this path: the caller (the model) checks the rest (fp32
 weights without quantization or LoRA, one rank, no per-head norms). The compiled function
-calls other ``cache=True`` functions; numba's disk cache keys a function on its own file only,
-so an edit to a kernel it calls needs this file touched (or numba's cache cleared) in a
-working tree. An installed package's files all change together.
+carries the code of every kernel it calls: numba_cache.py stamps the disk cache with all the
+package's numba files, so an edit to any of them recompiles this one too.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import numba
 import numpy as np
 import torch
 
+from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.dense_linear_numba import (
     MAX_ROWS,
     PARALLEL_FROM_WEIGHTS,

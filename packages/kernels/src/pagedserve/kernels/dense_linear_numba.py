@@ -40,6 +40,7 @@ import numba
 import numpy as np
 import torch
 
+from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.numba_threads import follow_torch_threads
 
 # Decode batches up to here take this kernel; above it MKL's packed GEMM has enough rows to

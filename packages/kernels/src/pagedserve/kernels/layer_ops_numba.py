@@ -31,6 +31,7 @@ import numba
 import numpy as np
 import torch
 
+from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.numba_math import exp_f32
 
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from numba import prange
 
+from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.paged_attention_numba_tile import _FASTMATH, _attend_tile
 from pagedserve.kernels.paged_attention_plan import (

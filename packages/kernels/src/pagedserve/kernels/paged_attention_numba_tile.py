@@ -15,6 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.numba_half import _to_float32
 from pagedserve.kernels.paged_attention_plan import TILE_N
 

@@ -20,6 +20,7 @@ import numba
 import numpy as np
 import torch
 
+from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.numba_threads import follow_torch_threads
 
 TILE_N = 32  # KV positions scored per online-softmax step
