@@ -12,7 +12,7 @@ left as it was.
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import GEMM_FP32_ATOL
+from tolerances import GEMM_FP32_ATOL, TOLERANCES
 
 from pagedserve.kernels import decoder_layer_numba as fused
 from pagedserve.kernels.paged_attention_numba import NUMBA_MAX_Q_LEN
@@ -28,11 +28,16 @@ N_CACHED = [19, 36, 11]  # positions each sequence has in the cache before the s
 Q_LENS = [1, 1, 5]  # its new tokens: two decodes and a chunk
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _close(actual: torch.Tensor, expected: torch.Tensor, cache_dtype=torch.float32) -> None:
     """Four GEMMs and an attention deep, each summing in another order than its reference:
-    the suite's GEMM atol, and the same relative tolerance for the larger values."""
+    the suite's GEMM atol, and the same relative tolerance for the larger values; with a
+    16-bit cache, that dtype's tolerance (a key a float rounding apart may round to the
+    neighbouring 16-bit value)."""
     assert not actual.isnan().any(), "NaN in the fused layer's output"
-    torch.testing.assert_close(actual, expected, atol=GEMM_FP32_ATOL, rtol=GEMM_FP32_ATOL)
+    atol = rtol = GEMM_FP32_ATOL
+    if cache_dtype != torch.float32:
+        atol, rtol = TOLERANCES[cache_dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
 
 
 def _layer(g, hidden, heads, kv_heads, head_dim, inter, bias):
@@ -53,21 +58,26 @@ def _layer(g, hidden, heads, kv_heads, head_dim, inter, bias):
     )
 
 
-def _step(g, kv_heads, head_dim):
+def _step(g, kv_heads, head_dim, cache_dtype=torch.float32):
     """Block tables, lengths, slots and positions of the step; caches with the cached prefix
     in place and NaN everywhere else."""
     order = torch.randperm(BLOCKS, generator=g).to(torch.int32)
     seq_lens = torch.tensor([c + q for c, q in zip(N_CACHED, Q_LENS)], dtype=torch.int32)
     width = -(-int(seq_lens.max()) // BLOCK)
     tables = torch.stack([order[i * width : (i + 1) * width] for i in range(len(Q_LENS))])
-    caches = [torch.full((BLOCKS, BLOCK, kv_heads, head_dim), float("nan")) for _ in range(2)]
+    caches = [
+        torch.full((BLOCKS, BLOCK, kv_heads, head_dim), float("nan"), dtype=cache_dtype)
+        for _ in range(2)
+    ]
     positions, slots = [], []
     for b, (cached, q) in enumerate(zip(N_CACHED, Q_LENS)):
         for pos in range(cached + q):
             block, offset = int(tables[b, pos // BLOCK]), pos % BLOCK
             if pos < cached:
                 for cache in caches:
-                    cache[block, offset] = torch.randn(kv_heads, head_dim, generator=g)
+                    cache[block, offset] = torch.randn(kv_heads, head_dim, generator=g).to(
+                        cache_dtype
+                    )
             else:
                 positions.append(pos)
                 slots.append(block * BLOCK + offset)
@@ -107,12 +117,13 @@ def _reference(x, residual, layer, cos_sin, step, caches, window):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("first_layer", [False, True])
-def test_fused_layer_matches_the_references(threads, bias, window, first_layer):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_layer_matches_the_references(threads, bias, window, first_layer, cache_dtype):
     g = torch.Generator().manual_seed(threads + 2 * bias + 4 * bool(window))
     # hidden 256, 8 query heads and 2 KV heads of 32, MLP 512: gate_up is 1024 x 256, at
     # PARALLEL_FROM_WEIGHTS, so two threads share it out; the others stay in one thread
     layer = _layer(g, 256, 8, 2, 32, 512, bias)
-    step = _step(g, 2, 32)
+    step = _step(g, 2, 32, cache_dtype)
     cos_sin = torch.randn(64, 32, generator=g)
     x = torch.randn(sum(Q_LENS), 256, generator=g)
     residual = None if first_layer else torch.randn(sum(Q_LENS), 256, generator=g)
@@ -136,8 +147,9 @@ def test_fused_layer_matches_the_references(threads, bias, window, first_layer):
         torch.set_num_threads(saved)
     ref_caches = [c.clone() for c in step["caches"]]
     ref_out, ref_residual = _reference(x, residual, layer, cos_sin, step, ref_caches, window)
-    _close(out, ref_out)
-    _close(new_residual, ref_residual)
+    _close(out, ref_out, cache_dtype)
+    _close(new_residual, ref_residual, cache_dtype)
     for ours, ref in zip(ours_caches, ref_caches, strict=True):
+        assert ours.dtype == cache_dtype
         assert torch.equal(ours.isnan(), ref.isnan())  # the same slots written, no others
-        _close(ours.nan_to_num(0.0), ref.nan_to_num(0.0))
+        _close(ours.nan_to_num(0.0), ref.nan_to_num(0.0), cache_dtype)

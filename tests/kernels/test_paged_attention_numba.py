@@ -199,7 +199,7 @@ def test_16_bit_patterns_widen_exactly(dtype):
     """Every one of the 65,536 bit patterns, subnormals, infinities and NaNs included."""
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     out = np.empty(patterns.numel(), np.float32)
-    _widen(pan._cache_as_numpy(patterns), out)
+    _widen(pan.cache_as_numpy(patterns), out)
     expected = patterns.float()
     got = torch.from_numpy(out)
     assert torch.equal(got.isnan(), expected.isnan())

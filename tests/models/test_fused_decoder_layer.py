@@ -30,6 +30,9 @@ CASES = {
     "llama, wide": ("llama", WIDE, [17, 3, 9, 30]),
     # one decode over 600 positions: the attention splits its KV axis and merges
     "llama, long context": ("llama", LONG, [600]),
+    # 16-bit caches: the store rounds as torch does, the attention widens what it reads
+    "llama, fp16 cache": ("llama", {}, [17, 3, 9], "float16"),
+    "qwen2, bf16 cache": ("qwen2", {}, [17, 3], "bfloat16"),
 }
 
 
@@ -39,9 +42,13 @@ def _numba_path(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
 
 
-def _decoding_engine(tmp_path, arch: str, overrides: dict, prompt_lens: list[int]):
+def _decoding_engine(
+    tmp_path, arch: str, overrides: dict, prompt_lens: list[int], kv_cache_dtype: str = "auto"
+):
     path = make_tiny_checkpoint(arch, tmp_path / arch, **overrides)
-    llm = LLM(model=str(path), block_size=8, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(path), block_size=8, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype
+    )
     engine = llm.engine
     torch.manual_seed(0)
     for name, param in engine.runner.model.named_parameters():
@@ -85,14 +92,15 @@ def _assert_same_forward(engine, model_input, monkeypatch) -> int:
     assert none == 0
     assert torch.equal(hidden, ref_hidden)
     for (k, v), (ref_k, ref_v) in zip(caches, ref_caches, strict=True):
+        assert k.dtype == engine.runner.kv_cache_dtype
         assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
     return fused_layers
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_layer_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, case):
-    arch, overrides, prompt_lens = CASES[case]
-    engine = _decoding_engine(tmp_path, arch, overrides, prompt_lens)
+    arch, overrides, prompt_lens, *kv_cache_dtype = CASES[case]
+    engine = _decoding_engine(tmp_path, arch, overrides, prompt_lens, *kv_cache_dtype)
     n_layers = len(engine.runner.model.model.layers)
     decode = engine.runner.prepare_input(engine.scheduler.schedule())
     assert decode.input_ids.shape[0] == len(prompt_lens)

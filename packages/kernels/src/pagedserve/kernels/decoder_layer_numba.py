@@ -49,7 +49,9 @@ from pagedserve.kernels.layer_ops_numba import (
     _rotate,
     _silu_and_mul_kernel,
     _store_kv_kernel,
+    supports_caches,
 )
+from pagedserve.kernels.numba_half import cache_as_numpy
 from pagedserve.kernels.numba_threads import follow_torch_threads
 from pagedserve.kernels.paged_attention_numba import (
     _merge_kv_splits,
@@ -199,16 +201,13 @@ def supports(
     hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: StepPlan
 ) -> bool:
     """Whether a step can take this path: fp32 CPU rows (at most the decode GEMM's
-    ``MAX_ROWS``), a contiguous fp32 cache, and every sequence in the attention plan's work
-    items (none long enough for SDPA's prefill)."""
-    k_cache, v_cache = kv_cache
+    ``MAX_ROWS``), contiguous fp32, fp16 or bf16 caches, and every sequence in the attention
+    plan's work items (none long enough for SDPA's prefill)."""
     return (
         hidden.dtype is torch.float32
-        and k_cache.dtype is torch.float32
         and hidden.is_cpu
         and 0 < hidden.shape[0] <= MAX_ROWS
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and supports_caches(*kv_cache)
         and not plan.long_seqs
     )
 
@@ -230,7 +229,7 @@ def decoder_layer_numba(
         x, x if residual is None else residual.numpy(), residual is not None, layer.norms,
         layer.eps, layer.linears, layer.qkv_bias, layer.heads,
         (_int64(positions), layer.cos_sin, layer.is_neox),
-        (kv_cache[0].numpy(), kv_cache[1].numpy(), _int64(slot_mapping)),
+        (cache_as_numpy(kv_cache[0]), cache_as_numpy(kv_cache[1]), _int64(slot_mapping)),
         (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap),
         follow_torch_threads(),
     )  # fmt: skip
@@ -245,11 +244,11 @@ def _int64(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.dtype is torch.int64 else t.to(torch.int64).numpy()
 
 
-def warm_up() -> None:
+def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from numba's disk cache) the fused layer now, not in the first request:
-    its one signature (fp32, int64 positions and slots) on a one-token layer. The GEMMs'
-    and the attention's serial and parallel kernels sit behind its branches and compile
-    with it."""
+    one signature per cache dtype (fp32 rows, int64 positions and slots) on a one-token layer.
+    The GEMMs' and the attention's serial and parallel kernels sit behind its branches and
+    compile with it."""
     from pagedserve.kernels.paged_attention_plan import step_plan
 
     hidden, head_dim = 8, 4
@@ -259,10 +258,12 @@ def warm_up() -> None:
          torch.zeros(2 * hidden, hidden), torch.zeros(hidden, hidden)),
         None, (2, 1, head_dim), (torch.zeros(4, head_dim), True), (1.0, None, None),
     )  # fmt: skip
-    cache = (torch.zeros(2, 4, 1, head_dim), torch.zeros(2, 4, 1, head_dim))
     one = torch.zeros(1, dtype=torch.int64)
     plan = step_plan(
         torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
         torch.tensor([0, 1], dtype=torch.int32),
     )  # fmt: skip
-    decoder_layer_numba(torch.zeros(1, hidden), None, weights, one, cache, one, plan)
+    for dtype in cache_dtypes:
+        if dtype in (torch.float32, torch.float16, torch.bfloat16):
+            cache = tuple(torch.zeros(2, 4, 1, head_dim, dtype=dtype) for _ in range(2))
+            decoder_layer_numba(torch.zeros(1, hidden), None, weights, one, cache, one, plan)

@@ -15,12 +15,13 @@ it saves), called once per op, with the same contract as the reference it stands
   reference's by float rounding (within the kernel suite's fp32 tolerance), never more;
 - :func:`rotary_embedding_numba` as ``rotary_embedding_ref``: in place, neox or GPT-J pairs,
   partial rotary, on strided views (the model hands it views of the fused qkv output);
-- :func:`store_kv_numba` as ``store_kv_ref``: slot -1 skipped, caches written in place;
+- :func:`store_kv_numba` as ``store_kv_ref``: slot -1 skipped, caches written in place, fp32
+  or 16-bit (rounded to nearest even as torch's ``.to()``: numba_half.py; ``supports_caches``);
 - :func:`silu_and_mul_numba` as ``silu_and_mul_ref`` in fp32: ``gate / (1 + exp(-gate)) * up``
   with the vectorisable ``exp_f32`` (numba_math.py; ~1 ulp): a decode row of 1,536 in ~6.5 us
   a call, wrapper included, where the reference's two aten ops take ~16.6 us.
 
-fp32 only (what ``supports`` checks): 16-bit activations or caches take the references, whose
+fp32 activations only (what ``supports`` checks): 16-bit activations take the references, whose
 rounding these loops would have to reproduce. ``cache=True`` keeps the machine code on disk;
 :func:`warm_up` compiles the layouts the models pass at engine start-up.
 """
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.numba_half import _to_cache_element, cache_as_numpy
 from pagedserve.kernels.numba_math import exp_f32
 
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
@@ -83,14 +85,19 @@ def _rotary_kernel(positions, query, key, cos_sin, is_neox):
 
 @numba.njit(cache=True)
 def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping):
+    """fp32 ``key``/``value`` rows into the caches' slots, rounded to a 16-bit cache's element
+    (uint16: fp16 bits, int16: bf16 bits) as torch's ``.to()`` rounds."""
     block_size = k_cache.shape[1]
     for t in range(key.shape[0]):
         slot = slot_mapping[t]
         if slot < 0:
             continue
-        block, offset = slot // block_size, slot % block_size
-        k_cache[block, offset] = key[t]
-        v_cache[block, offset] = value[t]
+        keys = k_cache[slot // block_size, slot % block_size]
+        values = v_cache[slot // block_size, slot % block_size]
+        for h in range(key.shape[1]):
+            for d in range(key.shape[2]):
+                keys[h, d] = _to_cache_element(key[t, h, d], k_cache)
+                values[h, d] = _to_cache_element(value[t, h, d], v_cache)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
@@ -111,6 +118,14 @@ def supports(*tensors: torch.Tensor) -> bool:
         if t.dtype != torch.float32 or t.is_cuda:
             return False
     return True
+
+
+def supports_caches(*caches: torch.Tensor) -> bool:
+    """Whether the KV store can write these caches: CPU fp32, fp16 or bf16, contiguous."""
+    return all(
+        c.dtype in (torch.float32, torch.float16, torch.bfloat16) and c.is_cpu and c.is_contiguous()
+        for c in caches
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -163,10 +178,12 @@ def store_kv_numba(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """``store_kv_ref``'s contract for fp32 CPU tensors and contiguous caches."""
+    """``store_kv_ref``'s contract for fp32 CPU keys and values into contiguous fp32, fp16 or
+    bf16 caches (16-bit: the same bits as the reference's ``.to(cache dtype)``)."""
     _store_kv_kernel(
-        key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy()
-    )
+        key.numpy(), value.numpy(), cache_as_numpy(k_cache), cache_as_numpy(v_cache),
+        slot_mapping.numpy(),
+    )  # fmt: skip
 
 
 def silu_and_mul_numba(x: torch.Tensor) -> torch.Tensor:
@@ -181,9 +198,10 @@ def silu_and_mul_numba(x: torch.Tensor) -> torch.Tensor:
     return result if x.dim() == 2 else result.view(*x.shape[:-1], d)
 
 
-def warm_up() -> None:
+def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from disk) each kernel for the layouts a decoder layer passes: rows
-    and views of a fused qkv output, int64 and int32 positions and slots."""
+    and views of a fused qkv output, int64 and int32 positions and slots, caches of these
+    dtypes."""
     x = torch.zeros(2, 8)
     silu_and_mul_numba(x)
     rms_norm_numba(x, torch.ones(8), 1e-6)
@@ -191,10 +209,11 @@ def warm_up() -> None:
     qkv = torch.zeros(2, 4 * 8)
     q, k, v = qkv.split([2 * 8, 8, 8], dim=-1)
     q, k, v = q.view(2, 2, 8), k.view(2, 1, 8), v.contiguous().view(2, 1, 8)
-    cache = torch.zeros(2, 4, 1, 8)
     for index in (torch.int64, torch.int32):
         positions = torch.tensor([0, 1], dtype=index)
         rotary_embedding_numba(positions, q, k, torch.zeros(4, 8))
         rotary_embedding_numba(positions, q.contiguous(), k.contiguous(), torch.zeros(4, 8))
-        store_kv_numba(k, v, cache, cache.clone(), positions)
-        store_kv_numba(k.contiguous(), v, cache, cache.clone(), positions)
+        for dtype in cache_dtypes:
+            cache = torch.zeros(2, 4, 1, 8, dtype=dtype)
+            store_kv_numba(k, v, cache, cache.clone(), positions)
+            store_kv_numba(k.contiguous(), v, cache, cache.clone(), positions)

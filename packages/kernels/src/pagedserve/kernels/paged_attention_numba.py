@@ -41,6 +41,7 @@ from numba import prange
 
 from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.kernels.numba_half import cache_as_numpy
 from pagedserve.kernels.paged_attention_numba_tile import _FASTMATH, _attend_tile
 from pagedserve.kernels.paged_attention_plan import (
     StepPlan,
@@ -135,17 +136,6 @@ def _merge_kv_splits(part_acc, part_max, part_sum, merges, out):
                 out[token, h, d] /= total
 
 
-def _cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
-    """The cache's memory as numpy, without a copy: 16-bit floats as their bit patterns."""
-    if cache.dtype == torch.bfloat16:
-        return cache.view(torch.int16).numpy()
-    if cache.dtype == torch.float16:
-        return cache.view(torch.uint16).numpy()
-    if cache.dtype == torch.float32:
-        return cache.numpy()
-    raise ValueError(f"paged_attention_numba: unsupported KV cache dtype {cache.dtype}")
-
-
 # The partial-state arrays of a step without KV splits (batch-1 decodes of short contexts,
 # every decode batch that has a row per thread): never written, so shared.
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0), np.float32),
@@ -192,8 +182,8 @@ def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_
     if len(plan.work):
         q = query if fp32 and query.is_contiguous() else query.to(torch.float32).contiguous()
         arrays = (
-            q.detach().numpy(), _cache_as_numpy(k_cache.detach()),
-            _cache_as_numpy(v_cache.detach()), *plan.layout,
+            q.detach().numpy(), cache_as_numpy(k_cache.detach()),
+            cache_as_numpy(v_cache.detach()), *plan.layout,
         )  # fmt: skip
         cap = np.float32(logits_soft_cap or 0.0)
         _launch(plan.parallel, arrays, plan.work, plan.merges, scale, window, cap, out)
@@ -277,13 +267,13 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         query, k_cache, v_cache, block_tables, seq_lens, starts, scale = args
         lens, starts = seq_lens.to(torch.int64).numpy(), starts.to(torch.int64).numpy()
         work, merges = _plan(_work_items(starts[1:] - starts[:-1], lens, None), starts, lens, 1)
-        arrays = (query.float().numpy(), _cache_as_numpy(k_cache), _cache_as_numpy(v_cache),
+        arrays = (query.float().numpy(), cache_as_numpy(k_cache), cache_as_numpy(v_cache),
                   block_tables.numpy(), lens, starts)  # fmt: skip
         for parallel in (True, False):  # both kernels, whatever the thread count
             out = np.zeros(query.shape, np.float32)
             _launch(parallel, arrays, work, merges, scale, 0, np.float32(0), out)
     from pagedserve.kernels import decoder_layer_numba, dense_linear_numba, layer_ops_numba
 
-    layer_ops_numba.warm_up()
+    layer_ops_numba.warm_up(dtypes)
     dense_linear_numba.warm_up()
-    decoder_layer_numba.warm_up()
+    decoder_layer_numba.warm_up(dtypes)

@@ -110,7 +110,7 @@ def store_kv(
     elif path == "numba":
         from pagedserve.kernels import layer_ops_numba as ops
 
-        if ops.supports(key, value, k_cache, v_cache):
+        if ops.supports(key, value) and ops.supports_caches(k_cache, v_cache):
             _check(key, value, k_cache, v_cache, slot_mapping)
             ops.store_kv_numba(key, value, k_cache, v_cache, slot_mapping)
         else:

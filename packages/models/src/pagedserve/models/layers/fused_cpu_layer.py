@@ -4,7 +4,7 @@ The fused call does what the layer's modules do on the numba path, with the same
 the same bits, minus ~100 us of Python a layer. It can only stand in for modules it knows: a
 plain Llama layer whose linear layers hold one fp32 weight each (no quantization, no LoRA,
 one rank), no per-head q/k norms (Qwen3), a dense MLP, biases on the qkv projection only
-(Qwen2), no score soft cap, an fp32 KV cache, and a step of at most ``MAX_ROWS`` rows whose
+(Qwen2), no score soft cap, an fp32, fp16 or bf16 KV cache, and a step of at most ``MAX_ROWS`` rows whose
 every sequence the numba attention covers. Anything else returns None and the caller runs the
 modules, so this is purely a shortcut: it never decides what a layer computes.
 
