@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import httpx
 import pytest
@@ -54,7 +55,24 @@ def set_value(browser, element_id: str, value: str) -> None:
     field.send_keys(value)
 
 
-def test_a_message_streams_the_chat_answer_and_figures_update(browser, served):
+def _paced(engine, monkeypatch, seconds: float = 0.005) -> None:
+    """Each engine step at least ``seconds`` long. The tiny model's step takes well under a
+    millisecond on CPU, faster than a browser takes in a streamed chunk, and an answer whose
+    tokens all exist before the first chunk is read arrives merged into one write; paced like a
+    real model, the test sees what streaming does with tokens that arrive over time."""
+    step = engine.engine.step
+
+    def paced_step():
+        start = time.perf_counter()
+        outputs = step()
+        time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
+        return outputs
+
+    monkeypatch.setattr(engine.engine, "step", paced_step)
+
+
+def test_a_message_streams_the_chat_answer_and_figures_update(browser, served, engine, monkeypatch):
+    _paced(engine, monkeypatch)
     browser.get(served + "/")
     wait = WebDriverWait(browser, 30)
     wait.until(lambda b: b.find_element(By.ID, "model").get_attribute("value") == MODEL)
