@@ -38,13 +38,9 @@ import numpy as np
 import torch
 
 from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.dense_linear_numba import (
-    MAX_ROWS,
-    PARALLEL_FROM_WEIGHTS,
-    _dense_linear_parallel,
-    _dense_linear_serial,
-)
+from pagedserve.kernels.dense_linear_numba import MAX_ROWS, _dense_linear
 from pagedserve.kernels.layer_ops_numba import (
+    CACHE_DTYPES,
     _rms_norm_kernel,
     _rotate,
     _silu_and_mul_kernel,
@@ -53,52 +49,8 @@ from pagedserve.kernels.layer_ops_numba import (
 )
 from pagedserve.kernels.numba_half import cache_as_numpy
 from pagedserve.kernels.numba_threads import follow_torch_threads
-from pagedserve.kernels.paged_attention_numba import (
-    _merge_kv_splits,
-    _paged_attention_kernel,
-    _paged_attention_serial,
-)
+from pagedserve.kernels.paged_attention_numba import _launch
 from pagedserve.kernels.paged_attention_plan import StepPlan
-
-# numba's own ``set_parallel_chunksize`` in compiled code goes through a ctypes pointer, which
-# keeps a function from numba's disk cache; this is the same C function of numba's threading
-# layer, by the symbol numba registers with LLVM when its thread pool starts (the wrapper starts
-# it, through follow_torch_threads, before the first call compiles or loads the layer).
-_set_parallel_chunksize = numba.types.ExternalFunction(
-    "set_parallel_chunksize", numba.types.uint32(numba.types.uint32)
-)
-
-
-@numba.njit(cache=True)
-def _linear(x, w, threads):  # pragma: no cover - compiled
-    """``x @ w.T`` as ``dense_linear_numba`` computes it (the same kernel for the same weight)."""
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
-        _dense_linear_parallel(x, w, out)
-    else:
-        _dense_linear_serial(x, w, out)
-    return out
-
-
-@numba.njit(cache=True)
-def _attention(q, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap):
-    """paged_attention_numba's ``_launch`` for a step whose every row is some work item's."""  # noqa: D401
-    block_tables, seq_lens, starts = layout
-    out = np.empty(q.shape, np.float32)
-    n_parts = merges[:, 2].sum() if merges.shape[0] else 0
-    part_acc = np.empty((n_parts, q.shape[1], q.shape[2]), np.float32)
-    part_max = np.empty((n_parts, q.shape[1]), np.float32)
-    part_sum = np.empty((n_parts, q.shape[1]), np.float32)
-    args = (q, k_cache, v_cache, block_tables, seq_lens, starts, work, scale, window, cap, out)
-    if parallel:
-        previous = _set_parallel_chunksize(1)  # work items one by one, longest first
-        _paged_attention_kernel(*args, part_acc, part_max, part_sum)
-        _set_parallel_chunksize(previous)
-    else:
-        _paged_attention_serial(*args, part_acc, part_max, part_sum)
-    if merges.shape[0]:
-        _merge_kv_splits(part_acc, part_max, part_sum, merges, out)
-    return out
 
 
 @numba.njit(cache=True)
@@ -128,7 +80,7 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     else:
         summed = hidden
         _rms_norm_kernel(hidden, hidden, norms[0], eps[0], normed, hidden, False)
-    qkv = _linear(normed, w_qkv, threads)
+    qkv = _dense_linear(normed, w_qkv, threads)
     if qkv_bias.shape[0]:
         for t in range(qkv.shape[0]):
             qkv[t] += qkv_bias
@@ -137,15 +89,15 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     _rotate(q, positions, cos_sin, is_neox)
     _rotate(k, positions, cos_sin, is_neox)
     _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
-    layout, work, merges, parallel, scale, window, cap = attention
-    attended = _attention(q, cache[0], cache[1], layout, work, merges, parallel, scale, window, cap)
-    projected = _linear(attended.reshape(q.shape[0], -1), w_o, threads)
+    attended = np.empty(q.shape, np.float32)  # every row is some work item's: see supports
+    _launch(q, cache[0], cache[1], *attention, attended)
+    projected = _dense_linear(attended.reshape(q.shape[0], -1), w_o, threads)
     normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
     _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
-    gate_up = _linear(normed2, w_gate_up, threads)
+    gate_up = _dense_linear(normed2, w_gate_up, threads)
     activated = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     _silu_and_mul_kernel(gate_up, activated)
-    return _linear(activated, w_down, threads), summed2
+    return _dense_linear(activated, w_down, threads), summed2
 
 
 @dataclass(frozen=True)
@@ -264,6 +216,6 @@ def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         torch.tensor([0, 1], dtype=torch.int32),
     )  # fmt: skip
     for dtype in cache_dtypes:
-        if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        if dtype in CACHE_DTYPES:
             cache = tuple(torch.zeros(2, 4, 1, head_dim, dtype=dtype) for _ in range(2))
             decoder_layer_numba(torch.zeros(1, hidden), None, weights, one, cache, one, plan)

@@ -98,6 +98,19 @@ def _dense_linear_serial(x, w, out):  # pragma: no cover - compiled
     _features(x, w, out, 0, w.shape[0])
 
 
+@numba.njit(cache=True)
+def _dense_linear(x, w, threads):  # pragma: no cover - compiled
+    """``x @ w.T`` into a new array: the weight shared out over the threads from
+    ``PARALLEL_FROM_WEIGHTS`` on, else in this thread. Compiled, so that the fused decoder layer
+    (decoder_layer_numba.py) makes the same choice as :func:`dense_linear_numba`."""
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
+        _dense_linear_parallel(x, w, out)
+    else:
+        _dense_linear_serial(x, w, out)
+    return out
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.linear(x, weight)`` can take this kernel: fp32 CPU tensors, at most
     ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight. (Cheap
@@ -119,17 +132,12 @@ def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     [N, K]`` (see :func:`supports`); returns ``[..., N]``."""
     n, k = weight.shape
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    out = np.empty((x2.shape[0], n), np.float32)
-    parallel = weight.numel() >= PARALLEL_FROM_WEIGHTS and follow_torch_threads() > 1
-    kernel = _dense_linear_parallel if parallel else _dense_linear_serial
-    kernel(x2.numpy(), weight.numpy(), out)
-    result = torch.from_numpy(out)
+    result = torch.from_numpy(_dense_linear(x2.numpy(), weight.numpy(), follow_torch_threads()))
     return result if x.dim() == 2 else result.view(*x.shape[:-1], n)
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's disk cache) both kernels now, not in the first request:
-    each has one signature (C-contiguous fp32 arrays)."""
+    """Compile (or load from numba's disk cache) the GEMM now, not in the first request: one
+    signature (C-contiguous fp32 arrays); the parallel and serial kernels compile with it."""
     x, w = np.zeros((2, 8), np.float32), np.zeros((2 * _BLOCK + 1, 8), np.float32)
-    for kernel in (_dense_linear_parallel, _dense_linear_serial):
-        kernel(x, w, np.empty((2, w.shape[0]), np.float32))
+    _dense_linear(x, w, 1)

@@ -120,12 +120,12 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the KV store writes
+
+
 def supports_caches(*caches: torch.Tensor) -> bool:
-    """Whether the KV store can write these caches: CPU fp32, fp16 or bf16, contiguous."""
-    return all(
-        c.dtype in (torch.float32, torch.float16, torch.bfloat16) and c.is_cpu and c.is_contiguous()
-        for c in caches
-    )
+    """Whether the KV store can write these caches: CPU, contiguous, of ``CACHE_DTYPES``."""
+    return all(c.dtype in CACHE_DTYPES and c.is_cpu and c.is_contiguous() for c in caches)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

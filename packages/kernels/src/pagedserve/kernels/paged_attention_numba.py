@@ -136,29 +136,34 @@ def _merge_kv_splits(part_acc, part_max, part_sum, merges, out):
                 out[token, h, d] /= total
 
 
-# The partial-state arrays of a step without KV splits (batch-1 decodes of short contexts,
-# every decode batch that has a row per thread): never written, so shared.
-_NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0), np.float32),
-             np.empty((0, 0), np.float32))  # fmt: skip
+# numba's own ``set_parallel_chunksize`` in compiled code goes through a ctypes pointer, which
+# keeps a function from numba's disk cache; this is the same C function of numba's threading
+# layer, by the symbol numba registers with LLVM when its thread pool starts (every caller has
+# started it, through follow_torch_threads, before the first call compiles or loads a launch).
+_set_parallel_chunksize = numba.types.ExternalFunction(
+    "set_parallel_chunksize", numba.types.uint32(numba.types.uint32)
+)
 
 
-def _launch(parallel: bool, arrays: tuple, work, merges, scale, window, cap, out) -> None:
-    """Run the work items (``arrays``: query, caches, block tables, lengths and starts as the
-    kernels read them) into ``out``, under ``prange`` or in this thread, then merge the KV
-    splits."""
-    part_acc, part_max, part_sum = _NO_PARTS
-    if len(merges):
-        n_parts = int(merges[:, 2].sum())  # one slot per split of a tile
-        n_q_heads, head_dim = out.shape[1], out.shape[2]
-        part_acc = np.empty((n_parts, n_q_heads, head_dim), np.float32)
-        part_max = np.empty((n_parts, n_q_heads), np.float32)
-        part_sum = np.empty((n_parts, n_q_heads), np.float32)
-    kernel = _paged_attention_kernel if parallel else _paged_attention_serial
-    previous_chunksize = numba.set_parallel_chunksize(1) if parallel else 0  # one by one
-    kernel(*arrays, work, np.float32(scale), window, cap, out, part_acc, part_max, part_sum)
+@numba.njit(cache=True)
+def _launch(query, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap, out):
+    """Run the work items into ``out``, under ``prange`` (handed out one by one, longest first)
+    or in this thread, then merge the KV splits. ``layout``: block tables, lengths and starts
+    as the kernels read them. Compiled, so that the fused decoder layer
+    (decoder_layer_numba.py) calls the very same launch as this module's wrapper."""
+    block_tables, seq_lens, starts = layout
+    n_parts = merges[:, 2].sum() if merges.shape[0] else 0  # one slot per split of a tile
+    part_acc = np.empty((n_parts, out.shape[1], out.shape[2]), np.float32)
+    part_max = np.empty((n_parts, out.shape[1]), np.float32)
+    part_sum = np.empty((n_parts, out.shape[1]), np.float32)
+    args = (query, k_cache, v_cache, block_tables, seq_lens, starts, work, scale, window, cap, out)
     if parallel:
-        numba.set_parallel_chunksize(previous_chunksize)
-    if len(merges):
+        previous = _set_parallel_chunksize(1)
+        _paged_attention_kernel(*args, part_acc, part_max, part_sum)
+        _set_parallel_chunksize(previous)
+    else:
+        _paged_attention_serial(*args, part_acc, part_max, part_sum)
+    if merges.shape[0]:
         _merge_kv_splits(part_acc, part_max, part_sum, merges, out)
 
 
@@ -181,12 +186,11 @@ def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_
         out = np.empty(query.shape, np.float32)
     if len(plan.work):
         q = query if fp32 and query.is_contiguous() else query.to(torch.float32).contiguous()
-        arrays = (
+        _launch(
             q.detach().numpy(), cache_as_numpy(k_cache.detach()),
-            cache_as_numpy(v_cache.detach()), *plan.layout,
+            cache_as_numpy(v_cache.detach()), plan.layout, plan.work, plan.merges,
+            plan.parallel, np.float32(scale), window, np.float32(logits_soft_cap or 0.0), out,
         )  # fmt: skip
-        cap = np.float32(logits_soft_cap or 0.0)
-        _launch(plan.parallel, arrays, plan.work, plan.merges, scale, window, cap, out)
     result = torch.from_numpy(out)  # numpy's allocation: ~1.5 us less than torch.empty
     return result if fp32 else result.to(query.dtype)
 
@@ -268,10 +272,10 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         lens, starts = seq_lens.to(torch.int64).numpy(), starts.to(torch.int64).numpy()
         work, merges = _plan(_work_items(starts[1:] - starts[:-1], lens, None), starts, lens, 1)
         arrays = (query.float().numpy(), cache_as_numpy(k_cache), cache_as_numpy(v_cache),
-                  block_tables.numpy(), lens, starts)  # fmt: skip
+                  (block_tables.numpy(), lens, starts), work, merges)  # fmt: skip
         for parallel in (True, False):  # both kernels, whatever the thread count
             out = np.zeros(query.shape, np.float32)
-            _launch(parallel, arrays, work, merges, scale, 0, np.float32(0), out)
+            _launch(*arrays, parallel, np.float32(scale), 0, np.float32(0), out)
     from pagedserve.kernels import decoder_layer_numba, dense_linear_numba, layer_ops_numba
 
     layer_ops_numba.warm_up(dtypes)
