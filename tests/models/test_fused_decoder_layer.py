@@ -139,3 +139,17 @@ def test_layers_of_other_shapes_are_left_to_their_modules(tmp_path, monkeypatch,
 
 def test_fused_rows_limit_is_the_decode_gemms():
     assert fused_cpu_layer.MAX_FUSED_ROWS == dense_linear_numba.MAX_ROWS
+
+
+def test_forgetting_the_gathered_weights_follows_a_replaced_weight(tmp_path, monkeypatch):
+    """The fused layer reads the weights it gathered at its first step; code that swaps a
+    weight tensor afterwards calls forget_fused_layers, and the fused layer reads the new one."""
+    engine = _decoding_engine(tmp_path, "llama", {}, [17, 3])
+    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    model = engine.runner.model
+    _assert_same_forward(engine, decode, monkeypatch)  # gathers every layer's weights
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(o_proj.weight.detach() * 2, requires_grad=False)
+    fused_cpu_layer.forget_fused_layers(model)
+    assert model.model.layers[0].fused_cpu is None
+    assert _assert_same_forward(engine, decode, monkeypatch) == len(model.model.layers)
