@@ -216,8 +216,10 @@ def test_threads_follow_torch(monkeypatch):
 
 
 def test_warm_up_compiles_every_cache_dtype():
+    """The compiled launch is the entry point (the kernels behind it are compiled into it, and
+    when it comes from numba's disk cache their own dispatchers never see a call)."""
     warm_up((torch.float32, torch.float16, torch.bfloat16))
-    assert len(pan._paged_attention_kernel.signatures) >= 3
+    assert len(pan._launch.signatures) >= 3
 
 
 def test_rejects_unsupported_inputs():
