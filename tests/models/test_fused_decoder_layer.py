@@ -102,7 +102,7 @@ def test_fused_layer_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, case)
     arch, overrides, prompt_lens, *kv_cache_dtype = CASES[case]
     engine = _decoding_engine(tmp_path, arch, overrides, prompt_lens, *kv_cache_dtype)
     n_layers = len(engine.runner.model.model.layers)
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert decode.input_ids.shape[0] == len(prompt_lens)
     assert _assert_same_forward(engine, decode, monkeypatch) == n_layers
 
@@ -112,17 +112,17 @@ def test_a_short_prefill_chunk_among_decodes_is_fused_too(tmp_path, monkeypatch)
     numba kernel's too (its rows see each other causally)."""
     engine = _decoding_engine(tmp_path, "llama", {}, [17, 3, 9])
     engine.add_request("new", [11, 12, 13, 14, 15], SamplingParams(max_tokens=4))
-    step = engine.runner.prepare_input(engine.scheduler.schedule())
+    step, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert step.input_ids.shape[0] == 3 + 5
     assert _assert_same_forward(engine, step, monkeypatch) == 2
 
 
 def test_steps_and_layers_it_cannot_stand_in_for_run_the_modules(tmp_path, monkeypatch):
     engine = _decoding_engine(tmp_path, "llama", {}, [17])
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     # more rows than the decode GEMM takes: a 17-token prompt's prefill is module by module
     engine.add_request("long", list(range(3, 20)), SamplingParams(max_tokens=1))
-    prefill = engine.runner.prepare_input(engine.scheduler.schedule())
+    prefill, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert prefill.input_ids.shape[0] > fused_cpu_layer.MAX_FUSED_ROWS
     assert _forward(engine, prefill, monkeypatch, fused=True)[2] == 0
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "ref")  # the references asked for
@@ -133,7 +133,7 @@ def test_steps_and_layers_it_cannot_stand_in_for_run_the_modules(tmp_path, monke
 def test_layers_of_other_shapes_are_left_to_their_modules(tmp_path, monkeypatch, arch):
     """Qwen3's per-head norms, Mixtral's experts: the fused call stands in for neither."""
     engine = _decoding_engine(tmp_path, arch, {}, [9])
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert _forward(engine, decode, monkeypatch, fused=True)[2] == 0
 
 
@@ -145,7 +145,7 @@ def test_forgetting_the_gathered_weights_follows_a_replaced_weight(tmp_path, mon
     """The fused layer reads the weights it gathered at its first step; code that swaps a
     weight tensor afterwards calls forget_fused_layers, and the fused layer reads the new one."""
     engine = _decoding_engine(tmp_path, "llama", {}, [17, 3])
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     model = engine.runner.model
     _assert_same_forward(engine, decode, monkeypatch)  # gathers every layer's weights
     o_proj = model.model.layers[0].self_attn.o_proj

@@ -4,11 +4,16 @@ single-process or a multiprocess executor from the parallel config."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.models import ModelConfig
+
+if TYPE_CHECKING:
+    from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
 
 
 def create_runner(
@@ -16,9 +21,11 @@ def create_runner(
     model_config: ModelConfig,
     cache_config: CacheConfig,
     extra_block_bytes: int = 0,
+    drafter: DraftModelProposer | None = None,
 ) -> ModelRunner | TensorParallelExecutor:
     """The runner for ``args``; ``extra_block_bytes``: a draft model's KV bytes per block, which
-    share the KV memory budget (on rank 0 only under tensor parallelism)."""
+    share the KV memory budget (on rank 0 only under tensor parallelism); ``drafter``: that
+    draft model, which the runner runs at the start of each step."""
     lora_config = args.create_lora_config()
     if args.tensor_parallel_size == 1:  # LoRA steps run eagerly: no padded decode graphs
         graphs = args.cuda_graph_config() if lora_config is None else None
@@ -28,7 +35,8 @@ def create_runner(
             graph_config=graphs,
             lora_config=lora_config,
             extra_block_bytes=extra_block_bytes,
+            drafter=drafter,
         )
     return TensorParallelExecutor(
-        model_config, cache_config, args.tensor_parallel_size, extra_block_bytes
+        model_config, cache_config, args.tensor_parallel_size, extra_block_bytes, drafter
     )

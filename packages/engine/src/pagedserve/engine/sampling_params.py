@@ -12,8 +12,8 @@ from enum import IntEnum
 
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.kernels.sampling import GREEDY_TEMPERATURE
 
-_GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # the engine's default cap (EngineArgs.max_logprobs), checked at add_request
 
 
@@ -74,7 +74,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _require(self, ok: bool, name: str, message: str) -> None:
         if not ok:
