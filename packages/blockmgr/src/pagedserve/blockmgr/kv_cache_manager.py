@@ -27,9 +27,11 @@ nearly always needs nothing: the token lands in the sequence's own last block, w
 fill. ``allocate_slots`` answers those first (``_allocate_decode``): from a remembered range of
 computed counts while it holds (one dict lookup), a new block popped from the free queue when the
 token starts one, the block hashed and registered when the token fills it. Anything else (a
-shared block to copy first, hits, several tokens) takes the general allocation below it. The
-class is one idea (a sequence's blocks through their life) at some 450 lines; its parts share
-every table, so they stay in one place rather than in halves joined by inheritance.
+shared block to copy first, hits, several tokens) takes the general allocation below it.
+
+Why one file: the class is one idea (a sequence's blocks through their life) at some 450
+lines; its parts (lookup, allocation, the decode's, fork, copy-on-write, the window, free)
+share every table, so they stay in one place rather than in halves joined by inheritance.
 """
 
 from __future__ import annotations
@@ -180,16 +182,14 @@ class KVCacheManager:
         tokens land in that another sequence also holds is copied first (copy-on-write). Full
         blocks whose tokens are all known are registered in the prefix cache. A new sequence
         must leave the watermark free, so that admitting it does not force a preemption at the
-        next decode step. All or nothing: returns False and changes nothing when the pool
-        cannot supply the blocks (the scheduler then preempts or waits).
-        """
+        next decode step. All or nothing: False, nothing changed, when the pool cannot supply
+        the blocks (the scheduler then preempts or waits)."""
         if num_new_tokens == 1 and not computed_blocks:  # a decode: nearly every call
             known = self._in_place.get(seq_id)
-            if known is not None and known[0] <= num_computed_tokens <= known[1]:
-                return True
-            table = self.block_tables.get(seq_id)
-            if table is not None and self._allocate_decode(
-                seq_id, table, token_ids, num_computed_tokens, cache_salt, lora_int_id
+            if (known is not None and known[0] <= num_computed_tokens <= known[1]) or (
+                self._allocate_decode(
+                    seq_id, token_ids, num_computed_tokens, cache_salt, lora_int_id
+                )
             ):
                 return True
         table = self.block_tables.get(seq_id)
@@ -210,7 +210,6 @@ class KVCacheManager:
         reserve = self.watermark_blocks if is_new else 0
         if needed > self.pool.num_free_blocks - reserve:
             return False
-
         for block in computed_blocks:
             self.pool.touch(block)
         table.extend(computed_blocks)
@@ -291,7 +290,6 @@ class KVCacheManager:
     def _allocate_decode(
         self,
         seq_id: str,
-        table: list[KVBlock],
         token_ids: Sequence[int],
         num_computed: int,
         cache_salt: str | None,
@@ -308,7 +306,8 @@ class KVCacheManager:
         change to the sequence's own table (``_table_changed``) or a fork (which shares its
         last block) ends a remembered range early: a block past the registered ones has no
         hash, so no other request's prefix hit can take a reference on it."""
-        if num_computed < 1:
+        table = self.block_tables.get(seq_id)
+        if table is None or num_computed < 1:
             return False
         block_size, num_blocks = self.block_size, len(table)
         index = num_computed // block_size

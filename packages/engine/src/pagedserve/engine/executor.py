@@ -1,6 +1,7 @@
-"""The engine's model executor: one ``ModelRunner`` in this process, or rank 0 of a
-tensor-parallel group (``TensorParallelExecutor``) behind the same interface, as vLLM picks a
-single-process or a multiprocess executor from the parallel config."""
+"""The engine's model executor: one model runner in this process (``CPUModelRunner`` on a CPU,
+``ModelRunner`` elsewhere), or rank 0 of a tensor-parallel group (``TensorParallelExecutor``)
+behind the same interface, as vLLM picks a single-process or a multiprocess executor from the
+parallel config."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.cpu_runner import CPUModelRunner
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.models import ModelConfig
@@ -29,7 +31,8 @@ def create_runner(
     lora_config = args.create_lora_config()
     if args.tensor_parallel_size == 1:  # LoRA steps run eagerly: no padded decode graphs
         graphs = args.cuda_graph_config() if lora_config is None else None
-        return ModelRunner(
+        cpu = model_config.torch_device.type == "cpu"
+        return (CPUModelRunner if cpu else ModelRunner)(
             model_config,
             cache_config,
             graph_config=graphs,

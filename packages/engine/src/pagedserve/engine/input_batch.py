@@ -197,6 +197,21 @@ def token_slice(request: Request, start: int, count: int) -> list[int]:
     return prompt[start:] + output[: end - len(prompt)]
 
 
+def token_at(request: Request, position: int) -> int:
+    """Token ``position`` of prompt + output."""
+    prompt = request.prompt_token_ids
+    if position < len(prompt):
+        return prompt[position]
+    return request.output_token_ids[position - len(prompt)]
+
+
+def prompt_logit_positions(request: Request, start: int, count: int) -> range:
+    """Positions of a chunk ``[start, start + count)`` whose logits score the next prompt token,
+    for a request that asked for prompt logprobs (``Request.needs_prompt_logits``): such a
+    request bypasses the prefix cache, so every prompt position is computed at least once."""
+    return range(start, min(start + count, request.num_prompt_tokens - 1))
+
+
 def attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
     """A step's layout (``layout_paged_batch``) as the tensors every attention layer reads."""
     return AttentionMetadata(

@@ -173,13 +173,22 @@ class LLMEngine:
             self.scheduler.add_request(request)
         except RequestRejectedError as e:
             raise InvalidRequestError(str(e), e.param) from e
-        group = self._new_group(request_id, list(prompt_ids), params, prompt, now, max_tokens)
-        generators = [self._generator(group.seed + i) for i in range(params.n)]
-        forks = (
-            []
-            if params.use_beam_search
-            else [(group.child_request_id(i), generators[i]) for i in range(1, params.n)]
+        self._start_group(request, params, prompt, now, max_tokens)
+        self._never_scheduled.add(request_id)
+        if params.structured_outputs is not None:
+            self.structured_output.hold(request, params.structured_outputs)
+
+    def _start_group(self, request: Request, params, prompt, now, max_tokens) -> None:
+        """The request's group and its first sequence's state, registered with the runner and
+        the output processor. Sequence i draws from a generator seeded ``seed + i``: with
+        ``n > 1`` the other sequences (forks) draw their first token from the first one's row
+        at its first sample, and start then."""
+        group = self._new_group(
+            request.request_id, list(request.prompt_token_ids), params, prompt, now, max_tokens
         )
+        num_generators = 1 if params.use_beam_search else params.n
+        generators = [self._generator(group.seed + i) for i in range(num_generators)]
+        forks = [(group.child_request_id(i), generators[i]) for i in range(1, num_generators)]
         sampling = SamplingState(
             request, params, generators[0], forks=forks, beam=params.use_beam_search
         )
@@ -187,9 +196,6 @@ class LLMEngine:
         group.sequences.append(request)
         self.runner.input_batch.add(sampling)
         self.output_processor.add(group, forks)
-        self._never_scheduled.add(request_id)
-        if params.structured_outputs is not None:
-            self.structured_output.hold(request, params.structured_outputs)
 
     def take_request_errors(self) -> list[tuple[str, BaseException]]:
         """Requests that failed since the last call, with their error (a constraint that did
@@ -212,7 +218,6 @@ class LLMEngine:
             self._request_errors.append((request.request_id, error))
 
     def _generator(self, seed: int) -> torch.Generator:
-        """Sequence i of a request draws from a generator seeded ``seed + i``."""
         return torch.Generator(device=self.runner.device).manual_seed(seed % 2**64)
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:

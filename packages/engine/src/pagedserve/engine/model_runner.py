@@ -29,7 +29,9 @@ from pagedserve.engine.input_batch import (
     BlockTable,
     InputBatch,
     attention_metadata,
+    prompt_logit_positions,
     to_device,
+    token_at,
     token_slice,
 )
 from pagedserve.engine.kv_cache import (
@@ -49,7 +51,7 @@ from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
-from pagedserve.scheduler import Request, SchedulerOutput
+from pagedserve.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
@@ -117,7 +119,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
         if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
-            from pagedserve.kernels.paged_attention_numba import warm_up
+            from pagedserve.kernels.cpu.warmup import warm_up
 
             warm_up((self.kv_cache_dtype,))
         if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
@@ -310,7 +312,7 @@ class ModelRunner:
         sample_rows, prompt_rows, spec_rows = rows
         drafts = output.spec_token_ids.get(request.request_id)
         if drafts:  # the last known token, then the proposals to verify
-            tokens.append(_token_at(request, start))
+            tokens.append(token_at(request, start))
             tokens.extend(drafts)
             layout.spec.append((request.request_id, drafts))
             spec_rows.extend(range(offset, offset + count))
@@ -374,25 +376,14 @@ class ModelRunner:
         if self.cuda_graphs is not None and bucket in self.cuda_graphs.graphs:
             hidden = self.cuda_graphs.replay(bucket)
         else:
-            hidden = self.model(
-                model_input.input_ids,
-                model_input.positions,
-                self.kv_caches,
-                model_input.attn_metadata,
-            )
+            hidden = self.forward(model_input)
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
-
-def _token_at(request: Request, position: int) -> int:
-    """Token ``position`` of prompt + output."""
-    prompt = request.prompt_token_ids
-    if position < len(prompt):
-        return prompt[position]
-    return request.output_token_ids[position - len(prompt)]
-
-
-def prompt_logit_positions(request: Request, start: int, count: int) -> range:
-    """Positions of a chunk ``[start, start + count)`` whose logits score the next prompt token,
-    for a request that asked for prompt logprobs (``Request.needs_prompt_logits``): such a
-    request bypasses the prefix cache, so every prompt position is computed at least once."""
-    return range(start, min(start + count, request.num_prompt_tokens - 1))
+    def forward(self, model_input: ModelInput) -> torch.Tensor:
+        """The model's hidden states for every token of the step."""
+        return self.model(
+            model_input.input_ids,
+            model_input.positions,
+            self.kv_caches,
+            model_input.attn_metadata,
+        )

@@ -21,9 +21,11 @@ Invariants, after every call:
 ``update`` takes the step's sampled tokens back: it appends them, meets the stop rules, rolls
 a speculative decode back past its rejected proposals, and frees what finished.
 
-The scheduler decides; it does not compute. It never imports torch. It is one class of some 450
-lines because scheduling and updating read and change the same state (``running``, the block
-manager, each request's computed count) at every step.
+The scheduler decides; it does not compute. It never imports torch.
+
+Why one file: scheduling and updating read and change the same state (``running``, the block
+manager, each request's computed count) at every step, so they are one class, of some 400
+lines, rather than two halves joined by inheritance.
 """
 
 from __future__ import annotations
