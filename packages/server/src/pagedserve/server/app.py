@@ -229,7 +229,9 @@ STATIC_DIR = Path(__file__).parent / "static"
 async def openapi_json(request: Request) -> Response:
     app_state = request.app.state
     if not hasattr(app_state, "openapi"):  # built once, on first use
-        app_state.openapi = openapi_document(server_version())
+        config = app_state.config
+        open_ = open_paths(config)
+        app_state.openapi = openapi_document(server_version(), config.api_key is not None, open_)
     return JSONResponse(app_state.openapi)
 
 
@@ -329,6 +331,7 @@ def assemble_app(
         lifespan=lifespan,
     )
     app.state.models = models
+    app.state.config = config
     return app
 
 
