@@ -46,3 +46,29 @@ def test_a_seed_beyond_signed_64_bits_is_refused(oai, seed):
 def test_the_ends_of_the_seed_range_are_served(oai, seed):
     completion = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=seed)
     assert completion.usage.completion_tokens == 2
+
+
+EMPTY_PROMPT_PHRASE = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["Hi", ""], [[5], []]])
+def test_an_empty_prompt_is_refused_in_vllms_words(oai, prompt):
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert EMPTY_PROMPT_PHRASE in refused.value.body["message"]
+    assert refused.value.body["param"] == "prompt"
+
+
+def test_an_out_of_vocabulary_token_is_refused_in_vllms_words(oai, client, engine):
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.completions.create(model=MODEL, prompt=[1, vocab + 7], max_tokens=2)
+    assert f"Token id {vocab + 7} is out of vocabulary" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=2, extra_body={"stop_token_ids": [vocab]}
+        )
+    assert "out of vocabulary" in refused.value.body["message"]
+    detokenized = client.post("/detokenize", json={"tokens": [1, vocab]})
+    assert detokenized.status_code == 400
+    assert "out of vocabulary" in detokenized.json()["error"]["message"]

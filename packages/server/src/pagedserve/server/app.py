@@ -186,8 +186,10 @@ async def detokenize(request: Request) -> Response:
     state = state_of(request, body.model)
     check_model(state, body.model)
     vocab = state.engine.model_config.vocab_size
-    if any(t >= vocab for t in body.tokens):
-        raise APIError(f"token ids must be in [0, {vocab})", 400, param="tokens")
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        message = f"Token id {bad} is out of vocabulary: token ids must be in [0, {vocab})"
+        raise APIError(message, 400, param="tokens")
     return JSONResponse(
         DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump()
     )

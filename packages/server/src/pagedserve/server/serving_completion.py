@@ -29,14 +29,20 @@ from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgre
 from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
 from pagedserve.server.vllm_fields import COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens
 
+# vLLM's words for it (clients match them), after ours
+EMPTY_PROMPT = (
+    "the prompt is empty: give at least one token "
+    "(Either prompt or prompt_embeds must be provided and non-empty.)"
+)
+
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """``(text or None, token ids)`` per prompt, tokenized as ``LLM.generate`` does."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
-    if not prompt:
-        raise bad_request("the prompt is empty: give at least one token", "prompt")
+    if not prompt or any(not item for item in prompt):
+        raise bad_request(EMPTY_PROMPT, "prompt")
     limit = state.config.max_prompts
     if len(prompt) > limit:
         raise bad_request(f"at most {limit} prompts per request, got {len(prompt)}", "prompt")
@@ -44,8 +50,6 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            if not item:
-                raise bad_request("the prompt is empty: give at least one token", "prompt")
             prompts.append((item, tokenizer.encode(item)))
         else:
             prompts.append((None, list(item)))
