@@ -72,3 +72,45 @@ def test_an_out_of_vocabulary_token_is_refused_in_vllms_words(oai, client, engin
     detokenized = client.post("/detokenize", json={"tokens": [1, vocab]})
     assert detokenized.status_code == 400
     assert "out of vocabulary" in detokenized.json()["error"]["message"]
+
+
+TOKEN_ID_KEYS = ("token_ids", "prompt_token_ids")
+
+
+def _token_id_keys_hold_lists(chunk: dict) -> None:
+    """vLLM leaves a token-id key out of a chunk that has none: present means a list."""
+    for where in [chunk, *chunk.get("choices", [])]:
+        for key in TOKEN_ID_KEYS:
+            assert key not in where or isinstance(where[key], list), (key, chunk)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("return_token_ids", [True, False])
+def test_streamed_chunks_leave_out_token_ids_they_do_not_carry(oai, route, return_token_ids):
+    """Joined up, the streamed token ids are the non-streamed answer's; no chunk has a null."""
+    extra = {"return_token_ids": True} if return_token_ids else {}
+    args = dict(model=MODEL, max_tokens=6, temperature=0, extra_body=extra)
+    if route == "chat":
+        create = oai.chat.completions.create
+        args["messages"] = [{"role": "user", "content": "Count to ten"}]
+    else:
+        create = oai.completions.create
+        args["prompt"] = "Count to ten"
+    whole = create(**args).to_dict()
+    stream = [
+        chunk.to_dict()
+        for chunk in create(**args, stream=True, stream_options={"include_usage": True})
+    ]
+    for chunk in stream:
+        _token_id_keys_hold_lists(chunk)
+    streamed = [t for c in stream for ch in c["choices"] for t in ch.get("token_ids", [])]
+    prompt_ids = [c["prompt_token_ids"] for c in stream if "prompt_token_ids" in c]
+    prompt_ids += [
+        ch["prompt_token_ids"] for c in stream for ch in c["choices"] if "prompt_token_ids" in ch
+    ]
+    if return_token_ids:
+        assert streamed == whole["choices"][0]["token_ids"] and len(streamed) == 6
+        whole_prompt = whole.get("prompt_token_ids") or whole["choices"][0]["prompt_token_ids"]
+        assert prompt_ids == [whole_prompt]
+    else:
+        assert streamed == [] and prompt_ids == []

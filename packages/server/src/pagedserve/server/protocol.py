@@ -205,7 +205,7 @@ class CompletionChoice(OpenAIBaseModel):
 
 
 class CompletionResponse(OpenAIBaseModel):
-    """The body of a non-streamed completion, and (with partial choices) of each SSE chunk."""
+    """The body of a non-streamed completion."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -214,6 +214,31 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+def _absent_when_none(value) -> bool:
+    return value is None
+
+
+# vLLM's extensions in a streamed chunk: left out when they have no value (on every chunk but
+# the one that carries them), as vLLM sends them; a client that extends a list from a present
+# key must never find null there.
+StreamedTokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent_when_none)]
+StreamedPromptLogprobs = Annotated[
+    PromptLogprobs | None, Field(default=None, exclude_if=_absent_when_none)
+]
+
+
+class CompletionStreamChoice(CompletionChoice):
+    prompt_logprobs: StreamedPromptLogprobs
+    prompt_token_ids: StreamedTokenIds
+    token_ids: StreamedTokenIds
+
+
+class CompletionChunk(CompletionResponse):
+    """One SSE chunk of a streamed completion: partial choices, or the usage alone."""
+
+    choices: list[CompletionStreamChoice]
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -270,7 +295,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids
+    token_ids: StreamedTokenIds  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -281,8 +306,8 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk
-    prompt_token_ids: list[int] | None = None  # return_token_ids, on the first chunk
+    prompt_logprobs: StreamedPromptLogprobs  # on the first chunk
+    prompt_token_ids: StreamedTokenIds  # return_token_ids, on the first chunk
 
 
 class ModelCard(OpenAIBaseModel):

@@ -12,9 +12,11 @@ from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     CompletionChoice,
+    CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     UsageInfo,
 )
 from pagedserve.server.request_params import build_sampling_params, check_caps
@@ -157,8 +159,9 @@ class _CompletionView:
             extras["prompt_token_ids"] = self.prompts[p].prompt_token_ids
         return extras
 
-    def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None):
-        return CompletionResponse(
+    def _body(self, choices: list, usage: UsageInfo | None = None, kind=CompletionResponse):
+        """The response (``kind`` CompletionResponse) or a chunk of it (CompletionChunk)."""
+        return kind(
             id=self.id,
             created=self.created,
             model=self.state.served_name(self.body.model),
@@ -207,7 +210,7 @@ class _CompletionView:
                         yield chunk
             if self.body.include_usage_in_stream:
                 usage = self.usage(progress.completion_tokens)
-                yield sse(self._body([], usage).model_dump_json())
+                yield sse(self._body([], usage, CompletionChunk).model_dump_json())
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE
@@ -220,7 +223,7 @@ class _CompletionView:
         extras = self._prompt_extras(p, output)
         chunks = []
         for j in range(self.body.n):
-            choice = CompletionChoice(
+            choice = CompletionStreamChoice(
                 index=p * self.body.n + j, text=prefix, logprobs=echo_logprobs, **extras
             )
             chunks.append(self._chunk(choice, 0))
@@ -233,7 +236,7 @@ class _CompletionView:
         if delta is None:
             return None
         offset = len(self.echo_text(p)) + delta.text_offset
-        choice = CompletionChoice(
+        choice = CompletionStreamChoice(
             index=index,
             text=delta.text,
             logprobs=self._logprobs(delta.token_ids, delta.logprobs, offset),
@@ -244,9 +247,9 @@ class _CompletionView:
         )
         return self._chunk(choice, progress.completion_tokens)
 
-    def _chunk(self, choice: CompletionChoice, completion_tokens: int) -> str:
+    def _chunk(self, choice: CompletionStreamChoice, completion_tokens: int) -> str:
         usage = self.usage(completion_tokens) if self.body.continuous_usage else None
-        return sse(self._body([choice], usage).model_dump_json())
+        return sse(self._body([choice], usage, CompletionChunk).model_dump_json())
 
 
 def _joined(
