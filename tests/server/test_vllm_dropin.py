@@ -114,3 +114,50 @@ def test_streamed_chunks_leave_out_token_ids_they_do_not_carry(oai, route, retur
         assert prompt_ids == [whole_prompt]
     else:
         assert streamed == [] and prompt_ids == []
+
+
+SAYING = "Here is a common saying about apple. An apple a day, keeps"
+CONTINUED = [
+    {"role": "user", "content": "tell me a common saying"},
+    {"role": "assistant", "content": SAYING},
+]
+
+
+def test_echo_puts_the_continued_message_in_front_of_its_continuation(oai):
+    """vLLM's test_chat_echo: with echo the reply starts with the final assistant message;
+    streamed, the echo comes as the first content delta, and the stream joins up the same."""
+    args = dict(model=MODEL, messages=CONTINUED, max_tokens=5, temperature=0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = oai.chat.completions.create(**args, extra_body=extra).choices[0].message.content
+    echoed = oai.chat.completions.create(**args, extra_body={**extra, "echo": True})
+    assert echoed.choices[0].message.content == SAYING + plain
+    stream = oai.chat.completions.create(**args, extra_body={**extra, "echo": True}, stream=True)
+    deltas = [
+        c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content
+    ]
+    assert deltas[0] == SAYING and "".join(deltas) == SAYING + plain
+    user_last = [{"role": "user", "content": "Hi"}]  # echo repeats only the reply's own role
+    no_echo = oai.chat.completions.create(
+        **{**args, "messages": user_last}, extra_body={"echo": True}
+    )
+    again = oai.chat.completions.create(**{**args, "messages": user_last})
+    assert no_echo.choices[0].message.content == again.choices[0].message.content
+
+
+def test_tokenize_leaves_the_continued_message_open(client, tokenizer):
+    body = {
+        "model": MODEL,
+        "messages": CONTINUED,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    tokens = client.post("/tokenize", json=body).json()["tokens"]
+    text = tokenizer.apply_chat_template(CONTINUED, continue_final_message=True, tokenize=False)
+    assert tokens == tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(tokens).endswith(SAYING)  # no end-of-turn marker after it
+    both = client.post("/tokenize", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400
+    assert (
+        "Cannot set both `continue_final_message` and `add_generation_prompt`"
+        in (both.json()["error"]["message"])
+    )

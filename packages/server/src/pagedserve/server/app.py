@@ -56,7 +56,11 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
-from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
+from pagedserve.server.serving_chat import (
+    chat_prompt_ids,
+    create_chat_completion,
+    template_options,
+)
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_lora import (
     load_lora_adapter,
@@ -163,7 +167,8 @@ async def tokenize(request: Request) -> Response:
     check_model(state, body.model)
     tokenizer = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        tokens = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+        add_generation_prompt, template_kwargs = template_options(body)
+        tokens = chat_prompt_ids(state, body.messages, add_generation_prompt, template_kwargs)
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     max_len = state.engine.scheduler_config.max_model_len

@@ -130,6 +130,7 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the reply starts with the last message, when it is the assistant's
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -143,6 +144,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -19,6 +19,7 @@ from pagedserve.server.protocol import (
     ChatCompletionStreamChoice,
     ChatMessage,
     DeltaMessage,
+    TokenizeChatRequest,
     UsageInfo,
 )
 from pagedserve.server.request_params import build_sampling_params, check_caps
@@ -81,6 +82,28 @@ def chat_prompt_ids(
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
 
 
+def template_options(body: ChatCompletionRequest | TokenizeChatRequest) -> tuple[bool, dict]:
+    """``(add_generation_prompt, chat template kwargs)`` of a chat or /tokenize body.
+
+    ``continue_final_message``: the reply continues the last (assistant) message, left open (no
+    end-of-turn marker), so no generation prompt follows it unless the body asks for both, which
+    vLLM refuses with the phrase kept here."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if not body.continue_final_message:
+        return body.add_generation_prompt, kwargs
+    if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    if body.messages[-1].role != "assistant":
+        raise bad_request(
+            "continue_final_message needs an assistant message last", "continue_final_message"
+        )
+    kwargs["continue_final_message"] = True
+    return False, kwargs
+
+
 def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
     """``max_completion_tokens`` (OpenAI's new name) or ``max_tokens``, and which was used."""
     new, old = body.max_completion_tokens, body.max_tokens
@@ -109,14 +132,7 @@ def plan_prompt(
             "output constraint",
             "tool_choice",
         )
-    add_generation_prompt = body.add_generation_prompt
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.continue_final_message:  # the reply continues the last (assistant) message
-        if body.messages[-1].role != "assistant":
-            raise bad_request(
-                "continue_final_message needs an assistant message last", "continue_final_message"
-            )
-        add_generation_prompt, kwargs["continue_final_message"] = False, True
+    add_generation_prompt, kwargs = template_options(body)
     prompt_ids = chat_prompt_ids(state, body.messages, add_generation_prompt, kwargs, tools)
     if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
@@ -165,6 +181,7 @@ class _ChatView:
         self.tokenizer = state.engine.tokenizer
         self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
         self.k = body.top_logprobs or 0
+        self.echo = echoed_text(body)
 
     def _prompt_extras(self, output: RequestOutput) -> dict:
         """vLLM's prompt fields (response level): ``prompt_logprobs``, ``prompt_token_ids``."""
@@ -196,6 +213,8 @@ class _ChatView:
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
             content, calls = self.tools.tool_calls(completion.text)
+            if self.echo:
+                content = self.echo + (content or "")
             choices.append(
                 ChatCompletionChoice(
                     index=completion.index,
@@ -274,6 +293,8 @@ class _ChatView:
         yield SSE_DONE
 
     def _role_chunks(self, output: RequestOutput, progress: StreamProgress) -> list[str]:
+        """The role of each choice (the first chunk carries the prompt's extras), then the
+        echoed last message of each, with ``echo``."""
         chunks = []
         for index in range(self.body.n):
             role = ChatCompletionStreamChoice(
@@ -281,7 +302,20 @@ class _ChatView:
             )
             extras = self._prompt_extras(output) if index == 0 else {}
             chunks.append(self._chunk([role], self._running_usage(progress), **extras))
+        if self.echo:
+            for index in range(self.body.n):
+                echoed = ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(content=self.echo)
+                )
+                chunks.append(self._chunk([echoed], self._running_usage(progress)))
         return chunks
+
+
+def echoed_text(body: ChatCompletionRequest) -> str:
+    """What vLLM's ``echo`` puts in front of each reply: the last message's text when it is the
+    assistant's own (the reply's role), as with ``continue_final_message``; else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 def named_call_choice(tools: ToolCallPlan, completion, delta, first: bool):
