@@ -5,9 +5,11 @@ ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGI
 Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
+    POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
-    GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
+    GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
+    GET /openapi.json  GET /docs  GET /  /static/...
 """
 
 from __future__ import annotations
@@ -39,14 +41,18 @@ from pagedserve.server.metrics import EngineMetrics
 from pagedserve.server.middleware import (
     GateMiddleware,
     InternalErrorMiddleware,
+    LoadTrackingMiddleware,
     RequestIdMiddleware,
+    ServerLoad,
 )
 from pagedserve.server.openapi import openapi_document
 from pagedserve.server.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -61,6 +67,7 @@ from pagedserve.server.serving_chat import (
     create_chat_completion,
     template_options,
 )
+from pagedserve.server.serving_chat_batch import create_batch_chat_completion
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_lora import (
     load_lora_adapter,
@@ -73,6 +80,16 @@ from pagedserve.server.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
+# the routes that generate: what --enable-server-load-tracking counts (vLLM's load-aware routes)
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/responses",
+        "/invocations",
+    }
+)
 
 
 def state_of(request: Request, model: str | None = None) -> ServerState:
@@ -116,6 +133,38 @@ async def chat_completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     body = await read_body(request, ResponsesRequest)
     return await create_response(request, state_of(request, body.model), body)
+
+
+async def batch_chat_completions(request: Request) -> Response:
+    body = await read_body(request, BatchChatCompletionRequest)
+    return await create_batch_chat_completion(request, state_of(request, body.model), body)
+
+
+async def invocations(request: Request) -> Response:
+    """SageMaker's one route (as vLLM serves it): a chat body (with ``messages``) or a
+    completion body (with ``prompt``), answered as its own route answers it."""
+    data = await read_json(request)
+    if "messages" in data:
+        kind, create = ChatCompletionRequest, create_chat_completion
+    elif "prompt" in data:
+        kind, create = CompletionRequest, create_completion
+    else:
+        raise APIError(
+            "Cannot find suitable handler for request. Expected one of: "
+            "['ChatCompletionRequest', 'CompletionRequest'] (a body with 'messages' or 'prompt')",
+            400,
+        )
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+    return await create(request, state_of(request, body.model), body)
+
+
+async def server_load(request: Request) -> Response:
+    """vLLM's GET /load: the generation requests being served (0 unless
+    --enable-server-load-tracking counts them)."""
+    return JSONResponse(LoadResponse(server_load=request.app.state.server_load.count).model_dump())
 
 
 def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
@@ -256,6 +305,8 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/chat/completions/batch", batch_chat_completions, methods=["POST"]),
+    Route("/invocations", invocations, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
@@ -264,6 +315,8 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
+    Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check
+    Route("/load", server_load, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/openapi.json", openapi_json, methods=["GET"]),
@@ -312,6 +365,7 @@ def assemble_app(
     errors, request ids) and error shapes: ``build_app`` gives it one engine, the cluster's
     ingress a set of remote ones and its own /health and /metrics (``routes`` first: the first
     match wins). The caller sets ``app.state.metrics`` (anything with ``render() -> bytes``)."""
+    load = ServerLoad()
     app = Starlette(
         routes=[*(routes or []), *ROUTES],
         middleware=[
@@ -331,6 +385,12 @@ def assemble_app(
                 open_paths=open_paths(config),
                 open_prefixes=("/static/",),
             ),
+            Middleware(
+                LoadTrackingMiddleware,
+                load=load,
+                paths=GENERATION_PATHS,
+                enabled=config.enable_server_load_tracking,
+            ),
             Middleware(InternalErrorMiddleware),
             Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
         ],
@@ -339,14 +399,16 @@ def assemble_app(
     )
     app.state.models = models
     app.state.config = config
+    app.state.server_load = load
     return app
 
 
 def open_paths(config: ServerConfig) -> frozenset[str]:
-    """Routes served without the API key: /health, the API's schema and docs and the
+    """Routes served without the API key: /health (and SageMaker's /ping), the API's schema
+    and docs and the
     playground page (their static files too; the page's own calls carry the key), and /metrics
     unless configured otherwise."""
-    paths = {"/", "/health", "/openapi.json", "/docs"}
+    paths = {"/", "/health", "/ping", "/openapi.json", "/docs"}
     if not config.metrics_require_api_key:
         paths.add("/metrics")
     return frozenset(paths)

@@ -6,6 +6,7 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,26 @@ class ServerConfig:
     tool_call_parser: str = option(
         "hermes", "how tool calls are read from a reply under tool_choice auto: hermes, llama3_json"
     )
+    enable_force_include_usage: bool = option(
+        False,
+        "end every streamed answer with a usage chunk, as if each request had sent "
+        "stream_options.include_usage (vLLM's flag)",
+    )
+    return_tokens_as_token_ids: bool = option(
+        False,
+        "name tokens in logprobs 'token_id:N' unless a request says otherwise in its own "
+        "return_tokens_as_token_ids (vLLM's flag)",
+    )
+    enable_server_load_tracking: bool = option(
+        False,
+        "count the generation requests being served, for GET /load (vLLM's flag; without it "
+        "/load reads 0)",
+    )
+    show_hidden_metrics_for_version: str | None = option(
+        None,
+        "vLLM's escape hatch for metrics hidden since version X.Y: pagedserve hides none, so "
+        "every metric shows whatever the version (a version X.Y is still required)",
+    )
     lora_modules: tuple[str, ...] = option(
         (),
         "LoRA adapters to serve, each name=path or vLLM's JSON "
@@ -90,6 +111,11 @@ class ServerConfig:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
+        version = self.show_hidden_metrics_for_version
+        if version is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", version):
+            raise ValueError(
+                f"show_hidden_metrics_for_version must be a version such as 0.10, got {version!r}"
+            )
         for name in ("max_body_bytes", "max_header_bytes", "max_n", "max_prompts", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -61,6 +61,21 @@ OPERATIONS = [
         r.ResponseObject,
         streams=True,
     ),
+    Operation(
+        "post",
+        "/v1/chat/completions/batch",
+        "vLLM's batched chat: a list of conversations, one choice answering each",
+        (p.BatchChatCompletionRequest,),
+        p.ChatCompletionResponse,
+    ),
+    Operation(
+        "post",
+        "/invocations",
+        "SageMaker's route: a chat body (messages) or a completion body (prompt), answered as "
+        "its own route answers it",
+        (p.ChatCompletionRequest, p.CompletionRequest),
+        streams=True,
+    ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),
     Operation(
@@ -98,6 +113,14 @@ OPERATIONS = [
         "/health",
         "200 while serving, 503 when dead or draining",
         response=p.HealthResponse,
+    ),
+    Operation("get", "/ping", "SageMaker's health check: /health", response=p.HealthResponse),
+    Operation("post", "/ping", "SageMaker's health check: /health", response=p.HealthResponse),
+    Operation(
+        "get",
+        "/load",
+        "Generation requests being served (with --enable-server-load-tracking)",
+        response=p.LoadResponse,
     ),
     Operation("get", "/metrics", "Prometheus metrics", media_type="text/plain"),
     Operation("get", "/version", "The server's version", response=p.VersionResponse),

@@ -41,7 +41,9 @@ class VLLMSamplingFields(OpenAIBaseModel):
     length_penalty: float = 1.0
     early_stopping: bool = False
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = (
+        None  # None: the server's --return-tokens-as-token-ids
+    )
 
 
 class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
@@ -70,16 +72,6 @@ class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
     priority: StrictInt = 0
     user: str | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        """vLLM: usage in every chunk, with include_usage and continuous_usage_stats."""
-        options = self.stream_options
-        return self.include_usage_in_stream and bool(options and options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):
@@ -131,6 +123,15 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # vLLM: the reply starts with the last message, when it is the assistant's
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): ``messages`` is a list of conversations, every
+    other field applies to each."""
+
+    messages: Annotated[
+        list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)
+    ]
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -346,6 +347,10 @@ class TokenizerInfoResponse(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class LoadResponse(OpenAIBaseModel):
+    server_load: int  # generation requests being served (vLLM's GET /load)
 
 
 class VersionResponse(OpenAIBaseModel):

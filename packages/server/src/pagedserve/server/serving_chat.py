@@ -40,7 +40,7 @@ from pagedserve.server.tools import (
     plan_tools,
     template_supports_tools,
 )
-from pagedserve.server.vllm_fields import default_max_tokens
+from pagedserve.server.vllm_fields import default_max_tokens, stream_usage, tokens_as_token_ids
 
 # The engine's names -> the chat API's, so a 400 names the field the client sent.
 CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -164,13 +164,13 @@ async def create_chat_completion(
     prompt, aliases, tools = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
     streams = EngineStreams(state, request_id, [prompt], body.priority, aliases, body.model)
-    view = _ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
+    view = ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
     return await answer(
         request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
     )
 
 
-class _ChatView:
+class ChatView:
     """Turns engine outputs into OpenAI chat bodies and SSE chunks."""
 
     def __init__(self, state, body, request_id, prompt_token_ids: list[int], tools) -> None:
@@ -179,7 +179,8 @@ class _ChatView:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
-        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
+        self.name = TokenNamer(self.tokenizer, tokens_as_token_ids(body, state.config))
+        self.include_usage, self.continuous_usage = stream_usage(body, state.config)
         self.k = body.top_logprobs or 0
         self.echo = echoed_text(body)
 
@@ -247,7 +248,7 @@ class _ChatView:
         return sse(chunk.model_dump_json())
 
     def _running_usage(self, progress: StreamProgress) -> UsageInfo | None:
-        return self.usage(progress.completion_tokens) if self.body.continuous_usage else None
+        return self.usage(progress.completion_tokens) if self.continuous_usage else None
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
         """The role chunks (the first carries the prompt's extras) when the engine's first
@@ -286,7 +287,7 @@ class _ChatView:
                         token_ids=self._token_ids(delta.token_ids),
                     )
                     yield self._chunk([choice], self._running_usage(progress))
-            if self.body.include_usage_in_stream:
+            if self.include_usage:
                 yield self._chunk([], self.usage(progress.completion_tokens))
         except APIError as error:
             yield error_event(error)

@@ -29,7 +29,12 @@ from pagedserve.server.sse import (
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
 from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
-from pagedserve.server.vllm_fields import COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens
+from pagedserve.server.vllm_fields import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    default_max_tokens,
+    stream_usage,
+    tokens_as_token_ids,
+)
 
 # vLLM's words for it (clients match them), after ours
 EMPTY_PROMPT = (
@@ -116,7 +121,8 @@ class _CompletionView:
         self.state, self.body, self.id, self.prompts = state, body, request_id, prompts
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
-        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
+        self.name = TokenNamer(self.tokenizer, tokens_as_token_ids(body, state.config))
+        self.include_usage, self.continuous_usage = stream_usage(body, state.config)
 
     def index(self, prompt_index: int, completion) -> int:
         return prompt_index * self.body.n + completion.index
@@ -208,7 +214,7 @@ class _CompletionView:
                     chunk = self._delta_chunk(p, output, completion, progress)
                     if chunk is not None:
                         yield chunk
-            if self.body.include_usage_in_stream:
+            if self.include_usage:
                 usage = self.usage(progress.completion_tokens)
                 yield sse(self._body([], usage, CompletionChunk).model_dump_json())
         except APIError as error:
@@ -248,7 +254,7 @@ class _CompletionView:
         return self._chunk(choice, progress.completion_tokens)
 
     def _chunk(self, choice: CompletionStreamChoice, completion_tokens: int) -> str:
-        usage = self.usage(completion_tokens) if self.body.continuous_usage else None
+        usage = self.usage(completion_tokens) if self.continuous_usage else None
         return sse(self._body([choice], usage, CompletionChunk).model_dump_json())
 
 

@@ -9,11 +9,13 @@
 - ``stream_options`` only with ``stream: true`` (OpenAI and vLLM refuse it otherwise).
 
 ``return_token_ids`` and ``return_tokens_as_token_ids`` shape the responses (the views, and
-logprobs.py).
+logprobs.py); the latter, and the usage a stream reports, default to the server's flags of the
+same names (``--return-tokens-as-token-ids``, ``--enable-force-include-usage``), as vLLM's.
 """
 
 from __future__ import annotations
 
+from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import SamplingRequest
 
@@ -23,6 +25,25 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def check_stream_options(body: SamplingRequest) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def stream_usage(body: SamplingRequest, config: ServerConfig) -> tuple[bool, bool]:
+    """(a usage chunk ends the stream, every chunk carries the usage so far) of a request.
+
+    ``stream_options.include_usage`` asks for the first, ``continuous_usage_stats`` with it for
+    the second; ``--enable-force-include-usage`` gives every stream the first, as vLLM's."""
+    options = body.stream_options
+    include = bool(body.stream) and (
+        config.enable_force_include_usage or bool(options and options.include_usage)
+    )
+    return include, include and bool(options and options.continuous_usage_stats)
+
+
+def tokens_as_token_ids(body: SamplingRequest, config: ServerConfig) -> bool:
+    """Whether logprobs name tokens ``token_id:N``: the request's field, else the server's."""
+    if body.return_tokens_as_token_ids is None:
+        return config.return_tokens_as_token_ids
+    return body.return_tokens_as_token_ids
 
 
 def default_max_tokens(
