@@ -354,7 +354,11 @@ def build_app(
 
     app = assemble_app(ServedModels([state]), config, lifespan)
     app.state.server = state
-    app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
+    metrics = EngineMetrics(
+        engine, name, in_flight=lambda: len(state.in_flight), prefix=config.metrics_prefix + ":"
+    )
+    state.observe_request_params = metrics.observe_request_params
+    app.state.metrics = metrics
     return app
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from pagedserve.engine.config import option
 
 MIB = 1024 * 1024
+METRICS_PREFIXES = ("pagedserve", "vllm")  # --metrics-prefix: ours, or vLLM's own names
 
 
 @dataclass
@@ -89,6 +90,11 @@ class ServerConfig:
         "vLLM's escape hatch for metrics hidden since version X.Y: pagedserve hides none, so "
         "every metric shows whatever the version (a version X.Y is still required)",
     )
+    metrics_prefix: str = option(
+        "pagedserve",
+        "the prefix of the /metrics names: pagedserve, or vllm for vLLM's own names (the "
+        "dashboards and autoscalers written for vLLM read vllm:*)",
+    )
     lora_modules: tuple[str, ...] = option(
         (),
         "LoRA adapters to serve, each name=path or vLLM's JSON "
@@ -101,6 +107,10 @@ class ServerConfig:
         if self.tool_call_parser not in ("hermes", "llama3_json"):
             raise ValueError(
                 f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}"
+            )
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(
+                f"metrics_prefix must be one of {METRICS_PREFIXES}, got {self.metrics_prefix!r}"
             )
         if self.chat_template and Path(self.chat_template).is_file():
             self.chat_template = Path(self.chat_template).read_text()
