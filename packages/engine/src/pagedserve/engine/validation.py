@@ -45,8 +45,14 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > cap:
+            whole = (
+                f"; the whole vocabulary ({vocab_size}, what -1 asks for) needs --max-logprobs -1"
+                if value >= vocab_size
+                else ""
+            )
             raise InvalidRequestError(
-                f"{name} must be in [0, {cap}] (the server's --max-logprobs), got {value}", name
+                f"{name} must be in [0, {cap}] (the server's --max-logprobs), got {value}{whole}",
+                name,
             )
 
 
