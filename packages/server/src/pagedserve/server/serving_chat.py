@@ -40,7 +40,12 @@ from pagedserve.server.tools import (
     plan_tools,
     template_supports_tools,
 )
-from pagedserve.server.vllm_fields import default_max_tokens, stream_usage, tokens_as_token_ids
+from pagedserve.server.vllm_fields import (
+    default_max_tokens,
+    stream_usage,
+    tokens_as_token_ids,
+    whole_vocabulary,
+)
 
 # The engine's names -> the chat API's, so a 400 names the field the client sent.
 CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -121,6 +126,7 @@ def plan_prompt(
     """The conversation as one engine request with the request's n, and the API's names of the
     engine's fields (for the engine's refusals)."""
     check_caps(state, body)
+    whole_vocabulary(body, "top_logprobs", state.engine.model_config.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     tools = plan_tools(body, state.config.tool_call_parser)
