@@ -282,7 +282,14 @@ async def version(request: Request) -> Response:
 STATIC_DIR = Path(__file__).parent / "static"
 
 
+def check_docs_served(request: Request) -> None:
+    """/openapi.json and /docs are routes unless --disable-fastapi-docs takes them away."""
+    if request.app.state.config.disable_fastapi_docs:
+        raise APIError(f"no route GET {request.url.path} (--disable-fastapi-docs)", 404)
+
+
 async def openapi_json(request: Request) -> Response:
+    check_docs_served(request)
     app_state = request.app.state
     if not hasattr(app_state, "openapi"):  # built once, on first use
         config = app_state.config
@@ -298,6 +305,7 @@ async def playground(request: Request) -> Response:
 
 async def docs(request: Request) -> Response:
     """The API's documentation page; its script renders /openapi.json (no CDN: static files)."""
+    check_docs_served(request)
     return FileResponse(STATIC_DIR / "docs.html", media_type="text/html")
 
 

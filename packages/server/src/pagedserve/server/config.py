@@ -51,7 +51,15 @@ class ServerConfig:
     max_stop: int = option(16, "most stop strings (and stop token ids) per request")
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
-    log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
+    log_level: str = option(
+        "info", "uvicorn's log level: critical, error, warning, info, debug, trace"
+    )
+    disable_uvicorn_access_log: bool = option(
+        False, "log no line per HTTP request (uvicorn's access log; vLLM's flag)"
+    )
+    disable_fastapi_docs: bool = option(
+        False, "serve no /openapi.json and no /docs (vLLM's flag, named after its FastAPI)"
+    )
     enable_request_id_headers: bool = option(
         False, "echo the request's X-Request-Id (or a new id) in an X-Request-Id response header"
     )
