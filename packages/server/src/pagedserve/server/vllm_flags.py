@@ -570,7 +570,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser, defined: dict[str, argparse.
         "vLLM's flags accepted for what pagedserve always does (each changes nothing)"
     )
     for flag, why in ACCEPTED.items():
-        accepted.add_argument(flag, action="store_true", dest=argparse.SUPPRESS, help=why)
+        dest = "vllm_" + flag[2:].replace("-", "_")  # read by nothing: the flag changes nothing
+        accepted.add_argument(
+            flag, action="store_true", dest=dest, default=argparse.SUPPRESS, help=why
+        )
     for flag, reason in REFUSED.items():
         try:
             parser.add_argument(flag, action=RefusedFlag, dest=argparse.SUPPRESS, reason=reason)
