@@ -7,6 +7,7 @@ strings, and vLLM's default max_tokens."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ from starlette.testclient import TestClient
 
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.logprobs import TokenNamer, prompt_logprobs
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
 from pagedserve.server.testing import make_engine
 
@@ -161,6 +163,28 @@ def test_minus_one_asks_for_the_whole_vocabulary_with_every_prompt_tokens_rank(t
         assert all(isinstance(e["rank"], int) for p in chat_positions[1:] for e in p.values())
     finally:
         asyncio.run(engine.shutdown())
+
+
+@dataclass
+class RankedLogprob:  # vLLM's Logprob: what an engine that ranks every prompt token hands over
+    logprob: float
+    rank: int | None = None
+
+
+def test_the_engines_rank_of_a_prompt_token_outside_the_top_is_kept(engine):
+    """vLLM gives a prompt token outside the top-k its integer rank; the server keeps an
+    engine's rank where it gives one, and says null (unknown) only where it gives none."""
+    name = TokenNamer(engine.tokenizer)
+    ranked = [
+        None,
+        {5: RankedLogprob(-0.1, 1), 7: RankedLogprob(-0.5, 2), 9: RankedLogprob(-4.0, 23)},
+    ]
+    out = prompt_logprobs(name, ranked, 2)
+    assert [out[1][t].rank for t in ("5", "7", "9")] == [1, 2, 23]
+    unranked = [None, {5: -0.1, 7: -0.5, 9: -4.0}]
+    out = prompt_logprobs(name, unranked, 2)
+    assert [out[1][t].rank for t in ("5", "7", "9")] == [1, 2, None]
+    assert out[1]["9"].logprob == -4.0 and out[1]["9"].decoded_token == engine.tokenizer.decode([9])
 
 
 @pytest.mark.parametrize("field", ["prompt_logprobs", "top_logprobs"])
