@@ -126,6 +126,8 @@ def test_request_params_are_observed_per_admitted_request(client):
 
 def test_waiting_by_reason_splits_num_requests_waiting(client):
     text = client.get("/metrics").text
+    for reason in ("capacity", "deferred"):
+        assert f'reason="{reason}"' in text
     capacity = series(text, "num_requests_waiting_by_reason", 'reason="capacity"')
     deferred = series(text, "num_requests_waiting_by_reason", 'reason="deferred"')
     assert capacity + deferred == series(text, "num_requests_waiting")
