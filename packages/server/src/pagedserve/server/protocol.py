@@ -41,7 +41,9 @@ class VLLMSamplingFields(OpenAIBaseModel):
     length_penalty: float = 1.0
     early_stopping: bool = False
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = (
+        None  # None: the server's --return-tokens-as-token-ids
+    )
 
 
 class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
@@ -71,16 +73,6 @@ class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
     user: str | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        """vLLM: usage in every chunk, with include_usage and continuous_usage_stats."""
-        options = self.stream_options
-        return self.include_usage_in_stream and bool(options and options.continuous_usage_stats)
-
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``max_tokens=None`` means: as many as fit in ``max_model_len``."""
@@ -99,9 +91,12 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message. Content is text, or a list of text parts (images and audio are refused)."""
+    """One message. Content is text, or a list of text parts (images and audio are refused).
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    The role is any string, as vLLM takes it: the chat template decides what a role it does not
+    know means (most render it as they render any role; one that refuses it makes a 400)."""
+
+    role: StrictStr
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
@@ -127,6 +122,16 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the reply starts with the last message, when it is the assistant's
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): ``messages`` is a list of conversations, every
+    other field applies to each."""
+
+    messages: Annotated[
+        list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)
+    ]
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -140,6 +145,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -202,7 +209,7 @@ class CompletionChoice(OpenAIBaseModel):
 
 
 class CompletionResponse(OpenAIBaseModel):
-    """The body of a non-streamed completion, and (with partial choices) of each SSE chunk."""
+    """The body of a non-streamed completion."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -211,6 +218,31 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+def _absent_when_none(value) -> bool:
+    return value is None
+
+
+# vLLM's extensions in a streamed chunk: left out when they have no value (on every chunk but
+# the one that carries them), as vLLM sends them; a client that extends a list from a present
+# key must never find null there.
+StreamedTokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent_when_none)]
+StreamedPromptLogprobs = Annotated[
+    PromptLogprobs | None, Field(default=None, exclude_if=_absent_when_none)
+]
+
+
+class CompletionStreamChoice(CompletionChoice):
+    prompt_logprobs: StreamedPromptLogprobs
+    prompt_token_ids: StreamedTokenIds
+    token_ids: StreamedTokenIds
+
+
+class CompletionChunk(CompletionResponse):
+    """One SSE chunk of a streamed completion: partial choices, or the usage alone."""
+
+    choices: list[CompletionStreamChoice]
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -267,7 +299,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids
+    token_ids: StreamedTokenIds  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -278,8 +310,8 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk
-    prompt_token_ids: list[int] | None = None  # return_token_ids, on the first chunk
+    prompt_logprobs: StreamedPromptLogprobs  # on the first chunk
+    prompt_token_ids: StreamedTokenIds  # return_token_ids, on the first chunk
 
 
 class ModelCard(OpenAIBaseModel):
@@ -315,6 +347,10 @@ class TokenizerInfoResponse(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class LoadResponse(OpenAIBaseModel):
+    server_load: int  # generation requests being served (vLLM's GET /load)
 
 
 class VersionResponse(OpenAIBaseModel):

@@ -19,6 +19,7 @@ from pagedserve.server.protocol import (
     ChatCompletionStreamChoice,
     ChatMessage,
     DeltaMessage,
+    TokenizeChatRequest,
     UsageInfo,
 )
 from pagedserve.server.request_params import build_sampling_params, check_caps
@@ -39,7 +40,12 @@ from pagedserve.server.tools import (
     plan_tools,
     template_supports_tools,
 )
-from pagedserve.server.vllm_fields import default_max_tokens
+from pagedserve.server.vllm_fields import (
+    default_max_tokens,
+    stream_usage,
+    tokens_as_token_ids,
+    whole_vocabulary,
+)
 
 # The engine's names -> the chat API's, so a 400 names the field the client sent.
 CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -81,6 +87,28 @@ def chat_prompt_ids(
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
 
 
+def template_options(body: ChatCompletionRequest | TokenizeChatRequest) -> tuple[bool, dict]:
+    """``(add_generation_prompt, chat template kwargs)`` of a chat or /tokenize body.
+
+    ``continue_final_message``: the reply continues the last (assistant) message, left open (no
+    end-of-turn marker), so no generation prompt follows it unless the body asks for both, which
+    vLLM refuses with the phrase kept here."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if not body.continue_final_message:
+        return body.add_generation_prompt, kwargs
+    if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    if body.messages[-1].role != "assistant":
+        raise bad_request(
+            "continue_final_message needs an assistant message last", "continue_final_message"
+        )
+    kwargs["continue_final_message"] = True
+    return False, kwargs
+
+
 def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
     """``max_completion_tokens`` (OpenAI's new name) or ``max_tokens``, and which was used."""
     new, old = body.max_completion_tokens, body.max_tokens
@@ -98,6 +126,7 @@ def plan_prompt(
     """The conversation as one engine request with the request's n, and the API's names of the
     engine's fields (for the engine's refusals)."""
     check_caps(state, body)
+    whole_vocabulary(body, "top_logprobs", state.engine.model_config.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     tools = plan_tools(body, state.config.tool_call_parser)
@@ -109,14 +138,7 @@ def plan_prompt(
             "output constraint",
             "tool_choice",
         )
-    add_generation_prompt = body.add_generation_prompt
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.continue_final_message:  # the reply continues the last (assistant) message
-        if body.messages[-1].role != "assistant":
-            raise bad_request(
-                "continue_final_message needs an assistant message last", "continue_final_message"
-            )
-        add_generation_prompt, kwargs["continue_final_message"] = False, True
+    add_generation_prompt, kwargs = template_options(body)
     prompt_ids = chat_prompt_ids(state, body.messages, add_generation_prompt, kwargs, tools)
     if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
@@ -148,13 +170,13 @@ async def create_chat_completion(
     prompt, aliases, tools = plan_prompt(state, body)
     request_id = new_id("chatcmpl")
     streams = EngineStreams(state, request_id, [prompt], body.priority, aliases, body.model)
-    view = _ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
+    view = ChatView(state, body, request_id, prompt.prompt_token_ids, tools)
     return await answer(
         request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
     )
 
 
-class _ChatView:
+class ChatView:
     """Turns engine outputs into OpenAI chat bodies and SSE chunks."""
 
     def __init__(self, state, body, request_id, prompt_token_ids: list[int], tools) -> None:
@@ -163,8 +185,10 @@ class _ChatView:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
-        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
+        self.name = TokenNamer(self.tokenizer, tokens_as_token_ids(body, state.config))
+        self.include_usage, self.continuous_usage = stream_usage(body, state.config)
         self.k = body.top_logprobs or 0
+        self.echo = echoed_text(body)
 
     def _prompt_extras(self, output: RequestOutput) -> dict:
         """vLLM's prompt fields (response level): ``prompt_logprobs``, ``prompt_token_ids``."""
@@ -196,6 +220,8 @@ class _ChatView:
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
             content, calls = self.tools.tool_calls(completion.text)
+            if self.echo:
+                content = self.echo + (content or "")
             choices.append(
                 ChatCompletionChoice(
                     index=completion.index,
@@ -228,7 +254,7 @@ class _ChatView:
         return sse(chunk.model_dump_json())
 
     def _running_usage(self, progress: StreamProgress) -> UsageInfo | None:
-        return self.usage(progress.completion_tokens) if self.body.continuous_usage else None
+        return self.usage(progress.completion_tokens) if self.continuous_usage else None
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
         """The role chunks (the first carries the prompt's extras) when the engine's first
@@ -267,13 +293,15 @@ class _ChatView:
                         token_ids=self._token_ids(delta.token_ids),
                     )
                     yield self._chunk([choice], self._running_usage(progress))
-            if self.body.include_usage_in_stream:
+            if self.include_usage:
                 yield self._chunk([], self.usage(progress.completion_tokens))
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE
 
     def _role_chunks(self, output: RequestOutput, progress: StreamProgress) -> list[str]:
+        """The role of each choice (the first chunk carries the prompt's extras), then the
+        echoed last message of each, with ``echo``."""
         chunks = []
         for index in range(self.body.n):
             role = ChatCompletionStreamChoice(
@@ -281,7 +309,20 @@ class _ChatView:
             )
             extras = self._prompt_extras(output) if index == 0 else {}
             chunks.append(self._chunk([role], self._running_usage(progress), **extras))
+        if self.echo:
+            for index in range(self.body.n):
+                echoed = ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(content=self.echo)
+                )
+                chunks.append(self._chunk([echoed], self._running_usage(progress)))
         return chunks
+
+
+def echoed_text(body: ChatCompletionRequest) -> str:
+    """What vLLM's ``echo`` puts in front of each reply: the last message's text when it is the
+    assistant's own (the reply's role), as with ``continue_final_message``; else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 def named_call_choice(tools: ToolCallPlan, completion, delta, first: bool):
