@@ -45,8 +45,8 @@ def test_the_serial_kernel_gives_the_parallel_ones_bits(n, k):
     x, w = _operands(5, n, k, seed=3)
     arrays = [x.numpy(), w.numpy()]
     parallel, serial = (torch.empty(5, n).numpy() for _ in range(2))
-    dense._dense_linear_parallel(*arrays, parallel)
-    dense._dense_linear_serial(*arrays, serial)
+    dense.dense_linear_parallel(*arrays, parallel)
+    dense.dense_linear_serial(*arrays, serial)
     assert (parallel == serial).all()
 
 

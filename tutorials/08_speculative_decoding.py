@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineArgs
-from pagedserve.engine.spec_decode.ngram import propose_ngram_spec
+from pagedserve.engine.spec_decode.ngram import propose_ngram_literal
 from pagedserve.kernels.rejection_sample import rejection_sample
 from pagedserve.models.default_model import ensure_default_model
 
@@ -58,8 +58,8 @@ tokens = list(request.all_token_ids)
 print("== 1. Propose ==")
 print(f"  the sequence ends with {show(tokens[-6:])}")
 print(f"  proposals on the request: {request.spec_token_ids} = {show(request.spec_token_ids)}")
-assert request.spec_token_ids == propose_ngram_spec(tokens, 4, 2, 4)
-print("  the same as the literal rule (propose_ngram_spec): True")
+assert request.spec_token_ids == propose_ngram_literal(tokens, 4, 2, 4)
+print("  the same as the literal rule (propose_ngram_literal): True")
 
 # ## 2. Verify: one forward over the last token and the proposals
 #

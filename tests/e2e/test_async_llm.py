@@ -259,7 +259,7 @@ def test_shutdown_is_clean_and_final(llama):
     async def main():
         llm = make_engine(llama)
         await collect(llm, [4, 5, 6], GREEDY, "a")
-        thread = llm._thread
+        thread = llm.engine_thread
         await llm.shutdown()
         assert not thread.is_alive()
         assert not llm.is_running and not llm.errored

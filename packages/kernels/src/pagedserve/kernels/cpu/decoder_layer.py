@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.cpu.dense_linear import MAX_ROWS, _dense_linear
+from pagedserve.kernels.cpu.dense_linear import MAX_ROWS, dense_linear_compiled
 from pagedserve.kernels.cpu.half import cache_as_numpy
 from pagedserve.kernels.cpu.layer_ops import (
     CACHE_DTYPES,
@@ -80,7 +80,7 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     else:
         summed = hidden
         _rms_norm_kernel(hidden, hidden, norms[0], eps[0], normed, hidden, False)
-    qkv = _dense_linear(normed, w_qkv, threads)
+    qkv = dense_linear_compiled(normed, w_qkv, threads)
     if qkv_bias.shape[0]:
         for t in range(qkv.shape[0]):
             qkv[t] += qkv_bias
@@ -91,13 +91,13 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
     attended = np.empty(q.shape, np.float32)  # every row is some work item's: see supports
     launch_attention(q, cache[0], cache[1], *attention, attended)
-    projected = _dense_linear(attended.reshape(q.shape[0], -1), w_o, threads)
+    projected = dense_linear_compiled(attended.reshape(q.shape[0], -1), w_o, threads)
     normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
     _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
-    gate_up = _dense_linear(normed2, w_gate_up, threads)
+    gate_up = dense_linear_compiled(normed2, w_gate_up, threads)
     activated = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     _silu_and_mul_kernel(gate_up, activated)
-    return _dense_linear(activated, w_down, threads), summed2
+    return dense_linear_compiled(activated, w_down, threads), summed2
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def _features(x, w, out, first, stop):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
+def dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
     blocks = w.shape[0] // _BLOCK
     for block in numba.prange(blocks):
         _features(x, w, out, block * _BLOCK, block * _BLOCK + _BLOCK)
@@ -94,20 +94,20 @@ def _dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def _dense_linear_serial(x, w, out):  # pragma: no cover - compiled
+def dense_linear_serial(x, w, out):  # pragma: no cover - compiled
     _features(x, w, out, 0, w.shape[0])
 
 
 @numba.njit(cache=True)
-def _dense_linear(x, w, threads):  # pragma: no cover - compiled
+def dense_linear_compiled(x, w, threads):  # pragma: no cover - compiled
     """``x @ w.T`` into a new array: the weight shared out over the threads from
     ``PARALLEL_FROM_WEIGHTS`` on, else in this thread. Compiled, so that the fused decoder layer
     (cpu/decoder_layer.py) makes the same choice as :func:`dense_linear_numba`."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
-        _dense_linear_parallel(x, w, out)
+        dense_linear_parallel(x, w, out)
     else:
-        _dense_linear_serial(x, w, out)
+        dense_linear_serial(x, w, out)
     return out
 
 
@@ -132,7 +132,9 @@ def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     [N, K]`` (see :func:`supports`); returns ``[..., N]``."""
     n, k = weight.shape
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    result = torch.from_numpy(_dense_linear(x2.numpy(), weight.numpy(), follow_torch_threads()))
+    result = torch.from_numpy(
+        dense_linear_compiled(x2.numpy(), weight.numpy(), follow_torch_threads())
+    )
     return result if x.dim() == 2 else result.view(*x.shape[:-1], n)
 
 
@@ -140,4 +142,4 @@ def warm_up() -> None:
     """Compile (or load from numba's disk cache) the GEMM now, not in the first request: one
     signature (C-contiguous fp32 arrays); the parallel and serial kernels compile with it."""
     x, w = np.zeros((2, 8), np.float32), np.zeros((2 * _BLOCK + 1, 8), np.float32)
-    _dense_linear(x, w, 1)
+    dense_linear_compiled(x, w, 1)

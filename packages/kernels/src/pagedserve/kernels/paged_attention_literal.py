@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-def paged_attention_spec(
+def paged_attention_literal(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
