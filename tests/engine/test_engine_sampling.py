@@ -155,7 +155,9 @@ def test_stop_token_ids_and_min_tokens(llm, hf_llama):
 @pytest.mark.parametrize("budget", [None, 8], ids=["one-chunk", "chunked-prefill"])
 def test_prompt_logprobs_equal_transformers(llama, hf_llama, budget):
     """Every prompt token's logprob (and the top 2) from transformers' forward over the prompt,
-    also when the prompt is read in chunks of 8 and when its blocks are in the prefix cache."""
+    also when the prompt is read in chunks of 8 and when its blocks are in the prefix cache;
+    every token's rank (vLLM's: how many tokens are at least as likely), inside the top 2 or
+    not."""
     llm = LLM(model=llama, block_size=8, num_gpu_blocks_override=64, max_num_batched_tokens=budget)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     with torch.inference_mode():
@@ -168,6 +170,9 @@ def test_prompt_logprobs_equal_transformers(llama, hf_llama, budget):
             assert list(entry)[:2] == reference[i].topk(2).indices.tolist()
             token = PROMPT[i + 1]
             assert entry[token] == pytest.approx(float(reference[i, token]), abs=1e-4)
+            assert entry[token].logprob == float(entry[token])
+            assert entry[token].rank == int((reference[i] >= reference[i, token] - 1e-5).sum())
+            assert [entry[t].rank for t in list(entry)[:2]] == [1, 2]
     assert_no_block_held(llm)
 
 

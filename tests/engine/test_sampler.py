@@ -204,11 +204,12 @@ def test_each_row_draws_what_it_draws_alone(seed):
 
 
 def test_any_integer_seed_gives_a_generator(tiny_checkpoint):
-    """Seeds outside torch's range (negative, or past 2**64 with the n > 1 offsets) still work."""
+    """Seeds outside torch's range (negative, or past 2**63 with the n > 1 offsets) still work;
+    SamplingParams takes vLLM's signed 64-bit range."""
     from pagedserve.engine import LLM
 
     llm = LLM(model=tiny_checkpoint("llama"), block_size=8, num_gpu_blocks_override=32)
-    for seed in (-5, 2**64 - 1, 2**70):
+    for seed in (-5, 2**63 - 1, -(2**63)):
         params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=2)
         out = llm.generate([{"prompt_token_ids": [4, 5, 6]}], params, use_tqdm=False)[0]
         assert all(len(o.token_ids) >= 1 for o in out.outputs)

@@ -293,7 +293,7 @@ class LLMEngine:
         outputs, tokens = processor.process(updated, output, time.monotonic())
         if output.spec_decode is not None:
             self.stats.record_spec_decode(output.spec_decode)
-        self._record_step(tokens, scheduled.num_scheduled_tokens)
+        self._record_step(tokens, is_step=True)
         self._release_removed_loras()
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
@@ -324,19 +324,25 @@ class LLMEngine:
             )
         )
 
-    def _record_step(self, tokens: StepTokens, num_scheduled_tokens: int = 0) -> None:
+    def _record_step(self, tokens: StepTokens, is_step: bool = False) -> None:
+        """The gauges, and a step's tokens. A step's sample for the per-step histogram is, as
+        vLLM counts it, the prompt tokens of the requests that got their first token in it
+        plus the tokens generated in it (0 included)."""
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
+            num_waiting_deferred=self.structured_output.num_held,  # held for their grammar
             kv_cache_usage=kv.usage(),
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=stats.num_preemptions,
             new_prompt_tokens=tokens.num_prompt_tokens,
             new_generation_tokens=tokens.num_generation_tokens,
-            iteration_tokens=num_scheduled_tokens,
+            iteration_tokens=tokens.num_prompt_tokens + tokens.num_generation_tokens
+            if is_step
+            else None,
             inter_token_latencies=tokens.inter_token_latencies,
         )
 

@@ -16,7 +16,29 @@ if TYPE_CHECKING:
 
     from pagedserve.engine.spec_decode.verify import VerifyCounts
 
-Logprobs = dict[int, float]  # {token id: logprob}: the top N of a position, then the actual token
+
+class Logprob(float):
+    """A token's log-probability, a float, that also carries the token's rank in its position's
+    distribution (1: the likeliest; the number of tokens at least as likely, itself included),
+    as vLLM's ``Logprob`` does: ``.logprob`` and ``.rank`` read as vLLM's, and code that takes
+    a logprob as a number keeps working."""
+
+    __slots__ = ("rank",)
+
+    def __new__(cls, logprob: float, rank: int) -> Logprob:
+        value = float.__new__(cls, logprob)
+        value.rank = rank
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):  # slots and a float subclass: pickle (Ray, the cluster) by value
+        return Logprob, (float(self), self.rank)
+
+
+Logprobs = dict[int, Logprob]  # {token id: logprob}: the top N of a position, then the actual one
 
 
 @dataclass(slots=True)

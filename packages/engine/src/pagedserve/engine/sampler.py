@@ -31,6 +31,7 @@ from itertools import chain
 import torch
 
 from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.outputs import Logprob
 from pagedserve.engine.structured_output.manager import grammar_bitmask
 from pagedserve.kernels.penalties import apply_penalties
 from pagedserve.kernels.sampling import sample_tokens
@@ -95,7 +96,7 @@ class SamplerOutput:
     ``{token: logprob}`` (its top N, then the drawn token)."""
 
     token_ids: torch.Tensor
-    logprobs: dict[int, dict[int, float]]
+    logprobs: dict[int, dict[int, Logprob]]
 
 
 class Sampler:
@@ -176,18 +177,23 @@ def exponential_noise(
 
 def top_logprobs(
     logprobs: torch.Tensor, token_ids: Sequence[int], nums: Sequence[int]
-) -> list[dict[int, float]]:
-    """Row i of ``logprobs [R, V]`` as ``{token: logprob}``: its top ``nums[i]``, then
-    ``token_ids[i]`` (the drawn or the actual token) if not among them. Every kind of logprobs
-    the engine reports (sampled, verified, prompt) is made here, in one transfer each."""
+) -> list[dict[int, Logprob]]:
+    """Row i of ``logprobs [R, V]`` as ``{token: Logprob}``: its top ``nums[i]`` (ranks 1 to
+    ``nums[i]``), then ``token_ids[i]`` (the drawn or the actual token) if not among them, with
+    its rank: the number of tokens at least as likely (vLLM's). Every kind of logprobs the
+    engine reports (sampled, verified, prompt) is made here, in one transfer each."""
     top = logprobs.topk(max(max(nums, default=0), 1), dim=-1)
     top_ids, top_values = top.indices.tolist(), top.values.tolist()
     index = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
-    actual = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+    actual = logprobs.gather(1, index[:, None])
+    ranks = (logprobs >= actual).sum(dim=-1).tolist()
     entries = []
-    for ids, values, token, value, num in zip(top_ids, top_values, token_ids, actual, nums):
-        entry = dict(zip(ids[:num], values[:num]))
-        entry.setdefault(token, value)
+    for ids, values, token, value, rank, num in zip(
+        top_ids, top_values, token_ids, actual.squeeze(1).tolist(), ranks, nums
+    ):
+        entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(ids[:num], values[:num]), 1)}
+        if token not in entry:
+            entry[token] = Logprob(value, rank)
         entries.append(entry)
     return entries
 
