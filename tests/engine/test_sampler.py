@@ -213,3 +213,53 @@ def test_any_integer_seed_gives_a_generator(tiny_checkpoint):
         params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=2)
         out = llm.generate([{"prompt_token_ids": [4, 5, 6]}], params, use_tqdm=False)[0]
         assert all(len(o.token_ids) >= 1 for o in out.outputs)
+
+
+def test_allowed_token_ids_keep_every_draw_inside_the_set():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(7))
+    allowed = [3, 17, 29, 41]
+    meta = meta_for([SamplingParams(temperature=1.5, allowed_token_ids=allowed)] * 64)
+    assert set(Sampler()(logits.clone(), meta).token_ids.tolist()) <= set(allowed)
+    greedy = meta_for([SamplingParams(temperature=0, allowed_token_ids=allowed)])
+    expected = allowed[int(logits[0, allowed].argmax())]
+    assert Sampler()(logits[:1].clone(), greedy).token_ids.tolist() == [expected]
+
+
+def test_a_bad_words_last_token_is_masked_once_the_tokens_before_it_are_out():
+    """One-token bad words always; a two-token one only right after its first token."""
+    logits = torch.zeros(1, 10)
+    logits[0, 4], logits[0, 6] = 5.0, 4.0  # 4 then 6 are the greedy picks
+    params = SamplingParams(temperature=0)
+
+    def draw(history):
+        request = Request("r", [1], max_tokens=8)
+        request.output_token_ids = history
+        state = SamplingState(request, params, torch.Generator(), bad_words_token_ids=[[4], [2, 6]])
+        return Sampler()(logits.clone(), SamplingMetadata([state])).token_ids.item()
+
+    assert draw([]) == 6  # 4 is a bad word of its own
+    assert draw([2]) != 6 and draw([2]) != 4  # after 2, "2 6" would complete a bad word
+    assert draw([3, 2, 5]) == 6
+
+
+def test_bad_words_are_tokenized_at_the_start_of_a_text_and_after_a_space(tiny_checkpoint):
+    from pagedserve.engine.logits_processors import bad_words_token_ids
+    from pagedserve.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_checkpoint("llama"))
+    got = bad_words_token_ids(["hello world", " hello world"], tokenizer)
+    first = tokenizer.encode("hello world", add_special_tokens=False)
+    spaced = tokenizer.encode(" hello world", add_special_tokens=False)
+    assert got == [first, spaced] or (first == spaced and got == [first])
+
+
+def test_the_thinking_budget_forces_the_end_tokens_in_order():
+    from pagedserve.engine.logits_processors import thinking_end_forced
+
+    start, end = [90], [91, 92]
+    assert thinking_end_forced([5, 6, 7], 2, start, end) is None  # no thinking opened
+    assert thinking_end_forced([5, 90, 1], 2, start, end) is None  # one token thought
+    assert thinking_end_forced([5, 90, 1, 2], 2, start, end) == 91  # the budget is spent
+    assert thinking_end_forced([5, 90, 1, 2, 91], 2, start, end) == 92
+    assert thinking_end_forced([5, 90, 1, 2, 91, 92], 2, start, end) is None  # closed
+    assert thinking_end_forced([90, 1, 91, 92, 90, 3, 4], 2, start, end) == 91  # reopened

@@ -43,11 +43,12 @@ class SamplingState:
     other sequences of an ``n > 1`` request before its first sample, as (request id,
     generator): the runner draws each one's first token from this row too, and the engine
     starts them with it. ``beam``: a beam-search sequence, whose row is not sampled: the
-    runner returns its log-probabilities for the group's beam step.
+    runner returns its log-probabilities for the group's beam step. ``bad_words_token_ids``:
+    ``params.bad_words`` as token ids (the engine tokenizes them once).
 
     ``greedy``, ``processed`` and ``special`` are read from ``params`` once: ``processed``
-    when a logits processor applies (a grammar, logit_bias, min_tokens, penalties),
-    ``special`` when the row needs anything beyond an argmax.
+    when a logits processor applies (logits_processors.py), ``special`` when the row needs
+    anything beyond an argmax.
     """
 
     request: Request
@@ -56,6 +57,7 @@ class SamplingState:
     grammar_matcher: GrammarMatcher | None = None
     forks: list[tuple[str, torch.Generator]] = field(default_factory=list)
     beam: bool = False
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     greedy: bool = field(init=False)
     processed: bool = field(init=False)
     special: bool = field(init=False)
@@ -65,6 +67,9 @@ class SamplingState:
         self.greedy = params.temperature < GREEDY_TEMPERATURE
         self.processed = (
             params.structured_outputs is not None
+            or params.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+            or params.thinking_token_budget is not None
             or bool(params.logit_bias)
             or params.min_tokens > 0
             or params.repetition_penalty != 1.0

@@ -33,6 +33,7 @@ from pagedserve.engine.cpu_threads import set_cpu_threads
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
@@ -189,8 +190,14 @@ class LLMEngine:
         num_generators = 1 if params.use_beam_search else params.n
         generators = [self._generator(group.seed + i) for i in range(num_generators)]
         forks = [(group.child_request_id(i), generators[i]) for i in range(1, num_generators)]
+        bad_words = bad_words_token_ids(params.bad_words or (), self.tokenizer)
         sampling = SamplingState(
-            request, params, generators[0], forks=forks, beam=params.use_beam_search
+            request,
+            params,
+            generators[0],
+            forks=forks,
+            beam=params.use_beam_search,
+            bad_words_token_ids=bad_words,
         )
         request.payload = group.sequence_state(0, sampling, self.tokenizer)
         group.sequences.append(request)

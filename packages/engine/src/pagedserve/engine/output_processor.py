@@ -199,7 +199,10 @@ class OutputProcessor:
             lora_int_id=parent.lora_int_id,  # the parent's blocks were computed with it
         )
         matcher = None if group.compiled_grammar is None else group.compiled_grammar.matcher()
-        sampling = SamplingState(child, group.params, generator, matcher)
+        bad_words = parent.payload.sampling.bad_words_token_ids
+        sampling = SamplingState(
+            child, group.params, generator, matcher, bad_words_token_ids=bad_words
+        )
         child.payload = group.sequence_state(index, sampling, self.tokenizer)
         child.output_token_ids.append(token)
         group.sequences.append(child)

@@ -6,10 +6,10 @@ an ``n > 1`` request's forks, and the positions a speculative decode verifies (w
 
 1. raw logprobs, for the rows that report them: read from the logits as the model gave them
    (vLLM's default), before anything below changes them (``top_logprobs``);
-2. logits processors, on the rows that have any, in place: the structured-output mask (one
-   packed bitmask for the constrained rows), ``logit_bias``, the min_tokens stop-token mask
-   (stop tokens may not be drawn before ``min_tokens`` tokens are out, vLLM's rule), then the
-   repetition, frequency and presence penalties;
+2. logits processors (logits_processors.py), on the rows that have any, in place: the
+   structured-output mask, ``allowed_token_ids``, ``bad_words``, ``logit_bias``, the min_tokens
+   stop-token mask, the repetition, frequency and presence penalties, and last the thinking
+   budget's forced end;
 3. the draw: greedy rows (temperature below ``GREEDY_TEMPERATURE``) take the argmax; the
    others the exponential race over temperature, top-k, top-p and min-p (``sample_tokens``)
    with noise from the row's own generator, so a seeded request draws the same tokens in any
@@ -26,16 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
 from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.logits_processors import apply_logits_processors
 from pagedserve.engine.outputs import Logprob
-from pagedserve.engine.structured_output.manager import grammar_bitmask
-from pagedserve.kernels.penalties import apply_penalties
 from pagedserve.kernels.sampling import sample_tokens
-from pagedserve.kernels.token_bitmask import apply_token_bitmask
 
 
 class SamplingMetadata:
@@ -128,10 +125,7 @@ class Sampler:
         part = logits if whole else logits[rows]
         states = [meta.states[row] for row in rows]
         histories = [meta.history(row) for row in rows]
-        _mask_grammar(part, states)
-        _add_logit_bias(part, states)
-        _mask_early_stops(part, states, histories)
-        penalised = _penalise(part, states, histories)
+        penalised = apply_logits_processors(part, states, histories)
         if not whole:
             logits[rows] = penalised
         elif penalised is not logits:
@@ -196,84 +190,3 @@ def top_logprobs(
             entry[token] = Logprob(value, rank)
         entries.append(entry)
     return entries
-
-
-def stop_tokens_masked(num_output: int, min_tokens: int, stop_token_ids: frozenset[int]):
-    """The tokens a row may not draw now: its stop tokens while fewer than ``min_tokens``
-    tokens are out (vLLM's rule; EOS is among them unless the request ignores it)."""
-    return stop_token_ids if num_output < min_tokens else frozenset()
-
-
-def _mask_grammar(logits: torch.Tensor, states: list[SamplingState]) -> None:
-    """Tokens the row's grammar does not allow now to -inf (structured outputs)."""
-    found = grammar_bitmask([s.grammar_matcher for s in states], logits.shape[-1])
-    if found is None:
-        return
-    bitmask, rows = found
-    device = logits.device
-    indices = torch.tensor(rows, dtype=torch.int32, device=device)
-    apply_token_bitmask(logits, bitmask.to(device=device), indices)
-
-
-def _add_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
-    rows, cols, bias = [], [], []
-    for row, state in enumerate(states):
-        for token, value in (state.params.logit_bias or {}).items():
-            rows.append(row)
-            cols.append(int(token))
-            bias.append(float(value))
-    if rows:
-        device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        logits.index_put_(index, torch.tensor(bias, dtype=logits.dtype, device=device), True)
-
-
-def _mask_early_stops(
-    logits: torch.Tensor, states: list[SamplingState], histories: list[list[int]]
-) -> None:
-    masked = [
-        (row, token)
-        for row, (state, history) in enumerate(zip(states, histories))
-        for token in stop_tokens_masked(
-            len(history), state.request.min_tokens, state.request.stop_token_ids
-        )
-    ]
-    if masked:
-        rows, cols = zip(*masked, strict=True)
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-
-
-def _penalise(
-    logits: torch.Tensor, states: list[SamplingState], histories: list[list[int]]
-) -> torch.Tensor:
-    """Repetition, frequency and presence penalties (the logits as they are when no row has
-    any)."""
-    params = [s.params for s in states]
-    if all(
-        p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-        for p in params
-    ):
-        return logits
-    batch, vocab = logits.shape
-    device = logits.device
-    prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
-    prompt_mask[_scatter_index([s.request.prompt_token_ids for s in states], device)] = True
-    output_counts = torch.zeros(batch, vocab, dtype=torch.int32, device=device)
-    rows, tokens = _scatter_index(histories, device)
-    ones = torch.ones_like(tokens, dtype=torch.int32)
-    output_counts.index_put_((rows, tokens), ones, accumulate=True)
-    table = torch.tensor(
-        [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params],
-        dtype=torch.float32,
-    ).to(device)
-    repetition, presence, frequency = table.unbind(1)
-    return apply_penalties(logits, prompt_mask, output_counts, repetition, presence, frequency)
-
-
-def _scatter_index(token_lists: list[list[int]], device: torch.device):
-    """(row, token) index tensors of every token of every row, built in one pass."""
-    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long)
-    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    return rows.to(device), tokens.to(device)
