@@ -5,6 +5,7 @@ ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGI
 Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
+    GET|DELETE /v1/responses/{id}
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
@@ -63,7 +64,11 @@ from pagedserve.server.serving_lora import (
     load_startup_adapters,
     unload_lora_adapter,
 )
-from pagedserve.server.serving_responses import create_response
+from pagedserve.server.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from pagedserve.server.state import ServedModels, ServerState, now_s
 from pagedserve.server.tokenizer_info import tokenizer_info_of
 
@@ -112,6 +117,14 @@ async def chat_completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     body = await read_body(request, ResponsesRequest)
     return await create_response(request, state_of(request, body.model), body)
+
+
+async def get_response(request: Request) -> Response:
+    return await retrieve_response(request, state_of(request))
+
+
+async def remove_response(request: Request) -> Response:
+    return await delete_response(request, state_of(request))
 
 
 def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
@@ -247,6 +260,8 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", remove_response, methods=["DELETE"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),

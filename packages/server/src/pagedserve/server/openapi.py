@@ -57,6 +57,18 @@ OPERATIONS = [
         r.ResponseObject,
         streams=True,
     ),
+    Operation(
+        "get",
+        "/v1/responses/{response_id}",
+        "A stored response (404 when none has the id)",
+        response=r.ResponseObject,
+    ),
+    Operation(
+        "delete",
+        "/v1/responses/{response_id}",
+        "Delete a stored response",
+        response=r.ResponseDeleted,
+    ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),
     Operation(
@@ -140,10 +152,11 @@ def _operation(op: Operation, refs: dict) -> dict:
         "4XX": {"description": "A refused request (OpenAI's error shape)", **error},
         "5XX": {"description": "Unavailable (503) or an internal error (500)", **error},
     }
-    if "{model_id}" in op.path:
-        body["parameters"] = [
-            {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
-        ]
+    for name in ("model_id", "response_id"):
+        if "{" + name + "}" in op.path:
+            body["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            ]
     if op.open:
         body["security"] = []
     return body

@@ -3,8 +3,12 @@
 The models check types and shapes (a prompt is a string, a list of strings, token ids or lists of
 token ids; a message has a role and text content). The server's caps (``n``, stop strings) are
 checked by request_params.py; sampling ranges by ``SamplingParams``; what depends on the model
-(token ids inside the vocabulary, the prompt within ``max_model_len``) by the engine. Unknown fields are accepted and ignored, as OpenAI's own clients send
-fields that an engine may not know (``user``, ``service_tier``...).
+(token ids inside the vocabulary, the prompt within ``max_model_len``) by the engine.
+
+Every field vLLM documents on these requests is declared here, and each is either read by its
+route or refused with a 400 naming it (field_coverage.py keeps the account, and a test holds it
+to the models). Fields neither OpenAI's nor vLLM's are accepted and ignored, as OpenAI's own
+clients send fields that an engine may not know (``service_tier``, ``metadata``...).
 """
 
 from __future__ import annotations
@@ -32,7 +36,31 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
-class VLLMSamplingFields(OpenAIBaseModel):
+class RefusedVLLMFields(OpenAIBaseModel):
+    """vLLM's request fields that pagedserve does not implement yet: declared so that a request
+    sending one is refused with a 400 naming it (field_coverage.py says why each is), never
+    accepted and ignored."""
+
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    logits_processors: list[Any] | None = None
+    logprob_token_ids: list[StrictInt] | None = None
+    extra_args: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    watermarking: bool | None = None
+    stream_interval: StrictInt | None = None
+    cache_salt: StrictStr | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    routed_experts_prompt_start: StrictInt = 0
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool = True
+    guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+
+
+class VLLMSamplingFields(RefusedVLLMFields):
     """vLLM's request fields beyond OpenAI's, shared by both generation routes (the server's
     handling of them is in vllm_fields.py)."""
 
@@ -42,6 +70,12 @@ class VLLMSamplingFields(OpenAIBaseModel):
     early_stopping: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    spaces_between_special_tokens: bool = True
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    session_id: StrictStr | None = None
+    # vLLM's thinking budget; honoured only where it cannot bind (field_coverage.py)
+    thinking_token_budget: StrictInt | None = None
 
 
 class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
@@ -91,6 +125,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = None
     suffix: str | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -106,6 +142,10 @@ class ChatMessage(OpenAIBaseModel):
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
+    # an assistant turn's thinking, sent back as history (vLLM takes both names); a template
+    # that shows earlier thinking reads it as ``reasoning_content``
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -127,6 +167,25 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True
+    # refused (field_coverage.py)
+    echo: bool = False
+    add_special_tokens: bool = False
+    chat_template: StrictStr | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[StrictStr] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -162,10 +221,17 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens, those spent thinking (--reasoning-parser)
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda details: details is None
+    )
 
 
 class CompletionLogprobs(OpenAIBaseModel):
@@ -227,9 +293,18 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+def _absent(value) -> bool:
+    return value is None
+
+
 class AssistantMessage(OpenAIBaseModel):
+    """The reply; with a reasoning parser, its thinking in ``reasoning_content`` and in vLLM's
+    newer ``reasoning`` (both, for clients of either; left out when there is none)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)
+    reasoning: str | None = Field(default=None, exclude_if=_absent)
     # left out of the body when there is none, as OpenAI does
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
@@ -258,6 +333,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)
+    reasoning: str | None = Field(default=None, exclude_if=_absent)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pagedserve.engine import EngineClient, LoRARequest
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
+from pagedserve.server.responses_store import ResponseStore
 
 
 @dataclass
@@ -24,6 +25,12 @@ class ServerState:
     in_flight: dict[str, None] = field(default_factory=dict)  # engine request ids
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)  # by served name
     _last_lora_id: int = 0
+    responses_store: ResponseStore | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.responses_store = ResponseStore.from_config(
+            self.config.responses_store, self.config.responses_store_max
+        )
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """An adapter under ``name`` with an id no other adapter of this server ever had (a
