@@ -5,7 +5,7 @@ ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGI
 Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
-    GET|DELETE /v1/responses/{id}
+    GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
@@ -29,6 +29,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from pagedserve.engine import EngineClient, EngineDeadError
+from pagedserve.server.chat_prompt import chat_prompt_ids
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -55,15 +56,17 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedserve.server.protocol_messages import CountTokensRequest, MessagesRequest
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
-from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
+from pagedserve.server.serving_chat import create_chat_completion
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_lora import (
     load_lora_adapter,
     load_startup_adapters,
     unload_lora_adapter,
 )
+from pagedserve.server.serving_messages import count_tokens, create_message
 from pagedserve.server.serving_responses import (
     create_response,
     delete_response,
@@ -117,6 +120,17 @@ async def chat_completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     body = await read_body(request, ResponsesRequest)
     return await create_response(request, state_of(request, body.model), body)
+
+
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API (its errors in Anthropic's shape: errors.py)."""
+    body = await read_body(request, MessagesRequest)
+    return await create_message(request, state_of(request, body.model), body)
+
+
+async def messages_count_tokens(request: Request) -> Response:
+    body = await read_body(request, CountTokensRequest)
+    return await count_tokens(request, state_of(request, body.model), body)
 
 
 async def get_response(request: Request) -> Response:
@@ -262,6 +276,8 @@ ROUTES = [
     Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", remove_response, methods=["DELETE"]),
+    Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),

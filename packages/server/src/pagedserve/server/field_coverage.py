@@ -25,6 +25,7 @@ import typing
 from pydantic import BaseModel
 
 from pagedserve.server import protocol as p
+from pagedserve.server import protocol_messages as m
 from pagedserve.server import protocol_responses as r
 from pagedserve.server.errors import bad_request
 
@@ -36,6 +37,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     p.TokenizeCompletionRequest,
     p.TokenizeChatRequest,
     p.DetokenizeRequest,
+    m.MessagesRequest,
+    m.CountTokensRequest,
 )
 
 _ENGINE = "needs engine support that pagedserve does not have yet"
@@ -70,6 +73,12 @@ REFUSED: dict[str, str] = {
     "web_search_options": "pagedserve has no web search",
     "background": "background responses are not supported: stream, or wait for the answer",
     "include": "no extra output (encrypted reasoning, logprobs, sources) is served",
+    "container": "pagedserve runs no code-execution containers",
+    "mcp_servers": "pagedserve connects to no MCP servers: give the tools as client tools",
+    "context_management": "pagedserve does not edit the context: send the messages to keep",
+    "inference_geo": "pagedserve serves from where it runs",
+    "speed": "pagedserve has one speed",
+    "diagnostics": "no diagnostics are returned",
 }
 # Refused in chat only where their meaning differs from the completions route's.
 CHAT_REFUSED: dict[str, str] = {
@@ -147,6 +156,27 @@ HANDLED: dict[str, frozenset[str]] = {
     "TextFormat": frozenset({"type"}),
     # effort as chat's reasoning_effort; summary: the whole thinking is always returned instead
     "ReasoningConfig": frozenset({"effort", "summary"}),
+    "CountTokensRequest": frozenset(
+        {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+    ),
+    # metadata.user_id and service_tier only describe the caller; cache_control is a hint the
+    # prefix cache makes true anyway (cache_read_input_tokens reports its hits)
+    "MessagesRequest": frozenset(
+        """model messages system tools tool_choice thinking max_tokens stop_sequences stream
+        temperature top_p top_k metadata output_config service_tier cache_control""".split()
+    ),
+    "MessageParam": frozenset({"role", "content"}),
+    "TextBlock": frozenset({"type", "text", "cache_control", "citations"}),
+    "ToolUseBlock": frozenset({"type", "id", "name", "input", "cache_control"}),
+    "ToolResultBlock": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+    "ThinkingBlock": frozenset({"type", "thinking", "signature"}),
+    "UnservedBlock": frozenset({"type"}),  # any such block is refused, naming it
+    "Tool": frozenset({"name", "description", "input_schema", "type", "cache_control"}),
+    "ToolChoice": frozenset({"type", "name", "disable_parallel_tool_use"}),
+    "ThinkingConfig": frozenset({"type", "budget_tokens", "display"}),
+    "OutputConfig": frozenset({"effort", "format"}),
+    "JsonOutputFormat": frozenset({"type", "json_schema"}),
+    "Metadata": frozenset({"user_id"}),
 }
 
 

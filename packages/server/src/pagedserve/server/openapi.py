@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedserve.server import protocol as p
+from pagedserve.server import protocol_messages as m
 from pagedserve.server import protocol_responses as r
 from pagedserve.server import serving_lora as lora
 
@@ -68,6 +69,22 @@ OPERATIONS = [
         "/v1/responses/{response_id}",
         "Delete a stored response",
         response=r.ResponseDeleted,
+    ),
+    Operation(
+        "post",
+        "/v1/messages",
+        "Anthropic's Messages API: system, messages and tools in; text, thinking and tool_use "
+        "blocks out (errors in Anthropic's shape)",
+        (m.MessagesRequest,),
+        m.MessageResponse,
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/messages/count_tokens",
+        "The tokens of a Messages request's prompt",
+        (m.CountTokensRequest,),
+        m.CountTokensResponse,
     ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> completions.
+"""POST /v1/chat/completions: messages -> the tokenizer's chat template (chat_prompt.py) ->
+completions.
 
 With ``--reasoning-parser`` each reply's thinking comes back apart from its answer (reasoning.py),
 and with tools its calls are read from the answer (tools.py); both stream as deltas of their own
@@ -12,9 +13,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedserve.engine import RequestOutput, apply_chat_template
-from pagedserve.server.errors import APIError, bad_request
-from pagedserve.server.field_coverage import check_thinking_budget
+from pagedserve.engine import RequestOutput
+from pagedserve.server.chat_prompt import plan_prompt
+from pagedserve.server.errors import APIError
 from pagedserve.server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     AssistantMessage,
@@ -23,181 +24,22 @@ from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
-    ChatMessage,
     CompletionTokensDetails,
     DeltaMessage,
     UsageInfo,
 )
-from pagedserve.server.reasoning import (
-    PROMPT_TAIL_TOKENS,
-    REASONING_PARSERS,
-    ReasoningMode,
-    answer_only,
-)
 from pagedserve.server.reply import ReplyDelta, ReplyPlan, ReplyReader
 from pagedserve.server.request_params import (
-    build_sampling_params,
-    check_caps,
     response_id,
-    truncated_prompt,
 )
 from pagedserve.server.sse import SSE_DONE, answer, error_event, sse
 from pagedserve.server.state import ServerState, new_id, now_s
-from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
-from pagedserve.server.structured import (
-    constraint_field,
-    structured_output_aliases,
-    structured_outputs_of,
-)
+from pagedserve.server.streams import EngineStreams, StreamProgress
 from pagedserve.server.structured_protocol import DeltaFunctionCall, DeltaToolCall
 from pagedserve.server.tools import (
-    ToolCallPlan,
     as_tool_calls,
-    conversation_with_tools,
     new_tool_call_id,
-    plan_tools,
-    resolve_tool_parser,
-    template_supports_tools,
 )
-from pagedserve.server.vllm_fields import default_max_tokens
-
-# The engine's names -> the chat API's, so a 400 names the field the client sent.
-CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
-
-
-def chat_prompt_ids(
-    state: ServerState,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    template_kwargs: dict | None = None,
-    tools: ToolCallPlan | None = None,
-) -> list[int]:
-    """Prompt token ids through the chat template (the model's, or ``--chat-template``), the
-    tools rendered (tools.py); template errors are 400s."""
-    conversation = []
-    for message in messages:
-        entry = {"role": message.role, "content": message.text()}
-        for key in ("name", "tool_call_id"):
-            if getattr(message, key):
-                entry[key] = getattr(message, key)
-        if message.tool_calls:
-            entry["tool_calls"] = [c.model_dump() for c in message.tool_calls]
-        thinking = message.reasoning_content or message.reasoning
-        if thinking and message.role == "assistant":
-            entry["reasoning_content"] = thinking
-        conversation.append(entry)
-    template = state.config.chat_template
-    kwargs = dict(template_kwargs or {})
-    if template:
-        kwargs["chat_template"] = template
-    if tools is not None:
-        native = template_supports_tools(state.engine.tokenizer, template)
-        conversation, extra = conversation_with_tools(conversation, tools, native)
-        kwargs.update(extra)
-    try:
-        return apply_chat_template(
-            state.engine.tokenizer, conversation, add_generation_prompt, **kwargs
-        )
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from e
-    except Exception as e:  # jinja2's TemplateError (raise_exception in a template), TypeError
-        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
-
-
-def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
-    """``max_completion_tokens`` (OpenAI's new name) or ``max_tokens``, and which was used."""
-    new, old = body.max_completion_tokens, body.max_tokens
-    if new is not None and old is not None and new != old:
-        raise bad_request(
-            "max_tokens and max_completion_tokens disagree; give one of them",
-            "max_completion_tokens",
-        )
-    return (new, "max_completion_tokens") if new is not None else (old, "max_tokens")
-
-
-def template_kwargs_of(body: ChatCompletionRequest) -> dict:
-    """What the chat template is given beyond the messages: ``chat_template_kwargs``,
-    ``documents``, and ``reasoning_effort`` (which, as in vLLM, also sets ``enable_thinking``
-    unless the request set it)."""
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.documents is not None:
-        kwargs["documents"] = body.documents
-    if body.reasoning_effort is not None:
-        kwargs["reasoning_effort"] = body.reasoning_effort
-        kwargs.setdefault("enable_thinking", body.reasoning_effort != "none")
-    return kwargs
-
-
-def reasoning_mode(
-    state: ServerState, prompt_ids: list[int], template_kwargs: dict
-) -> ReasoningMode | None:
-    """The request's reasoning mode under ``--reasoning-parser`` (None without one), read from
-    the end of its rendered prompt."""
-    name = state.config.reasoning_parser
-    if name is None:
-        return None
-    tail = state.engine.tokenizer.decode(
-        prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False
-    )
-    return REASONING_PARSERS[name].mode(tail, template_kwargs)
-
-
-def plan_prompt(
-    state: ServerState, body: ChatCompletionRequest
-) -> tuple[PromptRequest, dict[str, str], ReplyPlan]:
-    """The conversation as one engine request with the request's n, the API's names of the
-    engine's fields (for the engine's refusals), and how its replies are read."""
-    check_caps(state, body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    template = state.config.chat_template
-    parser = resolve_tool_parser(state.config.tool_call_parser, state.engine.tokenizer, template)
-    tools = plan_tools(body, parser)
-    constraint = structured_outputs_of(body)
-    tool_constraint = tools.constraint()
-    if constraint is not None and tool_constraint is not None:
-        what = "a strict tool under tool_choice auto" if tools.mode == "auto" else None
-        raise bad_request(
-            f"{what or 'tool_choice ' + tools.mode} constrains the reply itself: drop the "
-            "output constraint",
-            "tool_choice",
-        )
-    add_generation_prompt = body.add_generation_prompt
-    kwargs = template_kwargs_of(body)
-    if body.continue_final_message:  # the reply continues the last (assistant) message
-        if body.messages[-1].role != "assistant":
-            raise bad_request(
-                "continue_final_message needs an assistant message last", "continue_final_message"
-            )
-        add_generation_prompt, kwargs["continue_final_message"] = False, True
-    prompt_ids = chat_prompt_ids(state, body.messages, add_generation_prompt, kwargs, tools)
-    prompt_ids = truncated_prompt(body, prompt_ids)
-    mode = reasoning_mode(state, prompt_ids, kwargs)
-    max_tokens, param = max_tokens_of(body)
-    was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    max_model_len = state.engine.scheduler_config.max_model_len
-    defaults = state.engine.model_config.generation_defaults.sampling
-    max_tokens = default_max_tokens(  # generation_config's max_new_tokens, else all the room
-        max_tokens, was_sent, len(prompt_ids), max_model_len, defaults.get("max_tokens")
-    )
-    check_thinking_budget(body.thinking_token_budget, max_tokens, "thinking_token_budget")
-    aliases = {**CHAT_ALIASES, "max_tokens": param, **structured_output_aliases(body)}
-    blamed = "tool_choice" if tool_constraint is not None else constraint_field(body)
-    if mode is not None and mode is not ReasoningMode.CLOSED and blamed:
-        aliases["structured_outputs.structural_tag"] = blamed
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = build_sampling_params(
-        body,
-        max_tokens=max_tokens,
-        logprobs=logprobs,
-        aliases=aliases,
-        defaults=defaults,
-        prompt_logprobs=body.prompt_logprobs,
-        structured_outputs=answer_only(tool_constraint or constraint, mode, blamed or ""),
-        keep_special_tokens=not tools.skip_special_tokens,
-    )
-    plan = ReplyPlan(tools, mode, body.include_reasoning)
-    return PromptRequest(0, prompt_ids, params), aliases, plan
 
 
 async def create_chat_completion(

@@ -31,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput
-from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.chat_prompt import plan_prompt
+from pagedserve.server.errors import APIError, bad_request, from_validation_error
 from pagedserve.server.field_coverage import refuse_unsupported
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.server.protocol_responses import (
@@ -50,7 +51,6 @@ from pagedserve.server.protocol_responses import (
 from pagedserve.server.reply import ReplyPlan
 from pagedserve.server.responses_output import OutputItems
 from pagedserve.server.responses_store import StoredResponse
-from pagedserve.server.serving_chat import plan_prompt
 from pagedserve.server.sse import answer
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
@@ -83,6 +83,8 @@ def as_chat_request(
     if body.instructions:
         messages.append(ChatMessage(role="system", content=body.instructions))
     messages += [*(history or []), *input_messages(body)]
+    if not any(m.role != "system" for m in messages):
+        raise bad_request("input holds no message to answer", "input")
     fields = {
         "model": body.model,
         "messages": messages,
@@ -98,7 +100,10 @@ def as_chat_request(
     sent = {
         k: v for k, v in fields.items() if k in ("model", "messages", "stream") or v is not None
     }
-    return ChatCompletionRequest(**sent)
+    try:
+        return ChatCompletionRequest(**sent)
+    except ValidationError as error:  # what the input holds that chat cannot take
+        raise from_validation_error(error) from error
 
 
 def chat_messages(items: list) -> list[ChatMessage]:
