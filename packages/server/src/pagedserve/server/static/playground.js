@@ -130,7 +130,10 @@ function requestBody() {
     stream_options: {include_usage: true},
   };
   const tools = $("tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);  // a list of OpenAI function tools
+  if (tools) {  // a list of OpenAI function tools
+    body.tools = JSON.parse(tools);
+    body.tool_choice = $("tool-choice").value;
+  }
   return body;
 }
 
