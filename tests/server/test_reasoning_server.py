@@ -94,7 +94,11 @@ def test_enable_thinking_false_makes_it_all_answer(oai, client, tokenizer):
 def test_streamed_thinking_adds_up_to_the_whole(oai):
     params = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     whole = oai.chat.completions.create(**params).choices[0].message.model_extra
-    chunks = list(oai.chat.completions.create(stream=True, **params))
+    chunks = list(
+        oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **params)
+    )
+    usage = chunks[-1].usage
+    assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 12
     deltas = [c.choices[0].delta.model_extra for c in chunks if c.choices]
     thinking = [d["reasoning_content"] for d in deltas if d.get("reasoning_content")]
     assert thinking and "".join(thinking) == whole["reasoning_content"]

@@ -80,10 +80,11 @@ class _ChatView:
     def _token_ids(self, token_ids: list[int]) -> list[int] | None:
         return token_ids if self.body.return_token_ids else None
 
-    def usage(self, completion_tokens: int, completions=()) -> UsageInfo:
-        """The usage; with a reasoning parser, the thinking tokens among the completion's."""
+    def usage(self, completion_tokens: int, completions=None) -> UsageInfo:
+        """The usage; with a reasoning parser and the finished ``completions``, the thinking
+        tokens among the completion's (a running usage, mid-stream, leaves them out)."""
         details = None
-        if self.plan.reasoning is not None:
+        if self.plan.reasoning is not None and completions is not None:
             thinking = sum(
                 self.plan.reasoning_tokens(c.token_ids, self.tokenizer.decode) for c in completions
             )
