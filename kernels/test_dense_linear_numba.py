@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import dense_linear_numba as dense
+from pagedserve.kernels.cpu import dense_linear as dense
 
 SHAPES = [(960, 576), (576, 1536), (3074, 576), (7, 40), (4099, 64)]  # (N, K)
 

@@ -14,9 +14,9 @@ import torch
 from suite_grid import DEVICE, DTYPES, pick
 from tolerances import assert_close
 
+from pagedserve.kernels.cpu.paged_attention import paged_attention_numba
 from pagedserve.kernels.dispatch import taken_as_cuda
 from pagedserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from pagedserve.kernels.paged_attention_numba import paged_attention_numba
 from pagedserve.kernels.paged_attention_spec import paged_attention_spec
 from pagedserve.kernels.testing import make_paged_batch
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import paged_attention_ref, store_kv_ref
-from pagedserve.kernels.paged_attention_numba import paged_attention_cpu, paged_attention_numba
+from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_numba
 from pagedserve.kernels.paged_attention_spec import paged_attention_spec
 from pagedserve.kernels.testing import make_paged_batch
 

@@ -99,7 +99,6 @@ SENT = {
     "audio": {"voice": "alloy"},
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
-    "echo": True,
     "add_special_tokens": True,
     "modalities": ["text", "audio"],
     "store": True,

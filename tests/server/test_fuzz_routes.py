@@ -29,12 +29,16 @@ SEEDS = {  # one valid body per POST route, cheap to answer
     "/tokenize": {"prompt": "Hello", "return_token_strs": True},
     "/detokenize": {"tokens": [5, 6, 7]},
     "/v1/responses": {"input": USER, "instructions": "Be brief.", "max_output_tokens": 2},
+    "/v1/chat/completions/batch": {"messages": [USER, USER], "max_tokens": 2},
+    "/invocations": {"messages": USER, "max_tokens": 2, "stream": True},
 }
 GET_ROUTES = [
     "/v1/models",
     f"/v1/models/{TINY_MODEL_NAME}",
     "/v1/models/nope",
     "/health",
+    "/ping",
+    "/load",
     "/metrics",
     "/version",
     "/openapi.json",

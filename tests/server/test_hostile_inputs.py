@@ -134,9 +134,9 @@ JSON_CASES = [
     ("missing messages", CHAT, {"max_tokens": 3}, 400, "messages"),
     ("messages is a string", CHAT, {"messages": "hello"}, 400, "messages"),
     (
-        "unknown role",
+        "numeric role",
         CHAT,
-        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": [{"role": 7, "content": "hi"}]},
         400,
         "messages.0.role",
     ),

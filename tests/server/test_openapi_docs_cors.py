@@ -131,3 +131,26 @@ def test_cors_preflight_and_simple_requests(engine):
     default = TestClient(build_app(engine, ServerConfig(), MODEL))
     answer = default.get("/health", headers={"origin": "https://anywhere"})
     assert answer.headers["access-control-allow-origin"] == "*"  # vLLM's default
+
+
+def test_security_is_declared_only_where_the_server_enforces_it(spec, client, engine):
+    """Without --api-key no route declares a scheme (a fuzzer would report "authentication
+    declared but not enforced"); with one, exactly the routes the gate guards declare it, and
+    a guarded route really answers 401 without the key."""
+    assert "securitySchemes" not in spec["components"] and "security" not in spec
+    assert not [
+        (p, m) for p, ms in spec["paths"].items() for m, op in ms.items() if "security" in op
+    ]
+    keyed = TestClient(build_app(engine, ServerConfig(api_key="sk-k"), MODEL))
+    document = keyed.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, methods in document["paths"].items():
+        for method, operation in methods.items():
+            secured = operation.get("security") == [{"bearer": []}]
+            if method == "get" and "{" not in path:
+                assert (keyed.get(path).status_code == 401) == secured, path
+
+
+def test_the_document_describes_its_own_answer(spec, client):
+    validator = answer_validator(spec, "/openapi.json", "get")
+    validator.validate(client.get("/openapi.json").json())

@@ -205,3 +205,31 @@ def test_documents_reach_the_template(oai):
         extra_body={"documents": [{"title": "Sums", "text": "2 + 2 = 4"}]},
     )
     assert grounded.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_echo_goes_in_front_of_the_answer_not_the_thinking(oai):
+    """vLLM's chat ``echo`` under a reasoning parser: the final assistant message starts the
+    answer's content; the thinking stays apart."""
+    conversation = [*MESSAGES, {"role": "assistant", "content": "Four."}]
+    args = dict(model=MODEL, messages=conversation, max_tokens=8, temperature=0)
+    plain = oai.chat.completions.create(**args, extra_body=OFF).choices[0].message
+    echoed = oai.chat.completions.create(**args, extra_body={**OFF, "echo": True}).choices[0]
+    assert echoed.message.content == "Four." + (plain.content or "")
+    thinking = oai.chat.completions.create(**args, extra_body={"echo": True}).choices[0].message
+    assert thinking.content == "Four." and thinking.model_extra["reasoning_content"]
+
+
+def test_the_batch_route_reads_each_conversation_for_its_thinking(oai, client):
+    """/v1/chat/completions/batch plans each conversation as chat does: each choice's thinking
+    comes apart, and the usage counts the thinking tokens of all of them."""
+    single = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    other = [{"role": "user", "content": "Name a colour."}]
+    body = {"model": MODEL, "messages": [MESSAGES, other], "max_tokens": 6, "temperature": 0}
+    batch = client.post("/v1/chat/completions/batch", json=body).json()
+    first, second = batch["choices"]
+    expected = single.choices[0].message.model_extra["reasoning_content"]
+    assert first["message"]["reasoning_content"] == expected
+    assert second["message"]["reasoning_content"] and second["message"]["content"] is None
+    usage = batch["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"]
+    assert usage["completion_tokens"] > single.usage.completion_tokens

@@ -7,6 +7,7 @@ strings, and vLLM's default max_tokens."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ from starlette.testclient import TestClient
 
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.logprobs import TokenNamer, prompt_logprobs
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
 from pagedserve.server.testing import make_engine
 
@@ -126,6 +128,75 @@ def test_max_logprobs_minus_one_allows_the_whole_vocabulary(tiny_path):
         assert http.post("/v1/completions", json=body).status_code == 400
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_minus_one_asks_for_the_whole_vocabulary_with_every_prompt_tokens_rank(tiny_path, hf_model):
+    """vLLM's test_chat_echo (prompt_logprobs: -1, top_logprobs: -1) under --max-logprobs -1:
+    every prompt position lists the whole vocabulary, and the prompt's own token has its
+    integer rank, which transformers' logits give independently (1 + the tokens above it)."""
+    engine = make_engine(tiny_path, max_logprobs=-1)
+    vocab = engine.model_config.vocab_size
+    try:
+        http = TestClient(build_app(engine, ServerConfig(), MODEL))
+        oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+        ids = engine.tokenizer.encode("Paged attention reads blocks")
+        completion = oai.completions.create(
+            model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": -1}
+        )
+        positions = completion.choices[0].model_extra["prompt_logprobs"]
+        expected = hf_log_softmax(hf_model, ids)
+        assert positions[0] is None and len(positions) == len(ids)
+        for position in range(1, len(ids)):
+            entry, row, token = positions[position], expected[position - 1], ids[position]
+            assert len(entry) == vocab
+            assert sorted(e["rank"] for e in entry.values()) == list(range(1, vocab + 1))
+            assert entry[str(token)]["rank"] == 1 + int((row > row[token] + 1e-5).sum())
+        chat = oai.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=1,
+            logprobs=True,
+            extra_body={"top_logprobs": -1, "prompt_logprobs": -1},
+        )
+        assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
+        chat_positions = chat.model_extra["prompt_logprobs"]
+        assert all(isinstance(e["rank"], int) for p in chat_positions[1:] for e in p.values())
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+@dataclass
+class RankedLogprob:  # vLLM's Logprob: what an engine that ranks every prompt token hands over
+    logprob: float
+    rank: int | None = None
+
+
+def test_the_engines_rank_of_a_prompt_token_outside_the_top_is_kept(engine):
+    """vLLM gives a prompt token outside the top-k its integer rank; the server keeps an
+    engine's rank where it gives one, and says null (unknown) only where it gives none."""
+    name = TokenNamer(engine.tokenizer)
+    ranked = [
+        None,
+        {5: RankedLogprob(-0.1, 1), 7: RankedLogprob(-0.5, 2), 9: RankedLogprob(-4.0, 23)},
+    ]
+    out = prompt_logprobs(name, ranked, 2)
+    assert [out[1][t].rank for t in ("5", "7", "9")] == [1, 2, 23]
+    unranked = [None, {5: -0.1, 7: -0.5, 9: -4.0}]
+    out = prompt_logprobs(name, unranked, 2)
+    assert [out[1][t].rank for t in ("5", "7", "9")] == [1, 2, None]
+    assert out[1]["9"].logprob == -4.0 and out[1]["9"].decoded_token == engine.tokenizer.decode([9])
+
+
+@pytest.mark.parametrize("field", ["prompt_logprobs", "top_logprobs"])
+def test_minus_one_beyond_max_logprobs_and_other_negatives_are_400s(oai, field):
+    args = dict(model=MODEL, messages=USER, max_tokens=1, logprobs=True)
+    with pytest.raises(openai.BadRequestError) as refused:  # the engine's cap is 20
+        oai.chat.completions.create(**args, extra_body={field: -1})
+    assert refused.value.body["param"] == field
+    assert "--max-logprobs -1" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(**args, extra_body={field: -2})
+    assert refused.value.body["message"] == f"`{field}` must be a positive value or -1."
 
 
 def hf_beams(hf_model, ids, num_return, max_new, early_stopping=False, stops=(EOS,)):

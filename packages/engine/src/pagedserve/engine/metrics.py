@@ -40,6 +40,10 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    # of those waiting, the ones held back by a passing condition rather than by the cache's or
+    # the batch's capacity (a grammar still compiling, an adapter without a slot): vLLM's
+    # "deferred" reason of num_requests_waiting_by_reason, the rest being its "capacity"
+    num_waiting_deferred: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -134,6 +138,7 @@ class StatsCollector:
         new_generation_tokens: int,
         iteration_tokens: int = 0,
         inter_token_latencies: list[float] | None = None,
+        num_waiting_deferred: int = 0,
     ) -> None:
         """Gauges and cumulative totals (as read from the scheduler/KV manager) + this step's tokens."""
         with self._lock:
@@ -143,6 +148,7 @@ class StatsCollector:
                 num_waiting,
                 kv_cache_usage,
             )
+            s.num_waiting_deferred = num_waiting_deferred
             s.prefix_cache_queries, s.prefix_cache_hits = prefix_cache_queries, prefix_cache_hits
             s.num_preemptions = num_preemptions
             s.prompt_tokens_total += new_prompt_tokens

@@ -12,8 +12,10 @@ from enum import IntEnum
 
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.kernels.sampling import GREEDY_TEMPERATURE
 
-_GREEDY_EPS = 1e-5
+# vLLM's seed range: a signed 64-bit integer (torch.long), refused beyond as its server does
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # the engine's default cap (EngineArgs.max_logprobs), checked at add_request
 
 
@@ -74,7 +76,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _require(self, ok: bool, name: str, message: str) -> None:
         if not ok:
@@ -132,7 +134,11 @@ class SamplingParams:
             if value is not None:
                 check(isinstance(value, int) and value >= 0, name, "must be an integer >= 0")
         if self.seed is not None:
-            check(isinstance(self.seed, int), "seed", "must be an integer")
+            check(
+                isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX,
+                "seed",
+                "must be a signed 64-bit integer, in [-2**63, 2**63 - 1]",
+            )
         check(
             all(isinstance(s, str) and s for s in self.stop_strings),
             "stop",

@@ -14,10 +14,16 @@ from pagedserve.engine.sampling_params import SamplingParams
 
 
 def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
-    """Every token id the request names must be a token of this model."""
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+    """Every token id the request names must be a token of this model. The refusal says "out of
+    vocabulary", as vLLM's does: clients match that phrase."""
+    bad = next(
+        (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None
+    )
+    if bad is not None:
         raise InvalidRequestError(
-            f"prompt token ids must be integers in [0, {vocab_size})", "prompt"
+            f"Token id {bad} is out of vocabulary: prompt token ids must be integers in "
+            f"[0, {vocab_size})",
+            "prompt",
         )
     for name, ids in (
         ("logit_bias", params.logit_bias or {}),
@@ -26,7 +32,9 @@ def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_s
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
-                f"{name} token ids must be in [0, {vocab_size}), got {bad}", name
+                f"{name} token ids must be in [0, {vocab_size}), got {bad}, which is out of "
+                "vocabulary",
+                name,
             )
 
 
@@ -37,8 +45,14 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > cap:
+            whole = (
+                f"; the whole vocabulary ({vocab_size}, what -1 asks for) needs --max-logprobs -1"
+                if value >= vocab_size
+                else ""
+            )
             raise InvalidRequestError(
-                f"{name} must be in [0, {cap}] (the server's --max-logprobs), got {value}", name
+                f"{name} must be in [0, {cap}] (the server's --max-logprobs), got {value}{whole}",
+                name,
             )
 
 

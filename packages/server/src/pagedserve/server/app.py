@@ -5,10 +5,12 @@ ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGI
 Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
+    POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
     GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
-    GET /health  GET /metrics  GET /version  GET /openapi.json  GET /docs  GET /  /static/...
+    GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
+    GET /openapi.json  GET /docs  GET /  /static/...
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from pagedserve.engine import EngineClient, EngineDeadError
-from pagedserve.server.chat_prompt import chat_prompt_ids
+from pagedserve.server.chat_prompt import chat_prompt_ids, template_options
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -41,14 +43,18 @@ from pagedserve.server.metrics import EngineMetrics
 from pagedserve.server.middleware import (
     GateMiddleware,
     InternalErrorMiddleware,
+    LoadTrackingMiddleware,
     RequestIdMiddleware,
+    ServerLoad,
 )
 from pagedserve.server.openapi import openapi_document
 from pagedserve.server.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -60,6 +66,7 @@ from pagedserve.server.protocol_messages import CountTokensRequest, MessagesRequ
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_chat import create_chat_completion
+from pagedserve.server.serving_chat_batch import create_batch_chat_completion
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_lora import (
     load_lora_adapter,
@@ -77,6 +84,17 @@ from pagedserve.server.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
+# the routes that generate: what --enable-server-load-tracking counts (vLLM's load-aware routes)
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/responses",
+        "/v1/messages",
+        "/invocations",
+    }
+)
 
 
 def state_of(request: Request, model: str | None = None) -> ServerState:
@@ -120,6 +138,38 @@ async def chat_completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     body = await read_body(request, ResponsesRequest)
     return await create_response(request, state_of(request, body.model), body)
+
+
+async def batch_chat_completions(request: Request) -> Response:
+    body = await read_body(request, BatchChatCompletionRequest)
+    return await create_batch_chat_completion(request, state_of(request, body.model), body)
+
+
+async def invocations(request: Request) -> Response:
+    """SageMaker's one route (as vLLM serves it): a chat body (with ``messages``) or a
+    completion body (with ``prompt``), answered as its own route answers it."""
+    data = await read_json(request)
+    if "messages" in data:
+        kind, create = ChatCompletionRequest, create_chat_completion
+    elif "prompt" in data:
+        kind, create = CompletionRequest, create_completion
+    else:
+        raise APIError(
+            "Cannot find suitable handler for request. Expected one of: "
+            "['ChatCompletionRequest', 'CompletionRequest'] (a body with 'messages' or 'prompt')",
+            400,
+        )
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+    return await create(request, state_of(request, body.model), body)
+
+
+async def server_load(request: Request) -> Response:
+    """vLLM's GET /load: the generation requests being served (0 unless
+    --enable-server-load-tracking counts them)."""
+    return JSONResponse(LoadResponse(server_load=request.app.state.server_load.count).model_dump())
 
 
 async def messages(request: Request) -> Response:
@@ -190,7 +240,8 @@ async def tokenize(request: Request) -> Response:
     check_model(state, body.model)
     tokenizer = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        tokens = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+        add_generation_prompt, template_kwargs = template_options(body)
+        tokens = chat_prompt_ids(state, body.messages, add_generation_prompt, template_kwargs)
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     max_len = state.engine.scheduler_config.max_model_len
@@ -213,8 +264,10 @@ async def detokenize(request: Request) -> Response:
     state = state_of(request, body.model)
     check_model(state, body.model)
     vocab = state.engine.model_config.vocab_size
-    if any(t >= vocab for t in body.tokens):
-        raise APIError(f"token ids must be in [0, {vocab})", 400, param="tokens")
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        message = f"Token id {bad} is out of vocabulary: token ids must be in [0, {vocab})"
+        raise APIError(message, 400, param="tokens")
     return JSONResponse(
         DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump()
     )
@@ -253,10 +306,19 @@ async def version(request: Request) -> Response:
 STATIC_DIR = Path(__file__).parent / "static"
 
 
+def check_docs_served(request: Request) -> None:
+    """/openapi.json and /docs are routes unless --disable-fastapi-docs takes them away."""
+    if request.app.state.config.disable_fastapi_docs:
+        raise APIError(f"no route GET {request.url.path} (--disable-fastapi-docs)", 404)
+
+
 async def openapi_json(request: Request) -> Response:
+    check_docs_served(request)
     app_state = request.app.state
     if not hasattr(app_state, "openapi"):  # built once, on first use
-        app_state.openapi = openapi_document(server_version())
+        config = app_state.config
+        open_ = open_paths(config)
+        app_state.openapi = openapi_document(server_version(), config.api_key is not None, open_)
     return JSONResponse(app_state.openapi)
 
 
@@ -267,17 +329,20 @@ async def playground(request: Request) -> Response:
 
 async def docs(request: Request) -> Response:
     """The API's documentation page; its script renders /openapi.json (no CDN: static files)."""
+    check_docs_served(request)
     return FileResponse(STATIC_DIR / "docs.html", media_type="text/html")
 
 
 ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/chat/completions/batch", batch_chat_completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", remove_response, methods=["DELETE"]),
     Route("/v1/messages", messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
+    Route("/invocations", invocations, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
@@ -286,6 +351,8 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
+    Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check
+    Route("/load", server_load, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/openapi.json", openapi_json, methods=["GET"]),
@@ -323,7 +390,11 @@ def build_app(
 
     app = assemble_app(ServedModels([state]), config, lifespan)
     app.state.server = state
-    app.state.metrics = EngineMetrics(engine, name, in_flight=lambda: len(state.in_flight))
+    metrics = EngineMetrics(
+        engine, name, in_flight=lambda: len(state.in_flight), prefix=config.metrics_prefix + ":"
+    )
+    state.observe_request_params = metrics.observe_request_params
+    app.state.metrics = metrics
     return app
 
 
@@ -334,6 +405,7 @@ def assemble_app(
     errors, request ids) and error shapes: ``build_app`` gives it one engine, the cluster's
     ingress a set of remote ones and its own /health and /metrics (``routes`` first: the first
     match wins). The caller sets ``app.state.metrics`` (anything with ``render() -> bytes``)."""
+    load = ServerLoad()
     app = Starlette(
         routes=[*(routes or []), *ROUTES],
         middleware=[
@@ -353,6 +425,12 @@ def assemble_app(
                 open_paths=open_paths(config),
                 open_prefixes=("/static/",),
             ),
+            Middleware(
+                LoadTrackingMiddleware,
+                load=load,
+                paths=GENERATION_PATHS,
+                enabled=config.enable_server_load_tracking,
+            ),
             Middleware(InternalErrorMiddleware),
             Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
         ],
@@ -360,14 +438,17 @@ def assemble_app(
         lifespan=lifespan,
     )
     app.state.models = models
+    app.state.config = config
+    app.state.server_load = load
     return app
 
 
 def open_paths(config: ServerConfig) -> frozenset[str]:
-    """Routes served without the API key: /health, the API's schema and docs and the
+    """Routes served without the API key: /health (and SageMaker's /ping), the API's schema
+    and docs and the
     playground page (their static files too; the page's own calls carry the key), and /metrics
     unless configured otherwise."""
-    paths = {"/", "/health", "/openapi.json", "/docs"}
+    paths = {"/", "/health", "/ping", "/openapi.json", "/docs"}
     if not config.metrics_require_api_key:
         paths.add("/metrics")
     return frozenset(paths)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pagedserve.engine import apply_chat_template
 from pagedserve.server.errors import bad_request
 from pagedserve.server.field_coverage import check_thinking_budget
-from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from pagedserve.server.reasoning import (
     PROMPT_TAIL_TOKENS,
     REASONING_PARSERS,
@@ -32,7 +32,7 @@ from pagedserve.server.tools import (
     resolve_tool_parser,
     template_supports_tools,
 )
-from pagedserve.server.vllm_fields import default_max_tokens
+from pagedserve.server.vllm_fields import default_max_tokens, whole_vocabulary
 
 # The engine's names -> the chat API's, so a 400 names the field the client sent.
 CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -101,6 +101,31 @@ def template_kwargs_of(body: ChatCompletionRequest) -> dict:
     return kwargs
 
 
+def template_options(
+    body: ChatCompletionRequest | TokenizeChatRequest, kwargs: dict | None = None
+) -> tuple[bool, dict]:
+    """``(add_generation_prompt, chat template kwargs)`` of a chat or /tokenize body; ``kwargs``
+    the template's kwargs so far (default: the body's ``chat_template_kwargs``).
+
+    ``continue_final_message``: the reply continues the last (assistant) message, left open (no
+    end-of-turn marker), so no generation prompt follows it unless the body asks for both, which
+    vLLM refuses with the phrase kept here."""
+    kwargs = dict(body.chat_template_kwargs or {}) if kwargs is None else kwargs
+    if not body.continue_final_message:
+        return body.add_generation_prompt, kwargs
+    if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    if body.messages[-1].role != "assistant":
+        raise bad_request(
+            "continue_final_message needs an assistant message last", "continue_final_message"
+        )
+    kwargs["continue_final_message"] = True
+    return False, kwargs
+
+
 def reasoning_mode(
     state: ServerState, prompt_ids: list[int], template_kwargs: dict
 ) -> ReasoningMode | None:
@@ -121,6 +146,7 @@ def plan_prompt(
     """The conversation as one engine request with the request's n, the API's names of the
     engine's fields (for the engine's refusals), and how its replies are read."""
     check_caps(state, body)
+    whole_vocabulary(body, "top_logprobs", state.engine.model_config.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     template = state.config.chat_template
@@ -135,14 +161,7 @@ def plan_prompt(
             "output constraint",
             "tool_choice",
         )
-    add_generation_prompt = body.add_generation_prompt
-    kwargs = template_kwargs_of(body)
-    if body.continue_final_message:  # the reply continues the last (assistant) message
-        if body.messages[-1].role != "assistant":
-            raise bad_request(
-                "continue_final_message needs an assistant message last", "continue_final_message"
-            )
-        add_generation_prompt, kwargs["continue_final_message"] = False, True
+    add_generation_prompt, kwargs = template_options(body, template_kwargs_of(body))
     prompt_ids = chat_prompt_ids(state, body.messages, add_generation_prompt, kwargs, tools)
     prompt_ids = truncated_prompt(body, prompt_ids)
     mode = reasoning_mode(state, prompt_ids, kwargs)

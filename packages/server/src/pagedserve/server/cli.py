@@ -6,6 +6,8 @@
 With no model, the default model (SmolLM2-135M-Instruct) is prepared if needed and used. Every
 engine option is a --kebab-case flag with the same name as its EngineArgs field, and the server
 options keep vLLM's names (--host, --port, --api-key, --served-model-name, --shutdown-timeout).
+Every other flag of ``vllm serve`` is implemented under another name, accepted, or refused with
+a message that names it (vllm_flags.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pagedserve.engine import (
     ensure_default_model,
 )
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.vllm_flags import SHORT_FORMS, add_vllm_flags
 
 _SIZE_UNITS = {
     "": 1,
@@ -62,9 +65,14 @@ def parse_size(text: str) -> int:
 
 
 def add_config_args(
-    group: argparse._ActionsContainer, cls: type, skip: tuple[str, ...] = (), **defaults
-) -> None:
-    """One ``--kebab-case`` flag per field of the config dataclass ``cls``, named as the field.
+    group: argparse._ActionsContainer,
+    cls: type,
+    skip: tuple[str, ...] = (),
+    short_forms: dict[str, str] | None = None,
+    **defaults,
+) -> dict[str, argparse.Action]:
+    """One ``--kebab-case`` flag per field of the config dataclass ``cls``, named as the field
+    (and its short form, if ``short_forms`` gives one); returns the flags' actions by field.
 
     Everything comes from the dataclass: the value's type from its type hint (``X | None`` takes
     an X; a bool is ``--flag``/``--no-flag``; a field whose metadata says ``unit="bytes"`` takes
@@ -72,10 +80,12 @@ def add_config_args(
     ``defaults`` overrides it.
     """
     hints = typing.get_type_hints(cls)
+    actions = {}
     for f in fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        names = [flag, short_forms[flag]] if short_forms and flag in short_forms else [flag]
         default = defaults.get(f.name, f.default)
         help_ = f.metadata.get("help", "")
         if "(default" not in help_:
@@ -83,13 +93,15 @@ def add_config_args(
         kind = _flag_type(f.name, hints[f.name], f.metadata)
         if kind is bool:
             action = argparse.BooleanOptionalAction
-            group.add_argument(flag, action=action, default=default, help=help_)
+            added = group.add_argument(*names, action=action, default=default, help=help_)
         elif "nargs" in f.metadata:
-            group.add_argument(
-                flag, type=kind, nargs=f.metadata["nargs"], default=default, help=help_
+            added = group.add_argument(
+                *names, type=kind, nargs=f.metadata["nargs"], default=default, help=help_
             )
         else:
-            group.add_argument(flag, type=kind, default=default, help=help_)
+            added = group.add_argument(*names, type=kind, default=default, help=help_)
+        actions[f.name] = added
+    return actions
 
 
 def parse_list(text: str) -> tuple[str, ...]:
@@ -242,8 +254,11 @@ def add_serve_parser(sub) -> None:
     )
     serve.add_argument("--model", dest="model_option", default=None, help="same as MODEL_PATH")
     api_key = os.environ.get("PAGEDSERVE_API_KEY")
-    add_config_args(serve.add_argument_group("server"), ServerConfig, api_key=api_key)
-    add_config_args(serve.add_argument_group("engine"), EngineArgs, skip=("model",))
+    server = add_config_args(serve.add_argument_group("server"), ServerConfig, api_key=api_key)
+    engine = add_config_args(
+        serve.add_argument_group("engine"), EngineArgs, skip=("model",), short_forms=SHORT_FORMS
+    )
+    add_vllm_flags(serve, {**server, **engine})
     serve.set_defaults(func=cmd_serve)
 
 
@@ -251,7 +266,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.engine import AsyncLLM
     from pagedserve.server.launcher import run_server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()  # uvicorn's trace
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.model_path and args.model_option and args.model_path != args.model_option:
         print("pagedserve serve: give the model once (MODEL_PATH or --model)", file=sys.stderr)
         return 2

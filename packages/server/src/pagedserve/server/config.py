@@ -6,6 +6,7 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from pagedserve.server.reasoning import REASONING_PARSERS
 from pagedserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 MIB = 1024 * 1024
+METRICS_PREFIXES = ("pagedserve", "vllm")  # --metrics-prefix: ours, or vLLM's own names
 
 
 @dataclass
@@ -51,7 +53,15 @@ class ServerConfig:
     max_stop: int = option(16, "most stop strings (and stop token ids) per request")
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
-    log_level: str = option("info", "uvicorn's log level: critical, error, warning, info, debug")
+    log_level: str = option(
+        "info", "uvicorn's log level: critical, error, warning, info, debug, trace"
+    )
+    disable_uvicorn_access_log: bool = option(
+        False, "log no line per HTTP request (uvicorn's access log; vLLM's flag)"
+    )
+    disable_fastapi_docs: bool = option(
+        False, "serve no /openapi.json and no /docs (vLLM's flag, named after its FastAPI)"
+    )
     enable_request_id_headers: bool = option(
         False, "echo the request's X-Request-Id (or a new id) in an X-Request-Id response header"
     )
@@ -87,6 +97,31 @@ class ServerConfig:
     responses_store_max: int = option(
         10000, "most responses kept in the store; the oldest are dropped beyond it"
     )
+    enable_force_include_usage: bool = option(
+        False,
+        "end every streamed answer with a usage chunk, as if each request had sent "
+        "stream_options.include_usage (vLLM's flag)",
+    )
+    return_tokens_as_token_ids: bool = option(
+        False,
+        "name tokens in logprobs 'token_id:N' unless a request says otherwise in its own "
+        "return_tokens_as_token_ids (vLLM's flag)",
+    )
+    enable_server_load_tracking: bool = option(
+        False,
+        "count the generation requests being served, for GET /load (vLLM's flag; without it "
+        "/load reads 0)",
+    )
+    show_hidden_metrics_for_version: str | None = option(
+        None,
+        "vLLM's escape hatch for metrics hidden since version X.Y: pagedserve hides none, so "
+        "every metric shows whatever the version (a version X.Y is still required)",
+    )
+    metrics_prefix: str = option(
+        "pagedserve",
+        "the prefix of the /metrics names: pagedserve, or vllm for vLLM's own names (the "
+        "dashboards and autoscalers written for vLLM read vllm:*)",
+    )
     lora_modules: tuple[str, ...] = option(
         (),
         "LoRA adapters to serve, each name=path or vLLM's JSON "
@@ -108,6 +143,10 @@ class ServerConfig:
             )
         if self.responses_store_max < 1:
             raise ValueError(f"responses_store_max must be >= 1, got {self.responses_store_max}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(
+                f"metrics_prefix must be one of {METRICS_PREFIXES}, got {self.metrics_prefix!r}"
+            )
         if self.chat_template and Path(self.chat_template).is_file():
             self.chat_template = Path(self.chat_template).read_text()
         if not 0 <= self.port < 65536:
@@ -117,6 +156,11 @@ class ServerConfig:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
+        version = self.show_hidden_metrics_for_version
+        if version is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", version):
+            raise ValueError(
+                f"show_hidden_metrics_for_version must be a version such as 0.10, got {version!r}"
+            )
         for name in ("max_body_bytes", "max_header_bytes", "max_n", "max_prompts", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -33,6 +33,7 @@ from pagedserve.server.errors import bad_request
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     p.CompletionRequest,
     p.ChatCompletionRequest,
+    p.BatchChatCompletionRequest,
     r.ResponsesRequest,
     p.TokenizeCompletionRequest,
     p.TokenizeChatRequest,
@@ -80,15 +81,27 @@ REFUSED: dict[str, str] = {
     "speed": "pagedserve has one speed",
     "diagnostics": "no diagnostics are returned",
 }
-# Refused in chat only where their meaning differs from the completions route's.
+# Refused in chat (and its batch route) only where their meaning differs from the completions
+# route's.
 CHAT_REFUSED: dict[str, str] = {
-    "echo": "echoing the last message in chat is not supported",
     "add_special_tokens": "the chat template writes the special tokens; add them there",
     "modalities": "pagedserve serves text only",
     "store": "chat completions are not stored: use /v1/responses with store",
 }
 NO_EFFECT = (None, [], "")
 
+_CHAT_HANDLED = frozenset(
+    """model messages n temperature top_p top_k min_p presence_penalty frequency_penalty
+    repetition_penalty seed stop stop_token_ids include_stop_str_in_output ignore_eos
+    min_tokens logit_bias skip_special_tokens spaces_between_special_tokens stream
+    stream_options priority user truncate_prompt_tokens truncation_side max_tokens
+    max_completion_tokens logprobs top_logprobs prompt_logprobs use_beam_search
+    length_penalty early_stopping return_token_ids return_tokens_as_token_ids request_id
+    session_id thinking_token_budget response_format structured_outputs guided_json
+    guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls
+    add_generation_prompt continue_final_message chat_template_kwargs documents
+    reasoning_effort include_reasoning echo""".split()
+)
 HANDLED: dict[str, frozenset[str]] = {
     "CompletionRequest": frozenset(
         """model prompt n temperature top_p top_k min_p presence_penalty frequency_penalty
@@ -100,18 +113,10 @@ HANDLED: dict[str, frozenset[str]] = {
         session_id thinking_token_budget response_format structured_outputs guided_json
         guided_regex guided_choice guided_grammar""".split()
     ),
-    "ChatCompletionRequest": frozenset(
-        """model messages n temperature top_p top_k min_p presence_penalty frequency_penalty
-        repetition_penalty seed stop stop_token_ids include_stop_str_in_output ignore_eos
-        min_tokens logit_bias skip_special_tokens spaces_between_special_tokens stream
-        stream_options priority user truncate_prompt_tokens truncation_side max_tokens
-        max_completion_tokens logprobs top_logprobs prompt_logprobs use_beam_search
-        length_penalty early_stopping return_token_ids return_tokens_as_token_ids request_id
-        session_id thinking_token_budget response_format structured_outputs guided_json
-        guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls
-        add_generation_prompt continue_final_message chat_template_kwargs documents
-        reasoning_effort include_reasoning""".split()
-    ),
+    "ChatCompletionRequest": _CHAT_HANDLED,
+    # each conversation is planned as a chat request; the batch refuses stream, tools, beam
+    # search, prompt_logprobs and n above 1 by name (serving_chat_batch.py)
+    "BatchChatCompletionRequest": _CHAT_HANDLED,
     "StreamOptions": frozenset({"include_usage", "continuous_usage_stats"}),
     "ResponseFormat": frozenset({"type", "json_schema"}),
     "JsonSchemaFormat": frozenset({"name", "description", "json_schema", "strict"}),
@@ -131,7 +136,8 @@ HANDLED: dict[str, frozenset[str]] = {
     "ToolCall": frozenset({"id", "type", "function"}),
     "FunctionCall": frozenset({"name", "arguments"}),
     "TokenizeChatRequest": frozenset(
-        {"model", "messages", "add_generation_prompt", "return_token_strs"}
+        {"model", "messages", "add_generation_prompt", "continue_final_message"}
+        | {"chat_template_kwargs", "return_token_strs"}
     ),
     "TokenizeCompletionRequest": frozenset(
         {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -182,7 +188,8 @@ HANDLED: dict[str, frozenset[str]] = {
 
 def refused_fields(model: type[BaseModel]) -> dict[str, str]:
     """The fields ``model`` declares only to refuse them, with why."""
-    reasons = {**REFUSED, **(CHAT_REFUSED if model.__name__ == "ChatCompletionRequest" else {})}
+    chat = issubclass(model, p.ChatCompletionRequest)
+    reasons = {**REFUSED, **(CHAT_REFUSED if chat else {})}
     return {name: why for name, why in reasons.items() if name in model.model_fields}
 
 

@@ -90,6 +90,7 @@ def run_server(
         host=config.host,
         port=config.port,
         log_level=config.log_level,
+        access_log=not config.disable_uvicorn_access_log,
         http="h11",
         # h11 refuses request heads past this with a bare 400; leave room above our own cap so
         # that moderately large headers get the 431 in OpenAI's shape from the gate.

@@ -106,12 +106,22 @@ def chat_logprobs(
     return ChatChoiceLogprobs(content=content)
 
 
+def _rank(entry, position_rank: int, k: int) -> int | None:
+    """A candidate's rank: the engine's own where it gives one (an entry with ``.rank``, as
+    vLLM's ``Logprob``), else its place among the ``k`` likeliest; None for the prompt's own
+    token when it is outside them and the engine gave no rank."""
+    given = getattr(entry, "rank", None)
+    if given is not None:
+        return given
+    return position_rank + 1 if position_rank < k else None
+
+
 def prompt_logprobs(
     name: TokenNamer, entries: list[dict | None] | None, k: int
 ) -> PromptLogprobs | None:
     """vLLM's prompt_logprobs: per prompt position, the ``k`` likeliest tokens with their rank
-    (1 = likeliest), and the prompt's own token, whose rank is unknown (None) when it is not
-    among them."""
+    (1 = likeliest), and the prompt's own token with its rank (see ``_rank``). With ``k`` the
+    whole vocabulary every token is ranked."""
     if entries is None:
         return None
     out: PromptLogprobs = []
@@ -119,13 +129,15 @@ def prompt_logprobs(
         if position is None:
             out.append(None)
             continue
-        ranked = _top(position, len(position))
+        ranked = sorted(position, key=lambda t: -_value(position[t]))
         out.append(
             {
                 str(token): PromptLogprob(
-                    logprob=value, rank=rank + 1 if rank < k else None, decoded_token=name(token)
+                    logprob=_value(position[token]),
+                    rank=_rank(position[token], place, k),
+                    decoded_token=name(token),
                 )
-                for rank, (token, value) in enumerate(ranked)
+                for place, token in enumerate(ranked)
             }
         )
     return out

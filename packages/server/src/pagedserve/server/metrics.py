@@ -1,15 +1,20 @@
 """/metrics: the engine's stats in Prometheus text, through prometheus-client.
 
-Names follow vLLM's with a ``pagedserve:`` prefix, each labelled with the served model name:
-gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (as of the
-engine's last step) and ``num_requests_in_flight`` (the server's own, live); counters
+Names follow vLLM's with a ``pagedserve:`` prefix (``--metrics-prefix vllm`` gives vLLM's own
+``vllm:`` names, for the dashboards and autoscalers written for it), each labelled with the
+served model name: gauges ``num_requests_running``, ``num_requests_waiting``,
+``num_requests_waiting_by_reason{reason=capacity|deferred}``, ``kv_cache_usage_perc`` (as of
+the engine's last step), ``cache_config_info`` (1, the KV cache's configuration in its labels)
+and ``num_requests_in_flight`` (the server's own, live); counters
 ``prefix_cache_queries_total``, ``prefix_cache_hits_total`` (tokens), ``num_preemptions_total``,
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``;
 histograms per finished request ``time_to_first_token_seconds``,
 ``time_per_output_token_seconds`` (its mean), ``e2e_request_latency_seconds``,
 ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
 ``request_decode_time_seconds``, ``request_inference_time_seconds``, ``request_prompt_tokens``,
-``request_generation_tokens``; and per step ``iteration_tokens_total`` (tokens computed by one
+``request_generation_tokens``; per request admitted, ``request_params_n`` and
+``request_params_max_tokens`` (what it asked for: the server observes them, as it sends the
+request, when its first output arrives); and per step ``iteration_tokens_total`` (tokens computed by one
 engine step) and ``inter_token_latency_seconds`` (each interval between a request's tokens).
 
 The engine keeps the cumulative totals itself, so they are exported through a custom collector
@@ -21,6 +26,7 @@ two servers in one process (tests) never share series.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 PREFIX = "pagedserve:"
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
 TTFT_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -140,10 +147,13 @@ class EngineMetrics(Collector):
         model_name: str,
         in_flight: Callable[[], int] = lambda: 0,
         max_model_len: int | None = None,
+        prefix: str = PREFIX,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.in_flight = in_flight
+        self.prefix = prefix
+        self.cache_config = getattr(engine, "cache_config", None)
         disable_created_metrics()  # no *_created series: they double the output for nothing
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
@@ -158,8 +168,18 @@ class EngineMetrics(Collector):
         }
         self.histograms = self._histograms(request_histograms)
         self.step_histograms = self._histograms(_STEP_HISTOGRAMS)
+        self.request_params = self._histograms(
+            {
+                "n": ("request_params_n", "The n request parameter.", N_BUCKETS),
+                "max_tokens": (
+                    "request_params_max_tokens",
+                    "The max_tokens request parameter.",
+                    token_buckets,
+                ),
+            }
+        )
         self.request_success = Counter(
-            PREFIX + "request_success",
+            prefix + "request_success",
             "Finished requests, by finish reason.",
             ["model_name", "finished_reason"],
             registry=self.registry,
@@ -169,10 +189,16 @@ class EngineMetrics(Collector):
     def _histograms(self, specs: dict) -> dict:
         return {
             attr: Histogram(
-                PREFIX + name, help_, ["model_name"], buckets=buckets, registry=self.registry
+                self.prefix + name, help_, ["model_name"], buckets=buckets, registry=self.registry
             ).labels(self.model_name)
             for attr, (name, help_, buckets) in specs.items()
         }
+
+    def observe_request_params(self, params) -> None:
+        """A request the engine admitted: its ``n`` and ``max_tokens`` (SamplingParams)."""
+        self.request_params["n"].observe(params.n)
+        if params.max_tokens is not None:
+            self.request_params["max_tokens"].observe(params.max_tokens)
 
     def refresh(self) -> None:
         """Take a fresh snapshot and move the newly finished requests into the histograms."""
@@ -224,23 +250,57 @@ class EngineMetrics(Collector):
             ),
         )
         for name, help_, value in gauges:
-            gauge = GaugeMetricFamily(PREFIX + name, help_, labels=["model_name"])
+            gauge = GaugeMetricFamily(self.prefix + name, help_, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+        yield self._waiting_by_reason(stats)
+        if self.cache_config is not None:
+            yield self._cache_config_info()
         if stats.max_lora:
-            yield _lora_requests_info(stats)
+            yield _lora_requests_info(self.prefix, stats)
         for attr, (name, help_) in _COUNTERS.items():
-            counter = CounterMetricFamily(PREFIX + name, help_, labels=["model_name"])
+            counter = CounterMetricFamily(self.prefix + name, help_, labels=["model_name"])
             counter.add_metric(labels, getattr(stats, attr))
             yield counter
 
+    def _waiting_by_reason(self, stats) -> GaugeMetricFamily:
+        """vLLM's split of the waiting requests: held back by a passing condition (deferred:
+        a grammar compiling, an adapter without a slot) or waiting for room (capacity); the
+        two add up to ``num_requests_waiting``."""
+        gauge = GaugeMetricFamily(
+            self.prefix + "num_requests_waiting_by_reason",
+            "Waiting requests by reason: capacity (room in the batch or the KV cache) or "
+            "deferred (a passing condition); the two add up to num_requests_waiting.",
+            labels=["model_name", "reason"],
+        )
+        deferred = stats.num_waiting_deferred
+        gauge.add_metric([self.model_name, "capacity"], stats.num_waiting - deferred)
+        gauge.add_metric([self.model_name, "deferred"], deferred)
+        return gauge
 
-def _lora_requests_info(stats) -> GaugeMetricFamily:
+    def _cache_config_info(self) -> GaugeMetricFamily:
+        """vLLM's info-style gauge: 1, with each field of the KV cache's configuration as a
+        label (``num_blocks``, given by --num-gpu-blocks-override, under vLLM's name)."""
+        info = {
+            ("num_gpu_blocks_override" if key == "num_blocks" else key): str(value)
+            for key, value in dataclasses.asdict(self.cache_config).items()
+        }
+        info["model_name"] = self.model_name
+        gauge = GaugeMetricFamily(
+            self.prefix + "cache_config_info",
+            "The KV cache's configuration (in the labels).",
+            labels=list(info),
+        )
+        gauge.add_metric(list(info.values()), 1)
+        return gauge
+
+
+def _lora_requests_info(prefix: str, stats) -> GaugeMetricFamily:
     """vLLM's ``vllm:lora_requests_info``: the adapters of the running and the waiting requests
     as labels (comma-separated names), the value the time of the reading."""
     labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
     gauge = GaugeMetricFamily(
-        PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.", labels=labels
+        prefix + "lora_requests_info", "Running and waiting LoRA adapters.", labels=labels
     )
     running, waiting = ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters)
     gauge.add_metric([str(stats.max_lora), running, waiting], time.time())

@@ -201,3 +201,39 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class ServerLoad:
+    """vLLM's server load: the generation requests being served right now (counted while their
+    ASGI call runs, so a stream counts until its last chunk is sent)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class LoadTrackingMiddleware:
+    """``--enable-server-load-tracking``: counts the POSTs to ``paths`` (the generation routes)
+    in ``load`` while they are served, for GET /load. Inside the gate: only admitted requests,
+    on their normalised paths, count."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad, paths: frozenset[str], enabled: bool):
+        self.app = app
+        self.load = load
+        self.paths = paths
+        self.enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tracked = (
+            self.enabled
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in self.paths
+        )
+        if not tracked:
+            await self.app(scope, receive, send)
+            return
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1

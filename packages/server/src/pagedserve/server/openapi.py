@@ -4,6 +4,11 @@ Each route is described once, in ``OPERATIONS`` (its request and response models
 streams); the models' JSON schemas (pydantic's, draft 2020-12, which OpenAPI 3.1 adopts) become
 ``components.schemas``, requests in pydantic's validation mode and responses in serialization
 mode. A test holds ``OPERATIONS`` equal to the app's routes, so no route goes undocumented.
+
+The document says what this server enforces, no more: the bearer scheme is declared only when it
+runs with an API key, and then every route but the open ones (``open_paths``, the gate's) needs
+it. A schema-driven client or fuzzer takes a declared scheme as a promise; one declared on a
+server without a key would be "authentication declared but not enforced".
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ class Operation:
     response: type[BaseModel] | None = None
     media_type: str = "application/json"
     streams: bool = False  # also answers text/event-stream with "stream": true
-    open: bool = False  # served without the API key
 
 
 OPERATIONS = [
@@ -49,6 +53,13 @@ OPERATIONS = [
         (p.ChatCompletionRequest,),
         p.ChatCompletionResponse,
         streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/chat/completions/batch",
+        "vLLM's batched chat: a list of conversations, one choice answering each",
+        (p.BatchChatCompletionRequest,),
+        p.ChatCompletionResponse,
     ),
     Operation(
         "post",
@@ -86,6 +97,14 @@ OPERATIONS = [
         (m.CountTokensRequest,),
         m.CountTokensResponse,
     ),
+    Operation(
+        "post",
+        "/invocations",
+        "SageMaker's route: a chat body (messages) or a completion body (prompt), answered as "
+        "its own route answers it",
+        (p.ChatCompletionRequest, p.CompletionRequest),
+        streams=True,
+    ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),
     Operation(
@@ -122,17 +141,24 @@ OPERATIONS = [
         "get",
         "/health",
         "200 while serving, 503 when dead or draining",
-        open=True,
         response=p.HealthResponse,
     ),
-    Operation("get", "/metrics", "Prometheus metrics", media_type="text/plain", open=True),
-    Operation("get", "/version", "The server's version", response=p.VersionResponse),
-    Operation("get", "/openapi.json", "This document", media_type="application/json", open=True),
-    Operation("get", "/docs", "This document, rendered", media_type="text/html", open=True),
+    Operation("get", "/ping", "SageMaker's health check: /health", response=p.HealthResponse),
+    Operation("post", "/ping", "SageMaker's health check: /health", response=p.HealthResponse),
     Operation(
-        "get", "/", "The playground: a streaming chat page", media_type="text/html", open=True
+        "get",
+        "/load",
+        "Generation requests being served (with --enable-server-load-tracking)",
+        response=p.LoadResponse,
     ),
+    Operation("get", "/metrics", "Prometheus metrics", media_type="text/plain"),
+    Operation("get", "/version", "The server's version", response=p.VersionResponse),
+    Operation("get", "/openapi.json", "This document", media_type="application/json"),
+    Operation("get", "/docs", "This document, rendered", media_type="text/html"),
+    Operation("get", "/", "The playground: a streaming chat page", media_type="text/html"),
 ]
+# what a route without a pydantic response model answers, by media type
+_PLAIN_SCHEMAS = {"application/json": {"type": "object"}}
 
 
 def _component_schemas() -> tuple[dict, dict]:
@@ -145,7 +171,7 @@ def _component_schemas() -> tuple[dict, dict]:
     return refs, schemas.get("$defs", {})
 
 
-def _operation(op: Operation, refs: dict) -> dict:
+def _operation(op: Operation, refs: dict, secured: bool) -> dict:
     body: dict = {"summary": op.summary, "operationId": _operation_id(op)}
     if op.request:
         members = [refs[(m, "validation")] for m in op.request]
@@ -158,7 +184,7 @@ def _operation(op: Operation, refs: dict) -> dict:
     if op.response is not None:
         content[op.media_type] = {"schema": refs[(op.response, "serialization")]}
     else:
-        content[op.media_type] = {"schema": {"type": "string"}}
+        content[op.media_type] = {"schema": _PLAIN_SCHEMAS.get(op.media_type, {"type": "string"})}
     if op.streams:
         content["text/event-stream"] = {
             "schema": {"type": "string", "description": "SSE: data: {chunk} ... data: [DONE]"}
@@ -174,8 +200,9 @@ def _operation(op: Operation, refs: dict) -> dict:
             body["parameters"] = [
                 {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
             ]
-    if op.open:
-        body["security"] = []
+    if secured:
+        body["security"] = [{"bearer": []}]
+        body["responses"]["401"] = {"description": "No valid API key", **error}
     return body
 
 
@@ -184,12 +211,17 @@ def _operation_id(op: Operation) -> str:
     return op.method + "_" + "_".join(w.replace(".", "_") for w in words)
 
 
-def openapi_document(version: str) -> dict:
+def openapi_document(
+    version: str, api_key: bool = False, open_paths: frozenset[str] = frozenset()
+) -> dict:
+    """The document of a server that requires an API key (``api_key``) on every route but
+    ``open_paths``, or on none."""
     refs, schemas = _component_schemas()
     paths: dict = {}
     for op in OPERATIONS:
-        paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
-    return {
+        secured = api_key and op.path not in open_paths
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs, secured)
+    document = {
         "openapi": "3.1.0",
         "info": {
             "title": "pagedserve",
@@ -197,9 +229,8 @@ def openapi_document(version: str) -> dict:
             "description": "An OpenAI-compatible server (vLLM's request fields included).",
         },
         "paths": paths,
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
+        "components": {"schemas": schemas},
     }
+    if api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return document

@@ -32,6 +32,11 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def _absent(value) -> bool:
+    """A field's ``exclude_if``: left out of the body when it has no value."""
+    return value is None
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
@@ -64,16 +69,6 @@ class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
     user: str | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        """vLLM: usage in every chunk, with include_usage and continuous_usage_stats."""
-        options = self.stream_options
-        return self.include_usage_in_stream and bool(options and options.continuous_usage_stats)
-
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``max_tokens=None`` means: as many as fit in ``max_model_len``."""
@@ -94,9 +89,12 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message. Content is text, or a list of text parts (images and audio are refused)."""
+    """One message. Content is text, or a list of text parts (images and audio are refused).
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    The role is any string, as vLLM takes it: the chat template decides what a role it does not
+    know means (most render it as they render any role; one that refuses it makes a 400)."""
+
+    role: StrictStr
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
@@ -131,8 +129,8 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
         None
     )
     include_reasoning: bool = True
+    echo: bool = False  # vLLM: the reply starts with the last message, when it is the assistant's
     # refused (field_coverage.py)
-    echo: bool = False
     add_special_tokens: bool = False
     chat_template: StrictStr | None = None
     media_io_kwargs: dict[str, Any] | None = None
@@ -147,6 +145,15 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     store: bool | None = None
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): ``messages`` is a list of conversations, every
+    other field applies to each."""
+
+    messages: Annotated[
+        list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)
+    ]
+
+
 class TokenizeCompletionRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: StrictStr
@@ -158,6 +165,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -189,7 +198,7 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     completion_tokens_details: CompletionTokensDetails | None = Field(
-        default=None, exclude_if=lambda details: details is None
+        default=None, exclude_if=_absent
     )
 
 
@@ -227,7 +236,7 @@ class CompletionChoice(OpenAIBaseModel):
 
 
 class CompletionResponse(OpenAIBaseModel):
-    """The body of a non-streamed completion, and (with partial choices) of each SSE chunk."""
+    """The body of a non-streamed completion."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -236,6 +245,25 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+# vLLM's extensions in a streamed chunk: left out when they have no value (on every chunk but
+# the one that carries them), as vLLM sends them; a client that extends a list from a present
+# key must never find null there.
+StreamedTokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent)]
+StreamedPromptLogprobs = Annotated[PromptLogprobs | None, Field(default=None, exclude_if=_absent)]
+
+
+class CompletionStreamChoice(CompletionChoice):
+    prompt_logprobs: StreamedPromptLogprobs
+    prompt_token_ids: StreamedTokenIds
+    token_ids: StreamedTokenIds
+
+
+class CompletionChunk(CompletionResponse):
+    """One SSE chunk of a streamed completion: partial choices, or the usage alone."""
+
+    choices: list[CompletionStreamChoice]
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -250,10 +278,6 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatChoiceLogprobs(OpenAIBaseModel):
     content: list[ChatTokenLogprob] | None = None
-
-
-def _absent(value) -> bool:
-    return value is None
 
 
 class AssistantMessage(OpenAIBaseModel):
@@ -303,7 +327,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids
+    token_ids: StreamedTokenIds  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -314,8 +338,8 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk
-    prompt_token_ids: list[int] | None = None  # return_token_ids, on the first chunk
+    prompt_logprobs: StreamedPromptLogprobs  # on the first chunk
+    prompt_token_ids: StreamedTokenIds  # return_token_ids, on the first chunk
 
 
 class ModelCard(OpenAIBaseModel):
@@ -351,6 +375,10 @@ class TokenizerInfoResponse(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class LoadResponse(OpenAIBaseModel):
+    server_load: int  # generation requests being served (vLLM's GET /load)
 
 
 class VersionResponse(OpenAIBaseModel):

@@ -49,7 +49,8 @@ class VLLMSamplingFields(RefusedVLLMFields):
     length_penalty: float = 1.0
     early_stopping: bool = False
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    # None: the server's --return-tokens-as-token-ids decides
+    return_tokens_as_token_ids: bool | None = None
     spaces_between_special_tokens: bool = True
     truncation_side: Literal["left", "right"] | None = None
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None

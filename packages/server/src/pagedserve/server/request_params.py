@@ -17,7 +17,11 @@ from pagedserve.server.errors import bad_request, from_invalid_request
 from pagedserve.server.field_coverage import refuse_unsupported
 from pagedserve.server.protocol import SamplingRequest
 from pagedserve.server.state import ServerState, model_not_found, new_id
-from pagedserve.server.vllm_fields import check_stream_options, extra_sampling_kwargs
+from pagedserve.server.vllm_fields import (
+    check_stream_options,
+    extra_sampling_kwargs,
+    whole_vocabulary,
+)
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
@@ -29,11 +33,13 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 
 def check_caps(state: ServerState, body: SamplingRequest) -> None:
-    """The served model's name, and the server's caps on what one request may ask for."""
+    """The served model's name, and the server's caps on what one request may ask for (and
+    ``prompt_logprobs: -1`` resolved to the vocabulary's size)."""
     cfg = state.config
     check_model(state, body.model)
     refuse_unsupported(body)
     check_stream_options(body)
+    whole_vocabulary(body, "prompt_logprobs", state.engine.model_config.vocab_size)
     if not 1 <= body.n <= cfg.max_n:
         raise bad_request(f"n must be in [1, {cfg.max_n}], got {body.n}", "n")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

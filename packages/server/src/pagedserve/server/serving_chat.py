@@ -3,7 +3,10 @@ completions.
 
 With ``--reasoning-parser`` each reply's thinking comes back apart from its answer (reasoning.py),
 and with tools its calls are read from the answer (tools.py); both stream as deltas of their own
-(``reasoning_content``/``reasoning``, ``tool_calls``) beside ``content``.
+(``reasoning_content``/``reasoning``, ``tool_calls``) beside ``content``. With ``echo`` (vLLM's)
+the reply's content starts with the last message, when that message is the assistant's own.
+
+``ChatView`` also answers each conversation of /v1/chat/completions/batch (serving_chat_batch.py).
 """
 
 from __future__ import annotations
@@ -29,17 +32,13 @@ from pagedserve.server.protocol import (
     UsageInfo,
 )
 from pagedserve.server.reply import ReplyDelta, ReplyPlan, ReplyReader
-from pagedserve.server.request_params import (
-    response_id,
-)
+from pagedserve.server.request_params import response_id
 from pagedserve.server.sse import SSE_DONE, answer, error_event, sse
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, StreamProgress
 from pagedserve.server.structured_protocol import DeltaFunctionCall, DeltaToolCall
-from pagedserve.server.tools import (
-    as_tool_calls,
-    new_tool_call_id,
-)
+from pagedserve.server.tools import as_tool_calls, new_tool_call_id
+from pagedserve.server.vllm_fields import stream_usage, tokens_as_token_ids
 
 
 async def create_chat_completion(
@@ -48,13 +47,13 @@ async def create_chat_completion(
     state.check_admitting()
     prompt, aliases, plan = plan_prompt(state, body)
     streams = EngineStreams(state, new_id("chatcmpl"), [prompt], body.priority, aliases, body.model)
-    view = _ChatView(state, body, response_id("chatcmpl", body), prompt.prompt_token_ids, plan)
+    view = ChatView(state, body, response_id("chatcmpl", body), prompt.prompt_token_ids, plan)
     return await answer(
         request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
     )
 
 
-class _ChatView:
+class ChatView:
     """Turns engine outputs into OpenAI chat bodies and SSE chunks."""
 
     def __init__(self, state, body, request_id, prompt_token_ids: list[int], plan: ReplyPlan):
@@ -63,8 +62,10 @@ class _ChatView:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
-        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
+        self.name = TokenNamer(self.tokenizer, tokens_as_token_ids(body, state.config))
+        self.include_usage, self.continuous_usage = stream_usage(body, state.config)
         self.k = body.top_logprobs or 0
+        self.echo = echoed_text(body)
 
     def _prompt_extras(self, output: RequestOutput) -> dict:
         """vLLM's prompt fields (response level): ``prompt_logprobs``, ``prompt_token_ids``."""
@@ -105,8 +106,9 @@ class _ChatView:
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
             reply = self.plan.whole(completion.text)
+            content = self.echo + (reply.content or "") if self.echo else reply.content
             message = AssistantMessage(
-                content=reply.content,
+                content=content,
                 reasoning_content=reply.reasoning,
                 reasoning=reply.reasoning,
                 tool_calls=as_tool_calls(reply.calls),
@@ -149,7 +151,7 @@ class _ChatView:
         return sse(chunk.model_dump_json())
 
     def _running_usage(self, progress: StreamProgress) -> UsageInfo | None:
-        return self.usage(progress.completion_tokens) if self.body.continuous_usage else None
+        return self.usage(progress.completion_tokens) if self.continuous_usage else None
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
         """The role chunks (the first carries the prompt's extras) when the engine's first
@@ -181,7 +183,7 @@ class _ChatView:
                     chunk = self._delta_choice(choice, completion, delta, parsed)
                     if chunk is not None:
                         yield self._chunk([chunk], self._running_usage(progress))
-            if self.body.include_usage_in_stream:
+            if self.include_usage:
                 finals = [choice.completion for choice in choices.values()]
                 yield self._chunk([], self.usage(progress.completion_tokens, finals))
         except APIError as error:
@@ -213,6 +215,8 @@ class _ChatView:
         )
 
     def _role_chunks(self, output: RequestOutput, progress: StreamProgress) -> list[str]:
+        """The role of each choice (the first chunk carries the prompt's extras), then the
+        echoed last message of each, with ``echo``."""
         chunks = []
         for index in range(self.body.n):
             role = ChatCompletionStreamChoice(
@@ -220,7 +224,20 @@ class _ChatView:
             )
             extras = self._prompt_extras(output) if index == 0 else {}
             chunks.append(self._chunk([role], self._running_usage(progress), **extras))
+        if self.echo:
+            for index in range(self.body.n):
+                echoed = ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(content=self.echo)
+                )
+                chunks.append(self._chunk([echoed], self._running_usage(progress)))
         return chunks
+
+
+def echoed_text(body: ChatCompletionRequest) -> str:
+    """What vLLM's ``echo`` puts in front of each reply: the last message's text when it is the
+    assistant's own (the reply's role), as with ``continue_final_message``; else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 class _StreamedChoice:

@@ -13,9 +13,11 @@ from pagedserve.server.field_coverage import check_thinking_budget
 from pagedserve.server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     CompletionChoice,
+    CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     UsageInfo,
 )
 from pagedserve.server.request_params import (
@@ -33,7 +35,18 @@ from pagedserve.server.sse import (
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
 from pagedserve.server.structured import structured_output_aliases, structured_outputs_of
-from pagedserve.server.vllm_fields import COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens
+from pagedserve.server.vllm_fields import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    default_max_tokens,
+    stream_usage,
+    tokens_as_token_ids,
+)
+
+# vLLM's words for it (clients match them), after ours
+EMPTY_PROMPT = (
+    "the prompt is empty: give at least one token "
+    "(Either prompt or prompt_embeds must be provided and non-empty.)"
+)
 
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -41,8 +54,8 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
-    if not prompt:
-        raise bad_request("the prompt is empty: give at least one token", "prompt")
+    if not prompt or any(not item for item in prompt):
+        raise bad_request(EMPTY_PROMPT, "prompt")
     limit = state.config.max_prompts
     if len(prompt) > limit:
         raise bad_request(f"at most {limit} prompts per request, got {len(prompt)}", "prompt")
@@ -50,8 +63,6 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            if not item:
-                raise bad_request("the prompt is empty: give at least one token", "prompt")
             ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
             prompts.append((item, ids))
         else:
@@ -115,7 +126,8 @@ class _CompletionView:
         self.state, self.body, self.id, self.prompts = state, body, request_id, prompts
         self.created = now_s()
         self.tokenizer = state.engine.tokenizer
-        self.name = TokenNamer(self.tokenizer, body.return_tokens_as_token_ids)
+        self.name = TokenNamer(self.tokenizer, tokens_as_token_ids(body, state.config))
+        self.include_usage, self.continuous_usage = stream_usage(body, state.config)
 
     def index(self, prompt_index: int, completion) -> int:
         return prompt_index * self.body.n + completion.index
@@ -158,8 +170,9 @@ class _CompletionView:
             extras["prompt_token_ids"] = self.prompts[p].prompt_token_ids
         return extras
 
-    def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None):
-        return CompletionResponse(
+    def _body(self, choices: list, usage: UsageInfo | None = None, kind=CompletionResponse):
+        """The response (``kind`` CompletionResponse) or a chunk of it (CompletionChunk)."""
+        return kind(
             id=self.id,
             created=self.created,
             model=self.state.served_name(self.body.model),
@@ -206,9 +219,9 @@ class _CompletionView:
                     chunk = self._delta_chunk(p, output, completion, progress)
                     if chunk is not None:
                         yield chunk
-            if self.body.include_usage_in_stream:
+            if self.include_usage:
                 usage = self.usage(progress.completion_tokens)
-                yield sse(self._body([], usage).model_dump_json())
+                yield sse(self._body([], usage, CompletionChunk).model_dump_json())
         except APIError as error:
             yield error_event(error)
         yield SSE_DONE
@@ -221,7 +234,7 @@ class _CompletionView:
         extras = self._prompt_extras(p, output)
         chunks = []
         for j in range(self.body.n):
-            choice = CompletionChoice(
+            choice = CompletionStreamChoice(
                 index=p * self.body.n + j, text=prefix, logprobs=echo_logprobs, **extras
             )
             chunks.append(self._chunk(choice, 0))
@@ -234,7 +247,7 @@ class _CompletionView:
         if delta is None:
             return None
         offset = len(self.echo_text(p)) + delta.text_offset
-        choice = CompletionChoice(
+        choice = CompletionStreamChoice(
             index=index,
             text=delta.text,
             logprobs=self._logprobs(delta.token_ids, delta.logprobs, offset),
@@ -245,9 +258,9 @@ class _CompletionView:
         )
         return self._chunk(choice, progress.completion_tokens)
 
-    def _chunk(self, choice: CompletionChoice, completion_tokens: int) -> str:
-        usage = self.usage(completion_tokens) if self.body.continuous_usage else None
-        return sse(self._body([choice], usage).model_dump_json())
+    def _chunk(self, choice: CompletionStreamChoice, completion_tokens: int) -> str:
+        usage = self.usage(completion_tokens) if self.continuous_usage else None
+        return sse(self._body([choice], usage, CompletionChunk).model_dump_json())
 
 
 def _joined(

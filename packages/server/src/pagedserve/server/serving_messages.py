@@ -33,7 +33,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput
-from pagedserve.server.chat_prompt import chat_prompt_ids, plan_prompt, template_kwargs_of
+from pagedserve.server.chat_prompt import (
+    chat_prompt_ids,
+    plan_prompt,
+    template_kwargs_of,
+    template_options,
+)
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
 from pagedserve.server.field_coverage import check_thinking_budget, refuse_unsupported
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
@@ -214,9 +219,8 @@ async def count_tokens(request: Request, state: ServerState, body: CountTokensRe
     template = state.config.chat_template
     parser = resolve_tool_parser(state.config.tool_call_parser, state.engine.tokenizer, template)
     tools = plan_tools(chat, parser)
-    ids = chat_prompt_ids(
-        state, chat.messages, chat.add_generation_prompt, template_kwargs_of(chat), tools
-    )
+    add_generation_prompt, kwargs = template_options(chat, template_kwargs_of(chat))
+    ids = chat_prompt_ids(state, chat.messages, add_generation_prompt, kwargs, tools)
     return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.engine import EngineClient, LoRARequest
+from pagedserve.engine import EngineClient, LoRARequest, SamplingParams
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 from pagedserve.server.responses_store import ResponseStore
@@ -24,6 +25,8 @@ class ServerState:
     draining: bool = False
     in_flight: dict[str, None] = field(default_factory=dict)  # engine request ids
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)  # by served name
+    # told each request the engine admits (EngineMetrics.observe_request_params), when set
+    observe_request_params: Callable[[SamplingParams], None] | None = None
     _last_lora_id: int = 0
     responses_store: ResponseStore | None = field(init=False, default=None)
 

@@ -77,22 +77,24 @@ class EngineStreams:
                 priority,
                 **extra,
             )
-            pump = asyncio.create_task(self._pump(prompt.index, generator, first))
+            pump = asyncio.create_task(self._pump(prompt, generator, first))
             # Out of in_flight only once the pump is done (its abort, if any, is submitted).
             pump.add_done_callback(lambda _, key=engine_id: state.in_flight.pop(key, None))
             self._pumps.append(pump)
 
-    async def _pump(self, index: int, generator, first: asyncio.Future) -> None:
+    async def _pump(self, prompt: PromptRequest, generator, first: asyncio.Future) -> None:
         try:
             async for output in generator:
                 if not first.done():
                     first.set_result(None)
-                self._queue.put_nowait((index, output))
+                    if self.state.observe_request_params is not None:
+                        self.state.observe_request_params(prompt.params)
+                self._queue.put_nowait((prompt.index, output))
         except Exception as error:  # a refusal, or the engine died: the consumer raises it
             if not first.done():
                 first.set_exception(error)
                 first.exception()  # retrieved: the consumer reads it through ``admitted``
-            self._queue.put_nowait((index, error))
+            self._queue.put_nowait((prompt.index, error))
         finally:
             await generator.aclose()
 

@@ -1,5 +1,6 @@
-"""The fused CPU decoder layer (kernels/decoder_layer_numba.py) against the same layer run module
-by module, bit for bit, and the steps and layers it must leave to the modules.
+"""The CPU runner's forward, each plain Llama layer as one numba call (engine/cpu_runner.py,
+kernels/cpu/decoder_layer.py), against the same step run module by module (the base
+``ModelRunner.forward``), bit for bit; and the steps and layers it must leave to the modules.
 
 Equality is exact, not within a tolerance: the fused call runs the very kernels the modules
 call, so a step may switch between the two paths (16 rows fused, 17 not) without changing any
@@ -9,15 +10,13 @@ output. The modules themselves are held to transformers elsewhere
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.kernels import dense_linear_numba
-from pagedserve.models import llama
-from pagedserve.models.layers import fused_cpu_layer
+from pagedserve.engine.cpu_runner import MAX_FUSED_ROWS, CPUModelRunner
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.kernels.cpu import decoder_layer, dense_linear
 from pagedserve.models.testing import make_tiny_checkpoint
 
 WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
@@ -67,23 +66,23 @@ def _decoding_engine(
 
 
 def _forward(engine, model_input, monkeypatch, fused: bool):
-    """The model's hidden states and KV caches after one forward over copies of the caches;
-    how many layers the fused call ran."""
+    """The model's hidden states and KV caches after one forward over copies of the caches
+    (the CPU runner's, or the modules' alone); how many layers ran as one numba call."""
     runner = engine.runner
+    assert isinstance(runner, CPUModelRunner)
     caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    meta = dataclasses.replace(model_input.attn_metadata)  # a fresh plan memo
     calls = []
-    real = llama.fused_decoder_layer
-
-    def counted(*args):
-        out = real(*args) if fused else None
-        calls.append(out is not None)
-        return out
-
+    real = decoder_layer.decoder_layer_numba
+    own_caches = runner.kv_caches
     with monkeypatch.context() as patch, torch.inference_mode():
-        patch.setattr(llama, "fused_decoder_layer", counted)
-        hidden = runner.model(model_input.input_ids, model_input.positions, caches, meta)
-    return hidden, caches, sum(calls)
+        patch.setattr(decoder_layer, "decoder_layer_numba", lambda *a: calls.append(1) or real(*a))
+        runner.kv_caches = caches
+        try:
+            forward = runner.forward if fused else lambda x: ModelRunner.forward(runner, x)
+            hidden = forward(model_input)
+        finally:
+            runner.kv_caches = own_caches
+    return hidden, caches, len(calls)
 
 
 def _assert_same_forward(engine, model_input, monkeypatch) -> int:
@@ -102,7 +101,7 @@ def test_fused_layer_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, case)
     arch, overrides, prompt_lens, *kv_cache_dtype = CASES[case]
     engine = _decoding_engine(tmp_path, arch, overrides, prompt_lens, *kv_cache_dtype)
     n_layers = len(engine.runner.model.model.layers)
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert decode.input_ids.shape[0] == len(prompt_lens)
     assert _assert_same_forward(engine, decode, monkeypatch) == n_layers
 
@@ -112,18 +111,18 @@ def test_a_short_prefill_chunk_among_decodes_is_fused_too(tmp_path, monkeypatch)
     numba kernel's too (its rows see each other causally)."""
     engine = _decoding_engine(tmp_path, "llama", {}, [17, 3, 9])
     engine.add_request("new", [11, 12, 13, 14, 15], SamplingParams(max_tokens=4))
-    step = engine.runner.prepare_input(engine.scheduler.schedule())
+    step, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert step.input_ids.shape[0] == 3 + 5
     assert _assert_same_forward(engine, step, monkeypatch) == 2
 
 
 def test_steps_and_layers_it_cannot_stand_in_for_run_the_modules(tmp_path, monkeypatch):
     engine = _decoding_engine(tmp_path, "llama", {}, [17])
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     # more rows than the decode GEMM takes: a 17-token prompt's prefill is module by module
     engine.add_request("long", list(range(3, 20)), SamplingParams(max_tokens=1))
-    prefill = engine.runner.prepare_input(engine.scheduler.schedule())
-    assert prefill.input_ids.shape[0] > fused_cpu_layer.MAX_FUSED_ROWS
+    prefill, _ = engine.runner.prepare_input(engine.scheduler.schedule())
+    assert prefill.input_ids.shape[0] > MAX_FUSED_ROWS
     assert _forward(engine, prefill, monkeypatch, fused=True)[2] == 0
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "ref")  # the references asked for
     assert _forward(engine, decode, monkeypatch, fused=True)[2] == 0
@@ -133,23 +132,25 @@ def test_steps_and_layers_it_cannot_stand_in_for_run_the_modules(tmp_path, monke
 def test_layers_of_other_shapes_are_left_to_their_modules(tmp_path, monkeypatch, arch):
     """Qwen3's per-head norms, Mixtral's experts: the fused call stands in for neither."""
     engine = _decoding_engine(tmp_path, arch, {}, [9])
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
+    assert engine.runner.fused_layers is None
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert _forward(engine, decode, monkeypatch, fused=True)[2] == 0
 
 
 def test_fused_rows_limit_is_the_decode_gemms():
-    assert fused_cpu_layer.MAX_FUSED_ROWS == dense_linear_numba.MAX_ROWS
+    assert MAX_FUSED_ROWS == dense_linear.MAX_ROWS
 
 
-def test_forgetting_the_gathered_weights_follows_a_replaced_weight(tmp_path, monkeypatch):
-    """The fused layer reads the weights it gathered at its first step; code that swaps a
-    weight tensor afterwards calls forget_fused_layers, and the fused layer reads the new one."""
+def test_a_weight_changed_in_place_is_read_by_the_fused_layer(tmp_path, monkeypatch):
+    """The fused kernel reads views of the layer's own tensors: a weight updated in place
+    (as a checkpoint reload into the same parameters would) changes its output as it changes
+    the modules'."""
     engine = _decoding_engine(tmp_path, "llama", {}, [17, 3])
-    decode = engine.runner.prepare_input(engine.scheduler.schedule())
-    model = engine.runner.model
-    _assert_same_forward(engine, decode, monkeypatch)  # gathers every layer's weights
-    o_proj = model.model.layers[0].self_attn.o_proj
-    o_proj.weight = torch.nn.Parameter(o_proj.weight.detach() * 2, requires_grad=False)
-    fused_cpu_layer.forget_fused_layers(model)
-    assert model.model.layers[0].fused_cpu is None
-    assert _assert_same_forward(engine, decode, monkeypatch) == len(model.model.layers)
+    decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
+    before, _, _ = _forward(engine, decode, monkeypatch, fused=True)
+    with torch.no_grad():
+        engine.runner.model.model.layers[0].self_attn.o_proj.weight.mul_(2)
+    n_layers = len(engine.runner.model.model.layers)
+    assert _assert_same_forward(engine, decode, monkeypatch) == n_layers
+    after, _, _ = _forward(engine, decode, monkeypatch, fused=True)
+    assert not torch.equal(before, after)

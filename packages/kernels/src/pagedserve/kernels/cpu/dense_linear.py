@@ -40,8 +40,8 @@ import numba
 import numpy as np
 import torch
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.numba_threads import follow_torch_threads
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 # Decode batches up to here take this kernel; above it MKL's packed GEMM has enough rows to
 # reuse each weight from cache (SmolLM2's shapes at 32 rows: 1.35x MKL on 2 threads, 0.98x on 1).
@@ -102,7 +102,7 @@ def _dense_linear_serial(x, w, out):  # pragma: no cover - compiled
 def _dense_linear(x, w, threads):  # pragma: no cover - compiled
     """``x @ w.T`` into a new array: the weight shared out over the threads from
     ``PARALLEL_FROM_WEIGHTS`` on, else in this thread. Compiled, so that the fused decoder layer
-    (decoder_layer_numba.py) makes the same choice as :func:`dense_linear_numba`."""
+    (cpu/decoder_layer.py) makes the same choice as :func:`dense_linear_numba`."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
         _dense_linear_parallel(x, w, out)

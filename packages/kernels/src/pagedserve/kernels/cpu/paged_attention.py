@@ -28,7 +28,7 @@ no request pays for it. The kernel uses ``min(torch.get_num_threads(), NUMBA_NUM
 threads, set on every call: the engine sizes one thread count (torch's) for everything.
 
 Files: this one has the contract, the work items' loop and launch; the loops over one tile of
-KV positions are in paged_attention_numba_tile.py, the per-step work plan in
+KV positions are in cpu/paged_attention_tile.py, the per-step work plan in
 paged_attention_plan.py.
 """
 
@@ -39,16 +39,15 @@ import numpy as np
 import torch
 from numba import prange
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.dispatch import kernel_path
-from pagedserve.kernels.numba_half import cache_as_numpy
-from pagedserve.kernels.paged_attention_numba_tile import _FASTMATH, _attend_tile
-from pagedserve.kernels.paged_attention_plan import (
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.half import cache_as_numpy
+from pagedserve.kernels.cpu.paged_attention_plan import (
     StepPlan,
     _plan,
     _work_items,
     step_plan,
 )
+from pagedserve.kernels.cpu.paged_attention_tile import _FASTMATH, _attend_tile
 from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 
 # paged_attention_cpu sends a sequence with more new tokens than this to SDPA's flash kernel
@@ -146,11 +145,13 @@ _set_parallel_chunksize = numba.types.ExternalFunction(
 
 
 @numba.njit(cache=True)
-def _launch(query, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap, out):
+def launch_attention(
+    query, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap, out
+):
     """Run the work items into ``out``, under ``prange`` (handed out one by one, longest first)
     or in this thread, then merge the KV splits. ``layout``: block tables, lengths and starts
     as the kernels read them. Compiled, so that the fused decoder layer
-    (decoder_layer_numba.py) calls the very same launch as this module's wrapper."""
+    (cpu/decoder_layer.py) calls the very same launch as this module's wrapper."""
     block_tables, seq_lens, starts = layout
     n_parts = merges[:, 2].sum() if merges.shape[0] else 0  # one slot per split of a tile
     part_acc = np.empty((n_parts, out.shape[1], out.shape[2]), np.float32)
@@ -186,7 +187,7 @@ def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_
         out = np.empty(query.shape, np.float32)
     if len(plan.work):
         q = query if fp32 and query.is_contiguous() else query.to(torch.float32).contiguous()
-        _launch(
+        launch_attention(
             q.detach().numpy(), cache_as_numpy(k_cache.detach()),
             cache_as_numpy(v_cache.detach()), plan.layout, plan.work, plan.merges,
             plan.parallel, np.float32(scale), window, np.float32(logits_soft_cap or 0.0), out,
@@ -207,20 +208,16 @@ def paged_attention_numba(
     num_kv_splits: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-    plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
 
     With ``max_q_len``, sequences with more new tokens are left out (their rows stay 0).
     ``num_kv_splits`` > 1 cuts each decode row's KV positions into that many ranges, run in
     parallel and merged (flash-decoding); by default that happens only when there are too
-    few decode rows to keep every thread busy. ``plans``: the step's memo of work plans
-    (paged_attention_plan.step_plan), shared by its layers; None plans this call alone."""
+    few decode rows to keep every thread busy."""
     _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     window = sliding_window or 0
-    plan = step_plan(
-        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, plans
-    )
+    plan = step_plan(block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window)
     return _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap)
 
 
@@ -234,14 +231,12 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-    plans: dict | None = None,
 ) -> torch.Tensor:
     """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
-    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens. ``plans``:
-    the step's memo (see :func:`paged_attention_numba`)."""
+    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens."""
     _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     window = sliding_window or 0
-    plan = step_plan(block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window, plans)
+    plan = step_plan(block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window)
     out = _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap)
     for b, start, end in plan.long_seqs:
         out[start:end] = _prefill_ref(
@@ -253,13 +248,8 @@ def paged_attention_cpu(
 
 def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from numba's disk cache) the kernel for caches of these dtypes, on a
-    one-block batch holding a prefill chunk and a decode (both the parallel and the serial
-    kernel), the decoder layer's small ops (layer_ops_numba), the decode GEMM
-    (dense_linear_numba) and the fused decoder layer (decoder_layer_numba), before any request
-    needs them;
-    a no-op where dispatch would not pick numba (on CPU) anyway."""
-    if kernel_path(torch.empty(0), has_numba=True) != "numba":
-        return
+    one-block batch holding a prefill chunk and a decode: the planners, and both the parallel
+    and the serial kernel, whatever the thread count."""
     for dtype in dtypes:
         cache = torch.zeros(2, 8, 1, 8, dtype=dtype)
         args = (
@@ -267,17 +257,12 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
             torch.tensor([0, 2, 3], dtype=torch.int32), 1.0,
         )  # fmt: skip
-        paged_attention_numba(*args)  # the planners, and the kernel this thread count takes
+        paged_attention_numba(*args)
         query, k_cache, v_cache, block_tables, seq_lens, starts, scale = args
         lens, starts = seq_lens.to(torch.int64).numpy(), starts.to(torch.int64).numpy()
         work, merges = _plan(_work_items(starts[1:] - starts[:-1], lens, None), starts, lens, 1)
         arrays = (query.float().numpy(), cache_as_numpy(k_cache), cache_as_numpy(v_cache),
                   (block_tables.numpy(), lens, starts), work, merges)  # fmt: skip
-        for parallel in (True, False):  # both kernels, whatever the thread count
+        for parallel in (True, False):
             out = np.zeros(query.shape, np.float32)
-            _launch(*arrays, parallel, np.float32(scale), 0, np.float32(0), out)
-    from pagedserve.kernels import decoder_layer_numba, dense_linear_numba, layer_ops_numba
-
-    layer_ops_numba.warm_up(dtypes)
-    dense_linear_numba.warm_up()
-    decoder_layer_numba.warm_up(dtypes)
+            launch_attention(*arrays, parallel, np.float32(scale), 0, np.float32(0), out)

@@ -1,7 +1,7 @@
 """A Llama decoder layer over a decode step's few rows on CPU, in one numba call.
 
 At a batch-1 decode on a 2-core CPU the layer's own work is the weights' read (the GEMMs run at
-the memory's speed: dense_linear_numba.py) plus microseconds of small ops; the rest is Python.
+the memory's speed: cpu/dense_linear.py) plus microseconds of small ops; the rest is Python.
 The layer as modules is ~12 kernel calls (two RMSNorms, four GEMMs, rotary, the KV store, the
 attention, SiLU), each through an ``nn.Module``, the dispatch, a wrapper that turns tensors into
 numpy arrays and back, plus the splits and views between them: ~100 us a layer, ~3 ms of a
@@ -21,7 +21,7 @@ the threads from ``PARALLEL_FROM_WEIGHTS`` on, the attention's work items, KV sp
 parallel flag from the step's plan). Only the glue differs: q, k and v are copied out of the
 fused projection's rows instead of viewed, which moves values, not rounding. So switching a
 step between the two paths (a batch of 17 rows goes module by module, a batch of 16 here)
-changes no output; tests/models/test_fused_decoder_layer.py holds them equal bit for bit.
+changes no output; tests/engine/test_cpu_runner.py holds them equal bit for bit.
 
 Only the layer :func:`supports` takes this path: the caller (the model) checks the rest (fp32
 weights without quantization or LoRA, one rank, no per-head norms). The compiled function
@@ -37,9 +37,10 @@ import numba
 import numpy as np
 import torch
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.dense_linear_numba import MAX_ROWS, _dense_linear
-from pagedserve.kernels.layer_ops_numba import (
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.dense_linear import MAX_ROWS, _dense_linear
+from pagedserve.kernels.cpu.half import cache_as_numpy
+from pagedserve.kernels.cpu.layer_ops import (
     CACHE_DTYPES,
     _rms_norm_kernel,
     _rotate,
@@ -47,10 +48,9 @@ from pagedserve.kernels.layer_ops_numba import (
     _store_kv_kernel,
     supports_caches,
 )
-from pagedserve.kernels.numba_half import cache_as_numpy
-from pagedserve.kernels.numba_threads import follow_torch_threads
-from pagedserve.kernels.paged_attention_numba import _launch
-from pagedserve.kernels.paged_attention_plan import StepPlan
+from pagedserve.kernels.cpu.paged_attention import launch_attention
+from pagedserve.kernels.cpu.paged_attention_plan import StepPlan
+from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 
 @numba.njit(cache=True)
@@ -90,7 +90,7 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     _rotate(k, positions, cos_sin, is_neox)
     _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
     attended = np.empty(q.shape, np.float32)  # every row is some work item's: see supports
-    _launch(q, cache[0], cache[1], *attention, attended)
+    launch_attention(q, cache[0], cache[1], *attention, attended)
     projected = _dense_linear(attended.reshape(q.shape[0], -1), w_o, threads)
     normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
     _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
@@ -201,7 +201,7 @@ def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     one signature per cache dtype (fp32 rows, int64 positions and slots) on a one-token layer.
     The GEMMs' and the attention's serial and parallel kernels sit behind its branches and
     compile with it."""
-    from pagedserve.kernels.paged_attention_plan import step_plan
+    from pagedserve.kernels.cpu.paged_attention_plan import step_plan
 
     hidden, head_dim = 8, 4
     weights = DecoderLayerWeights.of(

@@ -1,4 +1,4 @@
-"""How the numba paged attention (paged_attention_numba.py) cuts a step into work items.
+"""How the numba paged attention (cpu/paged_attention.py) cuts a step into work items.
 
 A step's sequences become tiles of ``PREFILL_TILE_Q`` new tokens (a decode row is a one-token
 tile); a single long decode, too few tiles to keep every thread busy, is cut along its KV axis
@@ -6,10 +6,10 @@ into ranges merged afterwards (flash-decoding). Compiled with numba: numpy's per
 (some 40 small array ops) added up to more than the attention of a small decode batch.
 
 The plan depends on the batch's layout alone (query_start_loc, seq_lens, block tables) and
-the layer's sliding window, so it is the same for every layer of a step: :func:`step_plan`
-builds it once, at the first layer, and keeps it in the step's ``plans`` memo (a dict the
-caller owns for one step: ``AttentionMetadata.kernel_plans``), where the other layers find it,
-with the layout's arrays already converted for the kernel.
+the layer's sliding window, so it is the same for every layer of a step: the CPU runner's
+fused layers take one built once per step (engine/cpu_runner.py), with the layout's arrays
+already converted for the kernel; a call through ``paged_attention`` plans for itself (some
+microseconds: steps that take that path are large).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numba
 import numpy as np
 import torch
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.numba_threads import follow_torch_threads
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 TILE_N = 32  # KV positions scored per online-softmax step
 MIN_SPLIT_POSITIONS = 256  # a KV split of a single decode is worth its merge from here on
@@ -108,10 +108,8 @@ class StepPlan:
     ``layout`` is (block tables int32, seq_lens int64, query_start_loc int64) as the kernels
     read them; ``work``/``merges`` as :func:`_plan` returns them; ``parallel``: run the items
     under ``prange``; ``long_seqs``: (sequence, first row, last row + 1) of the sequences with
-    more than ``max_q_len`` new tokens, which no work item covers. ``source`` holds the
-    tensors it was built from: a memo entry is reused for those very tensors only."""
+    more than ``max_q_len`` new tokens, which no work item covers."""
 
-    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     layout: tuple[np.ndarray, np.ndarray, np.ndarray]
     work: np.ndarray
     merges: np.ndarray
@@ -135,8 +133,7 @@ def _build(block_tables, seq_lens, query_start_loc, max_q_len, splits, window, t
         long = np.flatnonzero(q_lens > max_q_len).tolist()
         long_seqs = tuple((b, int(starts[b]), int(starts[b + 1])) for b in long)
     layout = (block_tables.to(torch.int32).numpy(), lens, starts)
-    source = (block_tables, seq_lens, query_start_loc)
-    return StepPlan(source, layout, work, merges, threads > 1 and len(work) > 1, long_seqs)
+    return StepPlan(layout, work, merges, threads > 1 and len(work) > 1, long_seqs)
 
 
 def step_plan(
@@ -146,17 +143,10 @@ def step_plan(
     max_q_len: int | None = None,
     num_kv_splits: int | None = None,
     window: int = 0,
-    plans: dict | None = None,
 ) -> StepPlan:
-    """The step's plan for these arguments: from ``plans`` when an earlier layer built it
-    from the same tensors, else built now (and kept there). Sets numba's thread count
+    """The plan for this layout and window. Sets numba's thread count
     (:func:`follow_torch_threads`), which the plan's split and parallel choices depend on."""
     threads = follow_torch_threads()
-    key = ("paged_attention_numba", max_q_len, num_kv_splits, window, threads)
-    plan = plans.get(key) if plans is not None else None
-    source = (block_tables, seq_lens, query_start_loc)
-    if plan is None or any(a is not b for a, b in zip(plan.source, source, strict=True)):
-        plan = _build(*source, max_q_len, num_kv_splits, window, threads)
-        if plans is not None:
-            plans[key] = plan
-    return plan
+    return _build(
+        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, threads
+    )

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
 
 MAX_ROWS = 16  # at 1 row 25x faster than the reference on SmolLM2 shapes; even near 24 rows
 

@@ -25,27 +25,41 @@ from pathlib import Path
 
 from numba.core import caching
 
-_KERNELS_DIR = Path(__file__).resolve().parent
+KERNELS_DIR = Path(__file__).resolve().parent
 
 
 @cache
-def _stamp(files: tuple[tuple[str, float, int], ...]) -> str:
+def _stamp(directory: Path, files: tuple[tuple[str, float, int], ...]) -> str:
     digest = hashlib.sha256()
     for name, _, _ in files:
-        source = (_KERNELS_DIR / name).read_bytes()
+        source = (directory / name).read_bytes()
         if b"numba" in source:
             digest.update(name.encode() + b"\0" + source)
     return digest.hexdigest()
 
 
-def numba_sources_stamp() -> str:
-    """A hash of every ``.py`` file of this package that mentions numba, re-read only when a
-    file's name, mtime or size changes (numba asks for the stamp of every cached function)."""
+def numba_sources_stamp(directory: Path = KERNELS_DIR) -> str:
+    """A hash of every ``.py`` file of the package (``directory``) that mentions numba, re-read
+    only when a file's name, mtime or size changes (numba asks for the stamp of every cached
+    function)."""
     files = []
-    for path in sorted(_KERNELS_DIR.glob("*.py")):
+    for path in sorted(directory.glob("*.py")):
         st = path.stat()
         files.append((path.name, st.st_mtime, st.st_size))
-    return _stamp(tuple(files))
+    return _stamp(directory, tuple(files))
+
+
+def stamps(py_file: str) -> bool:
+    """Whether a function defined in ``py_file`` takes the package-wide stamp (this package's
+    files only; numba's own rules elsewhere)."""
+    return Path(py_file).resolve().parent == KERNELS_DIR
+
+
+def source_stamp_of(dispatcher):
+    """The source stamp numba keys a compiled function's disk cache on (its locator's; numba
+    keeps that behind its cache objects), or None for a function without a disk cache."""
+    impl = getattr(dispatcher._cache, "_impl", None)
+    return None if impl is None else impl._locator.get_source_stamp()
 
 
 class _KernelsStamp:
@@ -53,7 +67,7 @@ class _KernelsStamp:
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if Path(py_file).resolve().parent != _KERNELS_DIR:
+        if not stamps(py_file):
             return None
         return super().from_function(py_func, py_file)
 

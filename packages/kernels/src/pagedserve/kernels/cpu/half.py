@@ -2,10 +2,10 @@
 fp32 rounded to them.
 
 fp16 and bf16 caches are handed to numba as their 16-bit patterns (uint16 and int16 views);
-:func:`_to_float32` widens one element bit-exactly in registers, so the paged attention kernel
-(paged_attention_numba.py) reads any cache dtype in place, and :func:`_to_cache_element`
+:func:`to_float32` widens one element bit-exactly in registers, so the paged attention kernel
+(cpu/paged_attention.py) reads any cache dtype in place, and :func:`to_cache_element`
 rounds an fp32 value to the cache's element as torch's conversion does, so the KV store
-(layer_ops_numba.py) writes any cache dtype.
+(cpu/layer_ops.py) writes any cache dtype.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def _float32_as_bits(typingctx, value):
     return types.uint32(types.float32), codegen
 
 
-def _to_float32(x):
+def to_float32(x):
     """A cache element as fp32: fp32 as is, int16 as bf16 bits, uint16 as fp16 bits."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-@overload(_to_float32, inline="always")
+@overload(to_float32, inline="always")
 def _to_float32_impl(x):
     if x == types.float32:
         return lambda x: x
@@ -75,7 +75,7 @@ def _to_float32_impl(x):
     return None
 
 
-def _float32_to_fp16_bits(x):  # pragma: no cover - compiled
+def float32_to_fp16_bits(x):  # pragma: no cover - compiled
     """fp32 -> fp16 bits, rounded to nearest even as torch's ``.to(torch.float16)`` rounds (the
     same bits for every non-NaN input: tests/kernels/test_numba_half_narrow.py): overflow to
     inf, fp16 subnormals kept, NaN to a quiet NaN (not necessarily torch's payload). Integer
@@ -83,7 +83,7 @@ def _float32_to_fp16_bits(x):  # pragma: no cover - compiled
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-@overload(_float32_to_fp16_bits, inline="always")
+@overload(float32_to_fp16_bits, inline="always")
 def _float32_to_fp16_bits_impl(x):
     if x != types.float32:
         return None
@@ -116,13 +116,13 @@ def _float32_to_fp16_bits_impl(x):
     return narrow
 
 
-def _float32_to_bf16_bits(x):  # pragma: no cover - compiled
+def float32_to_bf16_bits(x):  # pragma: no cover - compiled
     """fp32 -> bf16 bits (as int16), rounded to nearest even as torch rounds (the same bits for
     every non-NaN input); NaN to a quiet NaN (torch's bits for it differ by version)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-@overload(_float32_to_bf16_bits, inline="always")
+@overload(float32_to_bf16_bits, inline="always")
 def _float32_to_bf16_bits_impl(x):
     if x != types.float32:
         return None
@@ -137,19 +137,19 @@ def _float32_to_bf16_bits_impl(x):
     return narrow
 
 
-def _to_cache_element(x, cache):
+def to_cache_element(x, cache):
     """An fp32 value as an element of ``cache``: fp32 as is, fp16 or bf16 bits rounded."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-@overload(_to_cache_element, inline="always")
+@overload(to_cache_element, inline="always")
 def _to_cache_element_impl(x, cache):
     if cache.dtype == types.float32:
         return lambda x, cache: x
     if cache.dtype == types.uint16:
-        return lambda x, cache: _float32_to_fp16_bits(x)
+        return lambda x, cache: float32_to_fp16_bits(x)
     if cache.dtype == types.int16:
-        return lambda x, cache: _float32_to_bf16_bits(x)
+        return lambda x, cache: float32_to_bf16_bits(x)
     return None
 
 

@@ -16,9 +16,9 @@ it saves), called once per op, with the same contract as the reference it stands
 - :func:`rotary_embedding_numba` as ``rotary_embedding_ref``: in place, neox or GPT-J pairs,
   partial rotary, on strided views (the model hands it views of the fused qkv output);
 - :func:`store_kv_numba` as ``store_kv_ref``: slot -1 skipped, caches written in place, fp32
-  or 16-bit (rounded to nearest even as torch's ``.to()``: numba_half.py; ``supports_caches``);
+  or 16-bit (rounded to nearest even as torch's ``.to()``: cpu/half.py; ``supports_caches``);
 - :func:`silu_and_mul_numba` as ``silu_and_mul_ref`` in fp32: ``gate / (1 + exp(-gate)) * up``
-  with the vectorisable ``exp_f32`` (numba_math.py; ~1 ulp): a decode row of 1,536 in ~6.5 us
+  with the vectorisable ``exp_f32`` (cpu/fast_exp.py; ~1 ulp): a decode row of 1,536 in ~6.5 us
   a call, wrapper included, where the reference's two aten ops take ~16.6 us.
 
 fp32 activations only (what ``supports`` checks): 16-bit activations take the references, whose
@@ -32,9 +32,9 @@ import numba
 import numpy as np
 import torch
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.numba_half import _to_cache_element, cache_as_numpy
-from pagedserve.kernels.numba_math import exp_f32
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.fast_exp import exp_f32
+from pagedserve.kernels.cpu.half import cache_as_numpy, to_cache_element
 
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -96,8 +96,8 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping):
         values = v_cache[slot // block_size, slot % block_size]
         for h in range(key.shape[1]):
             for d in range(key.shape[2]):
-                keys[h, d] = _to_cache_element(key[t, h, d], k_cache)
-                values[h, d] = _to_cache_element(value[t, h, d], v_cache)
+                keys[h, d] = to_cache_element(key[t, h, d], k_cache)
+                values[h, d] = to_cache_element(value[t, h, d], v_cache)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)

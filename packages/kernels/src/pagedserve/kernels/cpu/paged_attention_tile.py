@@ -1,5 +1,5 @@
 """The numba paged attention's inner loops: one tile of up to ``TILE_N`` KV positions for the
-new tokens of one work item (paged_attention_numba.py has the contract, the work items and
+new tokens of one work item (cpu/paged_attention.py has the contract, the work items and
 their launch).
 
 For a tile, :func:`_score_tile` dots every query row with the tile's K rows (read in place
@@ -15,9 +15,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from pagedserve.kernels import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.numba_half import _to_float32
-from pagedserve.kernels.paged_attention_plan import TILE_N
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.half import to_float32
+from pagedserve.kernels.cpu.paged_attention_plan import TILE_N
 
 # Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
 # NaN/inf are left out: -inf is the running max before a row has seen anything.
@@ -43,7 +43,7 @@ def _score_tile(q, k_cache, block_table, start, n, group, s):
                 for _ in range(group):
                     dot = np.float32(0.0)
                     for d in range(head_dim):
-                        dot += q[r, d] * _to_float32(key[d])
+                        dot += q[r, d] * to_float32(key[d])
                     s[r, j] = dot
                     r += 1
 
@@ -70,8 +70,8 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
                     w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
                     if w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0:
                         for d in range(head_dim):
-                            acc[r, d] += (w0 * _to_float32(v0[d]) + w1 * _to_float32(v1[d])) + (
-                                w2 * _to_float32(v2[d]) + w3 * _to_float32(v3[d])
+                            acc[r, d] += (w0 * to_float32(v0[d]) + w1 * to_float32(v1[d])) + (
+                                w2 * to_float32(v2[d]) + w3 * to_float32(v3[d])
                             )
                     else:
                         _add_weighted(acc, r, w0, v0)
@@ -97,7 +97,7 @@ def _add_weighted(acc, r, weight, value):
     keeps it out."""
     if weight != 0:
         for d in range(acc.shape[1]):
-            acc[r, d] += weight * _to_float32(value[d])
+            acc[r, d] += weight * to_float32(value[d])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
