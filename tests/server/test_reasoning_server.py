@@ -222,7 +222,9 @@ def test_echo_goes_in_front_of_the_answer_not_the_thinking(oai):
 def test_the_batch_route_reads_each_conversation_for_its_thinking(oai, client):
     """/v1/chat/completions/batch plans each conversation as chat does: each choice's thinking
     comes apart, and the usage counts the thinking tokens of all of them."""
-    single = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    single = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+    )
     other = [{"role": "user", "content": "Name a colour."}]
     body = {"model": MODEL, "messages": [MESSAGES, other], "max_tokens": 6, "temperature": 0}
     batch = client.post("/v1/chat/completions/batch", json=body).json()
