@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from pathlib import Path
 
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -89,24 +91,16 @@ GENERATION_PATHS = frozenset(
 # ---- routes ------------------------------------------------------------------------------------
 
 
-async def completions(request: Request) -> Response:
-    body = await read_body(request, CompletionRequest)
-    return await create_completion(request, state_of(request, body.model), body)
+def body_route(model: type[BaseModel], create) -> Callable[[Request], Awaitable[Response]]:
+    """The route that reads its body as ``model`` and answers it with
+    ``create(request, state, body)``, on the served model the body names."""
 
+    async def route(request: Request) -> Response:
+        body = await read_body(request, model)
+        return await create(request, state_of(request, body.model), body)
 
-async def chat_completions(request: Request) -> Response:
-    body = await read_body(request, ChatCompletionRequest)
-    return await create_chat_completion(request, state_of(request, body.model), body)
-
-
-async def responses(request: Request) -> Response:
-    body = await read_body(request, ResponsesRequest)
-    return await create_response(request, state_of(request, body.model), body)
-
-
-async def batch_chat_completions(request: Request) -> Response:
-    body = await read_body(request, BatchChatCompletionRequest)
-    return await create_batch_chat_completion(request, state_of(request, body.model), body)
+    route.__name__ = create.__name__
+    return route
 
 
 async def invocations(request: Request) -> Response:
@@ -131,17 +125,6 @@ async def server_load(request: Request) -> Response:
     """vLLM's GET /load: the generation requests being served (0 unless
     --enable-server-load-tracking counts them)."""
     return JSONResponse(LoadResponse(server_load=request.app.state.server_load.count).model_dump())
-
-
-async def messages(request: Request) -> Response:
-    """Anthropic's Messages API (its errors in Anthropic's shape: errors.py)."""
-    body = await read_body(request, MessagesRequest)
-    return await create_message(request, state_of(request, body.model), body)
-
-
-async def messages_count_tokens(request: Request) -> Response:
-    body = await read_body(request, CountTokensRequest)
-    return await count_tokens(request, state_of(request, body.model), body)
 
 
 async def get_response(request: Request) -> Response:
@@ -251,14 +234,25 @@ async def docs(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/chat/completions/batch", batch_chat_completions, methods=["POST"]),
-    Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/completions", body_route(CompletionRequest, create_completion), methods=["POST"]),
+    Route(
+        "/v1/chat/completions",
+        body_route(ChatCompletionRequest, create_chat_completion),
+        methods=["POST"],
+    ),
+    Route(
+        "/v1/chat/completions/batch",
+        body_route(BatchChatCompletionRequest, create_batch_chat_completion),
+        methods=["POST"],
+    ),
+    Route("/v1/responses", body_route(ResponsesRequest, create_response), methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", remove_response, methods=["DELETE"]),
-    Route("/v1/messages", messages, methods=["POST"]),
-    Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
+    # Anthropic's Messages API (its errors in Anthropic's shape: errors.py)
+    Route("/v1/messages", body_route(MessagesRequest, create_message), methods=["POST"]),
+    Route(
+        "/v1/messages/count_tokens", body_route(CountTokensRequest, count_tokens), methods=["POST"]
+    ),
     Route("/invocations", invocations, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
