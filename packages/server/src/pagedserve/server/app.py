@@ -1,4 +1,4 @@
-"""The Starlette application: routes, body parsing, the gate middleware, metrics, lifespan.
+"""The Starlette application: routes, the gate middleware, metrics, lifespan.
 
 ``build_app(engine, config)`` takes an ``AsyncLLM`` (any ``EngineClient``) and returns an
 ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
@@ -6,6 +6,7 @@ Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
+    GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
@@ -17,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -31,12 +33,7 @@ from starlette.staticfiles import StaticFiles
 
 from pagedserve.engine import EngineClient, EngineDeadError
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.errors import (
-    EXCEPTION_HANDLERS,
-    APIError,
-    from_validation_error,
-    parse_json_body,
-)
+from pagedserve.server.errors import EXCEPTION_HANDLERS, APIError
 from pagedserve.server.metrics import EngineMetrics
 from pagedserve.server.middleware import (
     GateMiddleware,
@@ -50,23 +47,16 @@ from pagedserve.server.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     LoadResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
     VersionResponse,
 )
+from pagedserve.server.protocol_messages import CountTokensRequest, MessagesRequest
 from pagedserve.server.protocol_responses import ResponsesRequest
+from pagedserve.server.request_bodies import read_body, read_json, state_of, validated
 from pagedserve.server.request_params import check_model
-from pagedserve.server.serving_chat import (
-    chat_prompt_ids,
-    create_chat_completion,
-    template_options,
-)
+from pagedserve.server.serving_chat import create_chat_completion
 from pagedserve.server.serving_chat_batch import create_batch_chat_completion
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_lora import (
@@ -74,9 +64,14 @@ from pagedserve.server.serving_lora import (
     load_startup_adapters,
     unload_lora_adapter,
 )
-from pagedserve.server.serving_responses import create_response
+from pagedserve.server.serving_messages import count_tokens, create_message
+from pagedserve.server.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
+)
+from pagedserve.server.serving_tokenization import detokenize, tokenize, tokenizer_info
 from pagedserve.server.state import ServedModels, ServerState, now_s
-from pagedserve.server.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
@@ -87,57 +82,25 @@ GENERATION_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/chat/completions/batch",
         "/v1/responses",
+        "/v1/messages",
         "/invocations",
     }
 )
 
 
-def state_of(request: Request, model: str | None = None) -> ServerState:
-    """The state of the served model a request names (the first model when it names none)."""
-    return request.app.state.models.state_for(model)
-
-
-async def read_json(request: Request) -> dict:
-    """The body as a JSON object (415 for another content type, 400 for bad UTF-8 or JSON)."""
-    content_type = request.headers.get("content-type", "application/json")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(f"the body must be application/json, got {content_type!r}", 415)
-    data = parse_json_body(await request.body())
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", 400)
-    return data
-
-
-async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body validated as ``model``; every failure is a 4xx in OpenAI's shape."""
-    data = await read_json(request)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
-
 # ---- routes ------------------------------------------------------------------------------------
 
 
-async def completions(request: Request) -> Response:
-    body = await read_body(request, CompletionRequest)
-    return await create_completion(request, state_of(request, body.model), body)
+def body_route(model: type[BaseModel], create) -> Callable[[Request], Awaitable[Response]]:
+    """The route that reads its body as ``model`` and answers it with
+    ``create(request, state, body)``, on the served model the body names."""
 
+    async def route(request: Request) -> Response:
+        body = await read_body(request, model)
+        return await create(request, state_of(request, body.model), body)
 
-async def chat_completions(request: Request) -> Response:
-    body = await read_body(request, ChatCompletionRequest)
-    return await create_chat_completion(request, state_of(request, body.model), body)
-
-
-async def responses(request: Request) -> Response:
-    body = await read_body(request, ResponsesRequest)
-    return await create_response(request, state_of(request, body.model), body)
-
-
-async def batch_chat_completions(request: Request) -> Response:
-    body = await read_body(request, BatchChatCompletionRequest)
-    return await create_batch_chat_completion(request, state_of(request, body.model), body)
+    route.__name__ = create.__name__
+    return route
 
 
 async def invocations(request: Request) -> Response:
@@ -154,10 +117,7 @@ async def invocations(request: Request) -> Response:
             "['ChatCompletionRequest', 'CompletionRequest'] (a body with 'messages' or 'prompt')",
             400,
         )
-    try:
-        body = kind.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
+    body = validated(data, kind)
     return await create(request, state_of(request, body.model), body)
 
 
@@ -165,6 +125,14 @@ async def server_load(request: Request) -> Response:
     """vLLM's GET /load: the generation requests being served (0 unless
     --enable-server-load-tracking counts them)."""
     return JSONResponse(LoadResponse(server_load=request.app.state.server_load.count).model_dump())
+
+
+async def get_response(request: Request) -> Response:
+    return await retrieve_response(request, state_of(request))
+
+
+async def remove_response(request: Request) -> Response:
+    return await delete_response(request, state_of(request))
 
 
 def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
@@ -203,50 +171,6 @@ async def load_lora(request: Request) -> Response:
 
 async def unload_lora(request: Request) -> Response:
     return await unload_lora_adapter(state_of(request), await read_json(request), request)
-
-
-async def tokenize(request: Request) -> Response:
-    data = await read_json(request)
-    kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
-    try:
-        body = kind.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-    state = state_of(request, body.model)
-    check_model(state, body.model)
-    tokenizer = state.engine.tokenizer
-    if isinstance(body, TokenizeChatRequest):
-        add_generation_prompt, template_kwargs = template_options(body)
-        tokens = chat_prompt_ids(state, body.messages, add_generation_prompt, template_kwargs)
-    else:
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    max_len = state.engine.scheduler_config.max_model_len
-    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-    response = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len)
-    response.token_strs = strs
-    return JSONResponse(response.model_dump())
-
-
-async def tokenizer_info(request: Request) -> Response:
-    """vLLM's /tokenizer_info (behind --enable-tokenizer-info-endpoint, as there)."""
-    state = state_of(request)
-    if not state.config.enable_tokenizer_info_endpoint:
-        raise APIError("no route GET /tokenizer_info (see --enable-tokenizer-info-endpoint)", 404)
-    return JSONResponse(tokenizer_info_of(state.engine.tokenizer).model_dump())
-
-
-async def detokenize(request: Request) -> Response:
-    body = await read_body(request, DetokenizeRequest)
-    state = state_of(request, body.model)
-    check_model(state, body.model)
-    vocab = state.engine.model_config.vocab_size
-    bad = next((t for t in body.tokens if t >= vocab), None)
-    if bad is not None:
-        message = f"Token id {bad} is out of vocabulary: token ids must be in [0, {vocab})"
-        raise APIError(message, 400, param="tokens")
-    return JSONResponse(
-        DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump()
-    )
 
 
 async def health(request: Request) -> Response:
@@ -310,10 +234,25 @@ async def docs(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/responses", responses, methods=["POST"]),
-    Route("/v1/chat/completions/batch", batch_chat_completions, methods=["POST"]),
+    Route("/v1/completions", body_route(CompletionRequest, create_completion), methods=["POST"]),
+    Route(
+        "/v1/chat/completions",
+        body_route(ChatCompletionRequest, create_chat_completion),
+        methods=["POST"],
+    ),
+    Route(
+        "/v1/chat/completions/batch",
+        body_route(BatchChatCompletionRequest, create_batch_chat_completion),
+        methods=["POST"],
+    ),
+    Route("/v1/responses", body_route(ResponsesRequest, create_response), methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", remove_response, methods=["DELETE"]),
+    # Anthropic's Messages API (its errors in Anthropic's shape: errors.py)
+    Route("/v1/messages", body_route(MessagesRequest, create_message), methods=["POST"]),
+    Route(
+        "/v1/messages/count_tokens", body_route(CountTokensRequest, count_tokens), methods=["POST"]
+    ),
     Route("/invocations", invocations, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),

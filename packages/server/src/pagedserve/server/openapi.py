@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedserve.server import protocol as p
+from pagedserve.server import protocol_messages as m
 from pagedserve.server import protocol_responses as r
 from pagedserve.server import serving_lora as lora
 
@@ -55,6 +56,13 @@ OPERATIONS = [
     ),
     Operation(
         "post",
+        "/v1/chat/completions/batch",
+        "vLLM's batched chat: a list of conversations, one choice answering each",
+        (p.BatchChatCompletionRequest,),
+        p.ChatCompletionResponse,
+    ),
+    Operation(
+        "post",
         "/v1/responses",
         "OpenAI's Responses API: text, messages and tool results in; a message and tool calls out",
         (r.ResponsesRequest,),
@@ -62,11 +70,32 @@ OPERATIONS = [
         streams=True,
     ),
     Operation(
+        "get",
+        "/v1/responses/{response_id}",
+        "A stored response (404 when none has the id)",
+        response=r.ResponseObject,
+    ),
+    Operation(
+        "delete",
+        "/v1/responses/{response_id}",
+        "Delete a stored response",
+        response=r.ResponseDeleted,
+    ),
+    Operation(
         "post",
-        "/v1/chat/completions/batch",
-        "vLLM's batched chat: a list of conversations, one choice answering each",
-        (p.BatchChatCompletionRequest,),
-        p.ChatCompletionResponse,
+        "/v1/messages",
+        "Anthropic's Messages API: system, messages and tools in; text, thinking and tool_use "
+        "blocks out (errors in Anthropic's shape)",
+        (m.MessagesRequest,),
+        m.MessageResponse,
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/messages/count_tokens",
+        "The tokens of a Messages request's prompt",
+        (m.CountTokensRequest,),
+        m.CountTokensResponse,
     ),
     Operation(
         "post",
@@ -166,10 +195,11 @@ def _operation(op: Operation, refs: dict, secured: bool) -> dict:
         "4XX": {"description": "A refused request (OpenAI's error shape)", **error},
         "5XX": {"description": "Unavailable (503) or an internal error (500)", **error},
     }
-    if "{model_id}" in op.path:
-        body["parameters"] = [
-            {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
-        ]
+    for name in ("model_id", "response_id"):
+        if "{" + name + "}" in op.path:
+            body["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            ]
     if secured:
         body["security"] = [{"bearer": []}]
         body["responses"]["401"] = {"description": "No valid API key", **error}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pagedserve.engine import EngineClient, LoRARequest, SamplingParams
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
+from pagedserve.server.responses_store import ResponseStore
 
 
 @dataclass
@@ -27,6 +28,12 @@ class ServerState:
     # told each request the engine admits (EngineMetrics.observe_request_params), when set
     observe_request_params: Callable[[SamplingParams], None] | None = None
     _last_lora_id: int = 0
+    responses_store: ResponseStore | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.responses_store = ResponseStore.from_config(
+            self.config.responses_store, self.config.responses_store_max
+        )
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """An adapter under ``name`` with an id no other adapter of this server ever had (a
