@@ -263,3 +263,7 @@ def test_the_thinking_budget_forces_the_end_tokens_in_order():
     assert thinking_end_forced([5, 90, 1, 2, 91], 2, start, end) == 92
     assert thinking_end_forced([5, 90, 1, 2, 91, 92], 2, start, end) is None  # closed
     assert thinking_end_forced([90, 1, 91, 92, 90, 3, 4], 2, start, end) == 91  # reopened
+    # a model that thinks without writing its start tag: the output (from 2) opens it
+    assert thinking_end_forced([5, 6, 1, 2], 2, start, end, opens_at=2) == 91
+    assert thinking_end_forced([5, 6, 1, 91, 92, 3], 2, start, end, opens_at=2) is None
+    assert thinking_end_forced([5, 6, 90, 1], 2, start, end, opens_at=2) is None  # the tag

@@ -141,21 +141,22 @@ def oai(client):
     return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
 
 
-def test_a_thinking_budget_is_refused_where_it_would_bind(oai):
-    """Until the engine can end the thinking after N tokens, a budget is accepted only where it
-    cannot bind: -1, or at least max_tokens."""
-    with pytest.raises(openai.BadRequestError) as error:
-        oai.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=8,
-            extra_body={"thinking_token_budget": 4},
-        )
-    assert error.value.body["param"] == "thinking_token_budget"
-    for budget in (-1, 8, 100):
-        oai.completions.create(
-            model=MODEL, prompt="Hi", max_tokens=8, extra_body={"thinking_token_budget": budget}
-        )
+def test_a_thinking_budget_needs_a_reasoning_parser(oai):
+    """Without --reasoning-parser the server does not know where a thinking ends: a budget is a
+    400 naming the field; -1 (no budget) is accepted."""
+    for budget in (4, 100):
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=8,
+                extra_body={"thinking_token_budget": budget},
+            )
+        assert error.value.body["param"] == "thinking_token_budget"
+        assert "--reasoning-parser" in error.value.body["message"]
+    oai.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=8, extra_body={"thinking_token_budget": -1}
+    )
 
 
 def test_truncation_side_right_keeps_the_first_tokens(oai, engine):

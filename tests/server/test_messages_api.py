@@ -258,3 +258,7 @@ def test_thinking_comes_back_as_a_thinking_block(thinker):
     assert hidden.content == []
     budget = thinker.messages.create(thinking={"type": "enabled", "budget_tokens": 10}, **params)
     assert budget.content[0].thinking == thought.content[0].thinking  # a budget that cannot bind
+    short = thinker.messages.create(thinking={"type": "enabled", "budget_tokens": 3}, **params)
+    short_thinking = short.content[0].thinking  # the engine ended it after 3 tokens
+    assert len(short_thinking) < len(thought.content[0].thinking)
+    assert thought.content[0].thinking.startswith(short_thinking)

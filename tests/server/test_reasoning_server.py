@@ -77,6 +77,26 @@ def test_the_reply_is_thinking_and_counted_so(oai, client, tokenizer):
     assert chat.usage.completion_tokens_details.reasoning_tokens == chat.usage.completion_tokens
 
 
+def test_a_thinking_budget_ends_the_thinking_after_exactly_n_tokens(oai, tokenizer):
+    """vLLM's thinking_token_budget: the engine forces </think> after N thinking tokens (the
+    reply starts in the thinking: qwen3), and the rest of the reply is the answer."""
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"thinking_token_budget": 3, "return_token_ids": True},
+    )
+    choice = chat.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert ids[3 : 3 + len(end)] == end
+    thinking = choice.message.model_extra["reasoning_content"]
+    assert thinking == tokenizer.decode(ids[:3]).strip()
+    assert choice.message.content == tokenizer.decode(ids[3 + len(end) :]).strip()
+    assert chat.usage.completion_tokens_details.reasoning_tokens < chat.usage.completion_tokens
+
+
 def test_enable_thinking_false_makes_it_all_answer(oai, client, tokenizer):
     chat = oai.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body=OFF

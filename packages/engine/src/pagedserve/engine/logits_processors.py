@@ -167,11 +167,13 @@ def _force_thinking_end(
         params = state.params
         if params.thinking_token_budget is None:
             continue
+        prompt = state.request.prompt_token_ids
         forced = thinking_end_forced(
-            state.request.prompt_token_ids + history,
+            prompt + history,
             params.thinking_token_budget,
             params.thinking_start_token_ids,
             params.thinking_end_token_ids,
+            len(prompt) if params.thinking_starts_open else None,
         )
         if forced is not None:
             logits[row] = float("-inf")
@@ -179,15 +181,22 @@ def _force_thinking_end(
 
 
 def thinking_end_forced(
-    tokens: list[int], budget: int, start: list[int], end: list[int]
+    tokens: list[int],
+    budget: int,
+    start: list[int],
+    end: list[int],
+    opens_at: int | None = None,
 ) -> int | None:
-    """The token the thinking budget forces next, or None. Inside the thinking (its last start
-    comes after its last end, in prompt then output: a chat template may open the thinking in
-    the prompt), once ``budget`` tokens follow the start, the end tokens are forced in order."""
-    opened = _last_index(tokens, start)
-    if opened is None or (_last_index(tokens, end) or -1) > opened:
+    """The token the thinking budget forces next, or None. The thinking opens after the last
+    start tag in prompt then output (a chat template may open it in the prompt), or, with no
+    start tag, at ``opens_at`` (where the output starts, for a model that thinks without
+    writing the tag); it is closed by an end tag after that. Inside it, once ``budget`` tokens
+    have been written, the end tokens are forced in order."""
+    tag = _last_index(tokens, start)
+    opened = tag + len(start) if tag is not None else opens_at
+    if opened is None or (_last_index(tokens, end) or -1) >= opened:
         return None
-    written = len(tokens) - (opened + len(start)) - budget
+    written = len(tokens) - opened - budget
     return end[written] if 0 <= written < len(end) else None
 
 

@@ -62,10 +62,13 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # vLLM's thinking budget: after this many tokens inside the thinking, the end of the
     # thinking is forced; the thinking's start and end are token ids a reasoning parser names
-    # (the server sets them from --reasoning-parser)
+    # (the server sets them from --reasoning-parser), and ``thinking_starts_open`` says the
+    # output starts inside the thinking though no start tag opened it (a model that thinks
+    # without writing its start tag)
     thinking_token_budget: int | None = None
     thinking_start_token_ids: list[int] | None = None
     thinking_end_token_ids: list[int] | None = None
+    thinking_starts_open: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False

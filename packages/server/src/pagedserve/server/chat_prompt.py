@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pagedserve.engine import apply_chat_template
 from pagedserve.server.errors import bad_request
-from pagedserve.server.field_coverage import check_thinking_budget
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from pagedserve.server.reasoning import (
     PROMPT_TAIL_TOKENS,
     REASONING_PARSERS,
     ReasoningMode,
     answer_only,
+    thinking_budget,
 )
 from pagedserve.server.reply import ReplyPlan
 from pagedserve.server.request_params import build_sampling_params, check_caps, truncated_prompt
@@ -172,7 +172,10 @@ def plan_prompt(
     max_tokens = default_max_tokens(  # generation_config's max_new_tokens, else all the room
         max_tokens, was_sent, len(prompt_ids), max_model_len, defaults.get("max_tokens")
     )
-    check_thinking_budget(body.thinking_token_budget, max_tokens, "thinking_token_budget")
+    tokenizer, parser = state.engine.tokenizer, state.config.reasoning_parser
+    thinking = thinking_budget(
+        tokenizer, parser, mode, body.thinking_token_budget, "thinking_token_budget"
+    )
     aliases = {**CHAT_ALIASES, "max_tokens": param, **structured_output_aliases(body)}
     blamed = "tool_choice" if tool_constraint is not None else constraint_field(body)
     if mode is not None and mode is not ReasoningMode.CLOSED and blamed:
@@ -187,6 +190,7 @@ def plan_prompt(
         prompt_logprobs=body.prompt_logprobs,
         structured_outputs=answer_only(tool_constraint or constraint, mode, blamed or ""),
         keep_special_tokens=not tools.skip_special_tokens,
+        thinking=thinking,
     )
     plan = ReplyPlan(tools, mode, body.include_reasoning)
     return PromptRequest(0, prompt_ids, params), aliases, plan

@@ -1,9 +1,9 @@
 """No silent fields: every field a request body declares is read by its route, or refused with
 a 400 naming it. This module keeps that account.
 
-``REFUSED`` says why each refused field is refused. Most wait for the engine (a bad-words filter,
-allowed token ids and per-request logits processors in the sampler, a forced end of thinking):
-they are refused until it has them, then move to the handled fields of their models. A refused
+``REFUSED`` says why each refused field is refused: a mechanism pagedserve does not have, or
+one it will not run on a request's say (per-request logits processors, which vLLM V1 refuses
+too). A refused
 field is accepted when sent with no effect (its default, ``null``, an empty list), as vLLM does
 not fail a client that spells out a default.
 
@@ -12,9 +12,9 @@ walks every model reachable from the routes' bodies and fails on a field in neit
 field cannot be added without deciding which it is; another test holds the list of vLLM's own
 request fields to the models, so none of them is ignored unseen.
 
-``thinking_token_budget`` is honoured where it cannot bind (``-1``, or a budget of at least
-``max_tokens``, which the thinking cannot exceed anyway) and refused elsewhere, until the engine
-can force the end of the thinking after N tokens.
+``thinking_token_budget`` (and Anthropic's ``thinking.budget_tokens``) needs
+``--reasoning-parser``: the engine forces the end of the thinking after N tokens, at the
+parser's tags (reasoning.thinking_budget).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 _ENGINE = "needs engine support that pagedserve does not have yet"
 
 REFUSED: dict[str, str] = {
-    "bad_words": f"a bad-words filter in the sampler {_ENGINE}",
-    "allowed_token_ids": f"restricting the sampler to allowed token ids {_ENGINE}",
-    "logits_processors": f"per-request logits processors {_ENGINE}",
+    "logits_processors": "per-request logits processors (code named by a request) are not run; "
+    "vLLM V1 refuses them too",
     "logprob_token_ids": f"logprobs of chosen token ids {_ENGINE}",
     "extra_args": "no sampler plugin reads extra arguments in pagedserve",
     "vllm_xargs": "no sampler plugin reads extra arguments in pagedserve",
@@ -99,6 +98,7 @@ _CHAT_HANDLED = frozenset(
     length_penalty early_stopping return_token_ids return_tokens_as_token_ids request_id
     session_id thinking_token_budget response_format structured_outputs guided_json
     guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls
+    bad_words allowed_token_ids
     add_generation_prompt continue_final_message chat_template_kwargs documents
     reasoning_effort include_reasoning echo""".split()
 )
@@ -111,7 +111,7 @@ HANDLED: dict[str, frozenset[str]] = {
         logprobs suffix best_of add_special_tokens prompt_logprobs use_beam_search
         length_penalty early_stopping return_token_ids return_tokens_as_token_ids request_id
         session_id thinking_token_budget response_format structured_outputs guided_json
-        guided_regex guided_choice guided_grammar""".split()
+        guided_regex guided_choice guided_grammar bad_words allowed_token_ids""".split()
     ),
     "ChatCompletionRequest": _CHAT_HANDLED,
     # each conversation is planned as a chat request; the batch refuses stream, tools, beam
@@ -228,19 +228,3 @@ def refuse_unsupported(body: BaseModel) -> None:
         if value in NO_EFFECT or value == fields[name].default:
             continue
         raise bad_request(f"{name} is not supported: {why}", name)
-
-
-def check_thinking_budget(budget: int | None, max_tokens: int | None, param: str) -> None:
-    """``thinking_token_budget`` (or Anthropic's ``thinking.budget_tokens``): accepted where it
-    cannot bind, refused where it would need the engine to end the thinking."""
-    if budget is None or budget == -1:
-        return
-    if budget < 0:
-        raise bad_request(f"{param} must be a non-negative integer or -1 (unlimited)", param)
-    if max_tokens is not None and budget >= max_tokens:
-        return  # the thinking cannot outrun max_tokens: the budget cannot bind
-    raise bad_request(
-        f"{param} below max_tokens is not supported: ending the thinking after a number of "
-        f"tokens {_ENGINE} (send a budget of at least max_tokens, or -1)",
-        param,
-    )

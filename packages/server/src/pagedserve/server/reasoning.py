@@ -213,3 +213,30 @@ def _as_format(constraint: StructuredOutputsParams, param: str) -> dict:
             param,
         )
     return tag["format"]
+
+
+def thinking_budget(
+    tokenizer, parser: str | None, mode: ReasoningMode | None, budget: int | None, param: str
+) -> dict:
+    """SamplingParams fields for vLLM's ``thinking_token_budget`` (``param``: the field's name in
+    the request): the budget, and where the thinking starts and ends as the tokenizer writes
+    ``<think>`` and ``</think>`` (in the request's reasoning ``mode``, an OPEN reply starts
+    inside the thinking); the engine forces the end once the thinking has that many tokens.
+    None and -1 ask for no budget, and a request that does not think needs none. It needs
+    ``--reasoning-parser``: without one the server does not know the model thinks."""
+    if budget is None or budget == -1 or mode is ReasoningMode.CLOSED:
+        return {}
+    if budget < 0:
+        raise bad_request(f"{param} must be a non-negative integer or -1 (unlimited)", param)
+    if parser is None:
+        raise bad_request(
+            f"{param} needs a reasoning model served with --reasoning-parser, which says where "
+            "its thinking starts and ends",
+            param,
+        )
+    return {
+        "thinking_token_budget": budget,
+        "thinking_start_token_ids": tokenizer.encode(START, add_special_tokens=False),
+        "thinking_end_token_ids": tokenizer.encode(END, add_special_tokens=False),
+        "thinking_starts_open": mode is ReasoningMode.OPEN,
+    }

@@ -105,6 +105,7 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
     keep_special_tokens: bool = False,
+    thinking: dict | None = None,
 ) -> SamplingParams:
     """The SamplingParams of each prompt's engine request (with the request's ``n``).
 
@@ -113,6 +114,7 @@ def build_sampling_params(
     ``max_tokens=None`` with no default asks for as many tokens as ``max_model_len`` leaves.
     ``structured_outputs``: the request's constraint (structured.py reads it from the body).
     ``keep_special_tokens``: the reply must keep them (a tool parser's markers are special).
+    ``thinking``: the thinking budget's fields (reasoning.thinking_budget).
     """
     defaults = defaults or {}
 
@@ -123,6 +125,7 @@ def build_sampling_params(
         "temperature": given(body.temperature, 1.0, "temperature"),
         "best_of": getattr(body, "best_of", None),  # completions only: the beam width
         **extra_sampling_kwargs(body, prompt_logprobs),
+        **(thinking or {}),
     }
     try:
         return SamplingParams(
@@ -142,6 +145,8 @@ def build_sampling_params(
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             logit_bias=parse_logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
             skip_special_tokens=body.skip_special_tokens and not keep_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             structured_outputs=structured_outputs,

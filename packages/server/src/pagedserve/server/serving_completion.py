@@ -9,7 +9,6 @@ from starlette.responses import Response
 
 from pagedserve.engine import RequestOutput
 from pagedserve.server.errors import APIError, bad_request
-from pagedserve.server.field_coverage import check_thinking_budget
 from pagedserve.server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     CompletionChoice,
@@ -20,6 +19,7 @@ from pagedserve.server.protocol import (
     CompletionStreamChoice,
     UsageInfo,
 )
+from pagedserve.server.reasoning import ReasoningMode, thinking_budget
 from pagedserve.server.request_params import (
     build_sampling_params,
     check_caps,
@@ -87,10 +87,15 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
     defaults = state.engine.model_config.generation_defaults.sampling
     default = defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)  # generation_config's first
     prompts = [(text, truncated_prompt(body, ids)) for text, ids in prompts_of(state, body)]
+    tokenizer, parser = state.engine.tokenizer, state.config.reasoning_parser
+    # a completion's prompt is the caller's own text: it thinks where it opened the tag
+    mode = None if parser is None else ReasoningMode.OPTIONAL
+    thinking = thinking_budget(
+        tokenizer, parser, mode, body.thinking_token_budget, "thinking_token_budget"
+    )
     plans = []
     for p, (text, ids) in enumerate(prompts):
         max_tokens = default_max_tokens(body.max_tokens, was_sent, len(ids), max_model_len, default)
-        check_thinking_budget(body.thinking_token_budget, max_tokens, "thinking_token_budget")
         params = build_sampling_params(
             body,
             max_tokens=max_tokens,
@@ -99,6 +104,7 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
             prompt_logprobs=num_prompt_logprobs,
             defaults=defaults,
             structured_outputs=structured_outputs_of(body),
+            thinking=thinking,
         )
         plans.append(PromptRequest(p, ids, params, text))
     return plans

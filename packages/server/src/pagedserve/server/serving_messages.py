@@ -40,7 +40,7 @@ from pagedserve.server.chat_prompt import (
     template_options,
 )
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
-from pagedserve.server.field_coverage import check_thinking_budget, refuse_unsupported
+from pagedserve.server.field_coverage import refuse_unsupported
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.server.protocol_messages import (
     CountTokensRequest,
@@ -164,6 +164,8 @@ def as_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     fields["chat_template_kwargs"] = thinking_kwargs(body)
     if body.thinking is not None and body.thinking.display == "omitted":
         fields["include_reasoning"] = False
+    if body.thinking is not None and body.thinking.type == "enabled":
+        fields["thinking_token_budget"] = body.thinking.budget_tokens
     if messages[-1].role == "assistant":  # a prefill: the reply continues it
         fields.update(add_generation_prompt=False, continue_final_message=True)
     if isinstance(body, MessagesRequest):
@@ -198,10 +200,6 @@ def renamed(error: APIError) -> APIError:
 async def create_message(request: Request, state: ServerState, body: MessagesRequest) -> Response:
     state.check_admitting()
     refuse_unsupported(body)
-    if body.thinking is not None and body.thinking.type == "enabled":
-        check_thinking_budget(
-            body.thinking.budget_tokens, body.max_tokens, "thinking.budget_tokens"
-        )
     try:
         prompt, aliases, plan = plan_prompt(state, as_chat_request(body))
     except APIError as error:
