@@ -118,6 +118,27 @@ def test_priority_policy_admits_lower_value_first_and_preempts_the_lowest():
     assert [r.request_id for r in out.preempted] == ["low"]  # high keeps going
 
 
+def test_an_important_arrival_preempts_less_important_running_requests_to_get_in():
+    """Under the priority policy a waiting request that matters more than the running tail, and
+    finds the sequence cap reached or no blocks, preempts from the tail in the same step and is
+    admitted; one that matters no more waits, as under FCFS."""
+    s = make_scheduler(num_blocks=8, max_num_seqs=2, policy="priority")
+    for name in ("batch-a", "batch-b"):
+        s.add_request(Request(name, list(range(1, 9)), max_tokens=20, priority=9))
+    step(s)  # both batch requests run, holding the sequence cap
+    s.add_request(Request("peer", [5, 6, 7], max_tokens=2, priority=9))
+    out = step(s)
+    assert not out.preempted and all(name != "peer" for name, _ in shares(out))
+    s.add_request(Request("interactive", [7, 8, 9], max_tokens=2, priority=0))
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["batch-b"]  # the tail, least important
+    assert ("interactive", 3) in shares(out) and ("batch-a", 1) in shares(out)
+    assert [r.request_id for r in s.running] == ["interactive", "batch-a"]
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.num_free_blocks == 8
+
+
 def test_fcfs_preempted_request_goes_back_ahead_of_later_arrivals():
     s = make_scheduler(num_blocks=6, max_num_seqs=2)
     s.add_request(Request("a", list(range(1, 8)), max_tokens=12))

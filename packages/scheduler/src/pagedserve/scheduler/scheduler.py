@@ -198,13 +198,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide one step: running requests first, then admissions, under one token budget.
 
-        No request is admitted in a step that preempted one: the cache has just run dry, and a
-        new request would only take the blocks that the preempted one needs to return.
+        No request is admitted in a step whose running requests had to preempt one: the cache
+        has just run dry, and a new request would only take the blocks that the preempted one
+        needs to return. (Under the priority policy a more important waiting request may first
+        preempt less important running ones to make its own room: ``_make_room_for_priority``.)
         """
         output = SchedulerOutput()
         output.finished, self._finished = self._finished, []
+        if self.config.policy == "priority" and self.waiting and self.running:
+            self._make_room_for_priority(output)
+        made_room = len(output.preempted)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        if not output.preempted:
+        if len(output.preempted) == made_room:  # the running requests found their blocks
             budget = self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
         num_tokens = output.num_scheduled_tokens
@@ -397,6 +402,30 @@ class Scheduler:
             output.add(request, num_cached, num_new, self.kv.block_ids(request.request_id))
             budget -= num_new
         return budget
+
+    def _make_room_for_priority(self, output: SchedulerOutput) -> None:
+        """The priority policy's admission: a waiting request that matters more than the
+        running tail (a lower ``policy_key``) and finds no room (the sequence cap is reached,
+        or the pool lacks the blocks of its first chunk) preempts from the tail, least
+        important first, while the tail matters less than it. So a batch of low-priority work
+        cannot keep an interactive request waiting for a whole generation. Done before any
+        running request is scheduled, so no victim has slots in this step."""
+        head = self.waiting.first_ready()
+        if head is None:
+            return
+        key, kv, config = policy_key(head), self.kv, self.config
+        first_chunk = min(
+            head.num_tokens,
+            config.max_num_batched_tokens,
+            config.long_prefill_token_threshold or head.num_tokens,
+        )
+        needed = -(-first_chunk // kv.block_size) + kv.watermark_blocks
+        while self.running and policy_key(self.running[-1]) > key:
+            if len(self.running) < config.max_num_seqs and kv.num_free_blocks >= needed:
+                return
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
 
     def _add_running(self, request: Request) -> None:
         """Keep ``running`` in policy order, so that its tail is the next preemption victim."""
