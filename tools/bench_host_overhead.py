@@ -167,15 +167,17 @@ def stand_in_runner_class(max_rows: int, seed: int, pad_decode: bool, logits: st
 def stand_in_forward(
     max_rows: int, seed: int, pad_decode: bool = False, logits: str = "host"
 ) -> Iterator[None]:
-    """While open, every LLMEngine built gets the stand-in runner."""
+    """While open, every LLMEngine built gets the stand-in runner (on any device: the CPU's
+    runner class too, whose fused layers need a real model)."""
     import pagedserve.engine.executor as executor  # where LLMEngine's runner is built
 
-    real = executor.ModelRunner
-    executor.ModelRunner = stand_in_runner_class(max_rows, seed, pad_decode, logits)
+    real = executor.ModelRunner, executor.CPUModelRunner
+    stand_in = stand_in_runner_class(max_rows, seed, pad_decode, logits)
+    executor.ModelRunner = executor.CPUModelRunner = stand_in
     try:
         yield
     finally:
-        executor.ModelRunner = real
+        executor.ModelRunner, executor.CPUModelRunner = real
 
 
 def measure(

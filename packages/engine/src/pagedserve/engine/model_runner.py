@@ -29,6 +29,7 @@ from pagedserve.engine.input_batch import (
     BlockTable,
     InputBatch,
     attention_metadata,
+    int64_array,
     prompt_logit_positions,
     to_device,
     token_at,
@@ -297,12 +298,12 @@ class ModelRunner:
                     (sample_rows, prompt_rows, spec_rows),
                 )  # fmt: skip
             offset += count
-        starts = np.array(output.num_computed_tokens, dtype=np.int64)
-        counts = np.array(output.num_new_tokens, dtype=np.int64)
+        starts = int64_array(output.num_computed_tokens)
+        counts = int64_array(output.num_new_tokens)
         tables = self.block_table.fill(output.block_ids)
         batch = layout_paged_batch(tables, starts, counts, self.cache_config.block_size)
         rows = sample_rows + prompt_rows + spec_rows
-        token_ids = np.array(tokens, dtype=np.int64)
+        token_ids = int64_array(tokens)
         return self._model_input(output, token_ids, batch, rows), layout
 
     @staticmethod
@@ -331,7 +332,7 @@ class ModelRunner:
         """A laid-out step as tensors: into the padded decode buffers when it is a pure-decode
         step with a bucket, else one tensor per input."""
         dev = self.device
-        logits_indices = to_device(np.asarray(rows, dtype=np.int64), dev)
+        logits_indices = to_device(int64_array(rows), dev)
         bucket = self._decode_bucket(len(token_ids), output.num_scheduled_seqs)
         if bucket is not None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)

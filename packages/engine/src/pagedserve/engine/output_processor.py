@@ -24,6 +24,7 @@ import torch
 from pagedserve.engine.beam_search import BeamSearchGroup, BeamStep
 from pagedserve.engine.input_batch import InputBatch, SamplingState
 from pagedserve.engine.outputs import ModelRunnerOutput, RequestOutput
+from pagedserve.engine.sampling_params import RequestOutputKind
 from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.scheduler import (
     Request,
@@ -32,6 +33,8 @@ from pagedserve.scheduler import (
     Scheduler,
     SchedulerOverloadedError,
 )
+
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 @dataclass
@@ -100,18 +103,21 @@ class OutputProcessor:
             if isinstance(stepped, BeamStep):
                 self._beam_steps.append((group, stepped))
                 for beam_id, token in stepped.sampled.items():
-                    output.sampled_token_ids[beam_id] = [token]
+                    output.sampled_token_ids[beam_id] = token
             else:
                 self._waiting_beams.extend(stepped)
 
     def process(
         self, updated: list[Request], output: ModelRunnerOutput, now: float
     ) -> tuple[list[RequestOutput], StepTokens]:
-        """After the update: every updated sequence's tokens, forks and beams, then outputs."""
+        """After the update: every updated sequence's tokens, forks and beams, and the outputs.
+        A request of one sequence (nearly every request) has its output made at once; one of
+        several (an ``n > 1`` request, beams) once all its sequences are processed."""
         tokens = StepTokens()
         if output.prompt_logprobs:
             self._record_prompt_logprobs(output)
-        touched: dict[SequenceGroup, None] = {}
+        outputs: list[RequestOutput] = []
+        touched: dict[SequenceGroup, None] = {}  # the groups of several sequences
         logprobs, scheduler = output.logprobs, self.scheduler
         latencies = tokens.inter_token_latencies
         for request in updated:
@@ -130,16 +136,25 @@ class OutputProcessor:
             metrics.last_token_time = now
             if state.sampling.beam:  # its group makes its text from the token ids
                 tokens.num_generation_tokens += 1
-            else:
-                tokens.num_generation_tokens += state.process_new_tokens(
-                    request, logprobs.get(request.request_id) if logprobs else None, scheduler
-                )
-            touched[group] = None
+                touched[group] = None
+                continue
+            tokens.num_generation_tokens += state.process_new_tokens(
+                request, logprobs.get(request.request_id) if logprobs else None, scheduler
+            )
+            if len(group.sequences) > 1 or group.pending_forks:
+                touched[group] = None
+            elif group.output_kind is not _FINAL_ONLY or group.is_finished:  # has_new_output
+                made = group.make_output()  # _output, written out
+                if made.finished and self.forget(group.request_id) is not None:
+                    self.on_finished(group, made, now)
+                outputs.append(made)
         if self.forks:
             self._start_forks(output, tokens, touched)
         if self._beam_steps or self._waiting_beams:
             self._apply_beam_steps(touched)
-        return self._outputs(touched, now), tokens
+        if touched:
+            outputs += [self._output(group, now) for group in touched if group.has_new_output]
+        return outputs, tokens
 
     def abort(self, request_ids: list[str], now: float) -> list[RequestOutput]:
         """Abort requests wherever they are (blocks freed at once); unknown ids are ignored.
@@ -175,7 +190,7 @@ class OutputProcessor:
             del group.pending_forks[child_id]
             if group.aborted:
                 continue
-            child = self._start_child(group, child_id, index, generator, sampled[child_id][0])
+            child = self._start_child(group, child_id, index, generator, sampled[child_id])
             tokens.num_generation_tokens += child.payload.process_new_tokens(
                 child, output.logprobs.get(child_id), self.scheduler
             )
@@ -228,10 +243,6 @@ class OutputProcessor:
         for group, plan in self._beam_steps:
             group.apply_step(plan, self.scheduler, self.input_batch)
             touched[group] = None
-
-    def _outputs(self, touched: dict[SequenceGroup, None], now: float) -> list[RequestOutput]:
-        output = self._output
-        return [output(group, now) for group in touched if group.has_new_output]
 
     def _output(self, group: SequenceGroup, now: float) -> RequestOutput:
         output = group.make_output()

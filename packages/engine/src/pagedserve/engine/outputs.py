@@ -137,9 +137,9 @@ class ModelRunnerOutput:
     """What one step computed, by request id: the one contract between the runner and the
     engine, which never learns in which row of the logits a request sat.
 
-    ``sampled_token_ids``: each sequence that reached its last known token, its new tokens (one;
-    under speculative decoding the accepted proposals, then the target's own token); an
-    ``n > 1`` request's first step adds its forks, under their own ids. ``logprobs``: for the
+    ``sampled_token_ids``: each sequence that reached its last known token, its new token (an
+    int), or under speculative decoding its new tokens (a list: the accepted proposals, then the
+    target's own token); an ``n > 1`` request's first step adds its forks, under their own ids. ``logprobs``: for the
     sequences that report them, one entry per sampled token. ``prompt_logprobs``: per request
     that asked, (first position, entries) for the prompt positions computed this step; the
     entry at position p scores prompt token p + 1. ``beam_logprobs``: a beam's raw
@@ -147,7 +147,7 @@ class ModelRunnerOutput:
     ``spec_decode``: the step's verification counts, when it verified proposals.
     """
 
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    sampled_token_ids: dict[str, int | list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -73,8 +73,8 @@ def _sample(
     if batch.num_beams:
         _beam_logprobs(output, logits, request_ids, states)
     result = sampler(logits, SamplingMetadata(states))
-    # one device-to-host transfer of the step's tokens, as one-token lists
-    output.sampled_token_ids = dict(zip(request_ids, result.token_ids[:, None].tolist()))
+    # one device-to-host transfer of the step's tokens
+    output.sampled_token_ids = dict(zip(request_ids, result.token_ids.tolist()))
     for row, entry in result.logprobs.items():
         output.logprobs[request_ids[row]] = [entry]
     for request_id in output.beam_logprobs:
@@ -110,7 +110,7 @@ def _sample_forks(
     generators = [generator for _, generator in children]
     result = sampler(logits, SamplingMetadata(parents, generators=generators))
     for (child_id, _), token in zip(children, result.token_ids.tolist()):
-        output.sampled_token_ids[child_id] = [token]
+        output.sampled_token_ids[child_id] = token
     for row, entry in result.logprobs.items():
         output.logprobs[children[row][0]] = [entry]
 

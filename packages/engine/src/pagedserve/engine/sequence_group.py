@@ -285,7 +285,12 @@ class SequenceGroup:
 
     def make_output(self) -> RequestOutput:
         """Every sequence's output: a snapshot of its whole text and tokens so far, or with
-        ``output_kind`` DELTA what it added since the request's last output."""
+        ``output_kind`` DELTA what it added since the request's last output.
+
+        The common request at each decode step (one running sequence, so unfinished: no finish
+        or stop reason; no logprobs; no stop strings, so all its text is visible) gets what
+        ``completion``/``completion_delta`` would give, without their checks: each microsecond
+        here is a millisecond a step at a thousand requests."""
         sequences = self.sequences
         first = sequences[0]
         state: SequenceState = first.payload
@@ -295,7 +300,23 @@ class SequenceGroup:
             and first.status is _RUNNING
             and self.prompt_logprobs is None
         ):
-            return self._running_plain_output(first, state)
+            text, tokens = state.detokenizer.text, first.output_token_ids
+            if self.output_kind is _DELTA:
+                text_sent, tokens_sent = state.text_sent, state.tokens_sent
+                state.text_sent, state.tokens_sent = len(text), len(tokens)
+                text, tokens = text[text_sent:], tokens[tokens_sent:]
+            else:
+                tokens = tokens.copy()
+            cached = first.num_cached_tokens  # -1 until its first admission
+            return RequestOutput(
+                self.request_id,
+                self.prompt,
+                self.prompt_token_ids,
+                [CompletionOutput(state.index, text, tokens, None, None, None, None)],
+                False,
+                cached if cached > 0 else 0,
+                self.metrics,
+            )
         completion = self.completion_delta if self.output_kind is _DELTA else self.completion
         return RequestOutput(
             self.request_id,
@@ -306,29 +327,4 @@ class SequenceGroup:
             max(first.num_cached_tokens, 0),
             self.metrics,
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-        )
-
-    def _running_plain_output(self, request: Request, state: SequenceState) -> RequestOutput:
-        """``make_output`` for the common request at each decode step: one running sequence
-        (so unfinished: no finish or stop reason), no logprobs, no stop strings (all its text
-        is visible), what ``completion``/``completion_delta`` would give without their checks."""
-        text = state.detokenizer.text
-        tokens = request.output_token_ids
-        if self.output_kind is _DELTA:
-            text_sent, tokens_sent = state.text_sent, state.tokens_sent
-            state.text_sent, state.tokens_sent = len(text), len(tokens)
-            completion = CompletionOutput(
-                state.index, text[text_sent:], tokens[tokens_sent:], None, None, None, None
-            )
-        else:
-            completion = CompletionOutput(state.index, text, tokens.copy(), None, None, None, None)
-        cached = request.num_cached_tokens  # -1 until its first admission
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            [completion],
-            False,
-            cached if cached > 0 else 0,
-            self.metrics,
         )

@@ -219,13 +219,13 @@ class Scheduler:
         return output
 
     def update(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]]
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, and finish requests that stop.
 
-        ``sampled_token_ids`` maps request id -> its new tokens, for the requests whose chunk
-        reached their last known token: one token, or for a speculative decode its accepted
-        proposals and then the target's own token. Each token meets the stop rules (EOS, stop
+        ``sampled_token_ids`` maps request id -> its new token (an int), for the requests whose
+        chunk reached their last known token, or a list of tokens (a speculative decode's
+        accepted proposals and then the target's own token). Each token meets the stop rules (EOS, stop
         ids after ``min_tokens``, ``max_tokens``) in order, so a stop inside a run ends the
         output there. A request finished between ``schedule`` and here (an abort, a stop
         string) is skipped. Returns the requests that got new tokens, finished ones included;
@@ -243,6 +243,13 @@ class Scheduler:
             if tokens is None or num_computed < len(request.prompt_token_ids) + len(output_ids):
                 continue  # a prefill chunk short of the last known token: nothing sampled
             updated.append(request)
+            if type(tokens) is int:  # one new token: nearly every request, every step
+                output_ids.append(tokens)
+                stop = request.check_stop()
+                if stop is not None:
+                    self._finish(request, stop)
+                    stopped = True
+                continue
             for token in tokens:
                 output_ids.append(token)
                 stop = request.check_stop()
@@ -276,47 +283,59 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Each running request's next chunk, in order, preempting from the tail as needed;
-        returns the budget left.
-
-        Nearly every running request of a busy server is a decode (its one last known token, no
-        proposals) whose token lands in its own last block, so the loop asks ``allocate_slots``
-        for it first, in O(1) and without chunking rules; any other request, and a decode the
-        pool cannot serve at once, takes ``_schedule_chunk`` (which may preempt)."""
-        max_seqs, running = self.config.max_num_seqs, self.running
-        allocate, block_ids = self.kv.allocate_slots, self.kv.block_ids
-        requests, starts = output.requests, output.num_computed_tokens
-        counts, tables = output.num_new_tokens, output.block_ids
+        returns the budget left. Runs of decodes go through ``_schedule_decodes``; the first
+        request it does not take goes through ``_schedule_chunk``, and so on."""
+        max_seqs, running, requests = self.config.max_num_seqs, self.running, output.requests
         index = 0
         while index < len(running) and budget > 0 and len(requests) < max_seqs:
-            request = running[index]
-            num_computed = request.num_computed_tokens
-            if (
-                not request.spec_token_ids
-                and num_computed + 1
-                == len(request.prompt_token_ids) + len(request.output_token_ids)
-                and allocate(
-                    request.request_id,
-                    request.all_token_ids,
-                    num_computed,
-                    1,
-                    (),
-                    request.cache_salt,
-                    request.lora_int_id,
-                )
-            ):  # output.add(request, num_computed, 1, ...), written out
-                requests.append(request)
-                starts.append(num_computed)
-                counts.append(1)
-                tables.append(block_ids(request.request_id))
-                output.num_scheduled_tokens += 1
-                num_new = 1
-            else:
-                num_new = self._schedule_chunk(request, budget, output)
-                if not num_new:
-                    break  # the request was the last one running, and preempted itself
+            stop = index + min(budget, max_seqs - len(requests))
+            num_decodes = self._schedule_decodes(output, index, stop)
+            index, budget = index + num_decodes, budget - num_decodes
+            if index >= len(running) or budget <= 0 or len(requests) >= max_seqs:
+                break
+            num_new = self._schedule_chunk(running[index], budget, output)
+            if not num_new:
+                break  # the request was the last one running, and preempted itself
             budget -= num_new
             index += 1
         return budget
+
+    def _schedule_decodes(self, output: SchedulerOutput, start: int, stop: int) -> int:
+        """How many running requests in a row, from ``start`` (and before ``stop``, which keeps
+        them within the budget and the sequence cap), are decodes that ``allocate_slots``
+        serves at once: their one last known token, no proposals. Nearly every running request
+        of a busy server is one, and its token nearly always lands in its own last block, which
+        the block manager answers in O(1); so this is the scheduler's tight loop, and every
+        other request (a prefill chunk, proposals, a decode that needs a preemption) is left to
+        ``_schedule_chunk``."""
+        allocate, block_ids = self.kv.allocate_slots, self.kv.block_ids
+        requests, starts = output.requests, output.num_computed_tokens
+        counts, tables = output.num_new_tokens, output.block_ids
+        count = 0
+        for request in self.running[start:stop]:
+            num_computed = request.num_computed_tokens
+            if request.spec_token_ids or num_computed + 1 != len(request.prompt_token_ids) + len(
+                request.output_token_ids
+            ):
+                break
+            request_id = request.request_id
+            if not allocate(
+                request_id,
+                request.all_token_ids,
+                num_computed,
+                1,
+                (),
+                request.cache_salt,
+                request.lora_int_id,
+            ):
+                break
+            requests.append(request)  # output.add(request, num_computed, 1, ...), written out
+            starts.append(num_computed)
+            counts.append(1)
+            tables.append(block_ids(request_id))
+            count += 1
+        output.num_scheduled_tokens += count
+        return count
 
     def _schedule_chunk(self, request: Request, budget: int, output: SchedulerOutput) -> int:
         """One running request's next chunk (a decode takes its one token and any proposals,
