@@ -8,6 +8,8 @@ Starlette's TestClient). Routes:
     POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
+    POST|GET /v1/files, GET|DELETE /v1/files/{id}, GET /v1/files/{id}/content  (OpenAI's Files)
+    POST|GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel  (OpenAI's Batch)
     GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
     GET /openapi.json  GET /docs  GET /  /static/...
 """
@@ -20,7 +22,7 @@ import logging
 from importlib import metadata
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -35,7 +37,8 @@ from pagedserve.server.errors import (
     EXCEPTION_HANDLERS,
     APIError,
     from_validation_error,
-    parse_json_body,
+    read_body,
+    read_json,
 )
 from pagedserve.server.metrics import EngineMetrics
 from pagedserve.server.middleware import (
@@ -50,23 +53,16 @@ from pagedserve.server.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     LoadResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
     VersionResponse,
 )
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import check_model
-from pagedserve.server.serving_chat import (
-    chat_prompt_ids,
-    create_chat_completion,
-    template_options,
-)
+from pagedserve.server.serving_batches import ROUTES as BATCH_ROUTES
+from pagedserve.server.serving_batches import BatchService
+from pagedserve.server.serving_chat import create_chat_completion
 from pagedserve.server.serving_chat_batch import create_batch_chat_completion
 from pagedserve.server.serving_completion import create_completion
 from pagedserve.server.serving_lora import (
@@ -75,8 +71,8 @@ from pagedserve.server.serving_lora import (
     unload_lora_adapter,
 )
 from pagedserve.server.serving_responses import create_response
-from pagedserve.server.state import ServedModels, ServerState, now_s
-from pagedserve.server.tokenizer_info import tokenizer_info_of
+from pagedserve.server.serving_tokenize import detokenize, tokenize, tokenizer_info
+from pagedserve.server.state import ServedModels, ServerState, now_s, state_of
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
@@ -90,31 +86,6 @@ GENERATION_PATHS = frozenset(
         "/invocations",
     }
 )
-
-
-def state_of(request: Request, model: str | None = None) -> ServerState:
-    """The state of the served model a request names (the first model when it names none)."""
-    return request.app.state.models.state_for(model)
-
-
-async def read_json(request: Request) -> dict:
-    """The body as a JSON object (415 for another content type, 400 for bad UTF-8 or JSON)."""
-    content_type = request.headers.get("content-type", "application/json")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(f"the body must be application/json, got {content_type!r}", 415)
-    data = parse_json_body(await request.body())
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", 400)
-    return data
-
-
-async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body validated as ``model``; every failure is a 4xx in OpenAI's shape."""
-    data = await read_json(request)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
 
 
 # ---- routes ------------------------------------------------------------------------------------
@@ -205,50 +176,6 @@ async def unload_lora(request: Request) -> Response:
     return await unload_lora_adapter(state_of(request), await read_json(request), request)
 
 
-async def tokenize(request: Request) -> Response:
-    data = await read_json(request)
-    kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
-    try:
-        body = kind.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-    state = state_of(request, body.model)
-    check_model(state, body.model)
-    tokenizer = state.engine.tokenizer
-    if isinstance(body, TokenizeChatRequest):
-        add_generation_prompt, template_kwargs = template_options(body)
-        tokens = chat_prompt_ids(state, body.messages, add_generation_prompt, template_kwargs)
-    else:
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    max_len = state.engine.scheduler_config.max_model_len
-    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-    response = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_len)
-    response.token_strs = strs
-    return JSONResponse(response.model_dump())
-
-
-async def tokenizer_info(request: Request) -> Response:
-    """vLLM's /tokenizer_info (behind --enable-tokenizer-info-endpoint, as there)."""
-    state = state_of(request)
-    if not state.config.enable_tokenizer_info_endpoint:
-        raise APIError("no route GET /tokenizer_info (see --enable-tokenizer-info-endpoint)", 404)
-    return JSONResponse(tokenizer_info_of(state.engine.tokenizer).model_dump())
-
-
-async def detokenize(request: Request) -> Response:
-    body = await read_body(request, DetokenizeRequest)
-    state = state_of(request, body.model)
-    check_model(state, body.model)
-    vocab = state.engine.model_config.vocab_size
-    bad = next((t for t in body.tokens if t >= vocab), None)
-    if bad is not None:
-        message = f"Token id {bad} is out of vocabulary: token ids must be in [0, {vocab})"
-        raise APIError(message, 400, param="tokens")
-    return JSONResponse(
-        DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens)).model_dump()
-    )
-
-
 async def health(request: Request) -> Response:
     """200 while the engine runs; 503 once it is dead, or while the server drains."""
     state = state_of(request)
@@ -322,6 +249,7 @@ ROUTES = [
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+    *BATCH_ROUTES,
     Route("/health", health, methods=["GET"]),
     Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check
     Route("/load", server_load, methods=["GET"]),
@@ -353,15 +281,18 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await load_startup_adapters(state)  # a bad --lora-modules adapter stops the start
+        await app.state.batches.start()  # a restart resumes the batches it was running
         refresher = asyncio.create_task(_refresh_metrics(app.state.metrics))
         try:
             yield
         finally:
             refresher.cancel()
+            await app.state.batches.stop()
             await engine.shutdown()
 
     app = assemble_app(ServedModels([state]), config, lifespan)
     app.state.server = state
+    app.state.batches = BatchService(app, state)
     metrics = EngineMetrics(
         engine, name, in_flight=lambda: len(state.in_flight), prefix=config.metrics_prefix + ":"
     )
@@ -371,12 +302,16 @@ def build_app(
 
 
 def assemble_app(
-    models: ServedModels, config: ServerConfig, lifespan, routes: list | None = None
+    models: ServedModels,
+    config: ServerConfig,
+    lifespan,
+    routes: list | None = None,
 ) -> Starlette:
     """The Starlette app over ``models`` with the server's middleware (CORS, the gate, internal
-    errors, request ids) and error shapes: ``build_app`` gives it one engine, the cluster's
-    ingress a set of remote ones and its own /health and /metrics (``routes`` first: the first
-    match wins). The caller sets ``app.state.metrics`` (anything with ``render() -> bytes``)."""
+    errors, request ids) and error shapes: ``build_app`` gives it one
+    engine, the cluster's ingress a set of remote ones and its own /health and /metrics
+    (``routes`` first: the first match wins). The caller sets ``app.state.metrics`` (anything
+    with ``render() -> bytes``) and, to serve the Batch API, ``app.state.batches``."""
     load = ServerLoad()
     app = Starlette(
         routes=[*(routes or []), *ROUTES],
@@ -394,6 +329,7 @@ def assemble_app(
                 api_key=config.api_key,
                 max_body_bytes=config.max_body_bytes,
                 max_header_bytes=config.max_header_bytes,
+                upload_limits={"/v1/files": config.max_file_bytes},
                 open_paths=open_paths(config),
                 open_prefixes=("/static/",),
             ),

@@ -14,6 +14,8 @@ from pagedserve.engine.config import option
 
 MIB = 1024 * 1024
 METRICS_PREFIXES = ("pagedserve", "vllm")  # --metrics-prefix: ours, or vLLM's own names
+# Batch API requests run after every interactive request of a lower priority value
+BATCH_PRIORITY = 2**31 - 1
 
 
 @dataclass
@@ -103,6 +105,24 @@ class ServerConfig:
         "the prefix of the /metrics names: pagedserve, or vllm for vLLM's own names (the "
         "dashboards and autoscalers written for vLLM read vllm:*)",
     )
+    batch_store: str | None = option(
+        None,
+        "the Batch API's folder: its SQLite database and the files (default: "
+        "$PAGEDSERVE_HOME/batches)",
+    )
+    batch_max_seq_share: float = option(
+        0.5,
+        "the most of --max-num-seqs that Batch API requests may hold in the engine at once; the "
+        "rest is kept for interactive requests",
+    )
+    batch_priority: int = option(
+        BATCH_PRIORITY,
+        "the priority Batch API requests run at under --scheduling-policy priority (lower runs "
+        "first; interactive requests default to 0)",
+    )
+    max_file_bytes: int = option(
+        200 * 1000 * 1000, "largest file uploaded to POST /v1/files (413 beyond)", unit="bytes"
+    )
     lora_modules: tuple[str, ...] = option(
         (),
         "LoRA adapters to serve, each name=path or vLLM's JSON "
@@ -134,7 +154,12 @@ class ServerConfig:
             raise ValueError(
                 f"show_hidden_metrics_for_version must be a version such as 0.10, got {version!r}"
             )
-        for name in ("max_body_bytes", "max_header_bytes", "max_n", "max_prompts", "max_stop"):
+        if not 0 < self.batch_max_seq_share <= 1:
+            raise ValueError(
+                f"batch_max_seq_share must be in (0, 1], got {self.batch_max_seq_share}"
+            )
+        names = ("max_body_bytes", "max_header_bytes", "max_file_bytes", "max_n", "max_prompts")
+        for name in (*names, "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -18,7 +18,7 @@ import logging
 import re
 from http import HTTPStatus
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -148,6 +148,26 @@ def from_engine_error(
         return APIError(f"the engine is not running: {error}", 503, code="engine_dead")
     logger.exception("unexpected engine error", exc_info=error)
     return internal_error()
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object (415 for another content type, 400 for bad UTF-8 or JSON)."""
+    content_type = request.headers.get("content-type", "application/json")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the body must be application/json, got {content_type!r}", 415)
+    data = parse_json_body(await request.body())
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object", 400)
+    return data
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The JSON body validated as ``model``; every failure is a 4xx in OpenAI's shape."""
+    data = await read_json(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
 
 
 # A \uD800-\uDFFF escape: the only way a JSON text can hold a lone surrogate.

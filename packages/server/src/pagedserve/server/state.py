@@ -56,6 +56,12 @@ class ServerState:
             await self.engine.abort(request_id)
 
 
+def state_of(request, model: str | None = None) -> ServerState:
+    """The state of the served model a request (a Starlette Request) names (the first model
+    when it names none)."""
+    return request.app.state.models.state_for(model)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
