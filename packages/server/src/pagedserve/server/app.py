@@ -12,6 +12,9 @@ Starlette's TestClient). Routes:
     POST|GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel  (OpenAI's Batch)
     GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
     GET /openapi.json  GET /docs  GET /  /static/...
+
+With ``--otlp-traces-endpoint``, the tracing middleware and tracer (tracing.py, which imports
+OpenTelemetry) join the app; without it, nothing of OpenTelemetry is imported.
 """
 
 from __future__ import annotations
@@ -277,6 +280,12 @@ def build_app(
     config = config or ServerConfig()
     name = model_name or config.served_model_name or str(engine.model_config.model)
     state = ServerState(engine=engine, config=config, model_name=name, created=now_s())
+    tracing = []
+    if config.otlp_traces_endpoint:
+        from pagedserve.server.tracing import RequestTracer, TraceContextMiddleware
+
+        state.tracer = RequestTracer(config.otlp_traces_endpoint)
+        tracing.append(Middleware(TraceContextMiddleware))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -289,8 +298,10 @@ def build_app(
             refresher.cancel()
             await app.state.batches.stop()
             await engine.shutdown()
+            if state.tracer is not None:
+                state.tracer.shutdown()
 
-    app = assemble_app(ServedModels([state]), config, lifespan)
+    app = assemble_app(ServedModels([state]), config, lifespan, inner_middleware=tracing)
     app.state.server = state
     app.state.batches = BatchService(app, state)
     metrics = EngineMetrics(
@@ -306,9 +317,10 @@ def assemble_app(
     config: ServerConfig,
     lifespan,
     routes: list | None = None,
+    inner_middleware: list[Middleware] | None = None,
 ) -> Starlette:
     """The Starlette app over ``models`` with the server's middleware (CORS, the gate, internal
-    errors, request ids) and error shapes: ``build_app`` gives it one
+    errors, request ids, then ``inner_middleware``) and error shapes: ``build_app`` gives it one
     engine, the cluster's ingress a set of remote ones and its own /health and /metrics
     (``routes`` first: the first match wins). The caller sets ``app.state.metrics`` (anything
     with ``render() -> bytes``) and, to serve the Batch API, ``app.state.batches``."""
@@ -341,6 +353,7 @@ def assemble_app(
             ),
             Middleware(InternalErrorMiddleware),
             Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
+            *(inner_middleware or []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,

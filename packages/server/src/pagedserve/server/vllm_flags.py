@@ -521,7 +521,6 @@ REFUSED: dict[str, str] = {
         "--lora-dtype",
         "--fully-sharded-loras",
     ),
-    "--otlp-traces-endpoint": "pagedserve exports no traces; /metrics has the latencies",
     **_refusing(
         "pagedserve's scheduler caps a prompt's tokens per step with "
         "--long-prefill-token-threshold; it has no partial-prefill counts",
