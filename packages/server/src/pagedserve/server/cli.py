@@ -2,6 +2,7 @@
 
     pagedserve serve [MODEL_PATH] [--host H] [--port P] [--api-key KEY] ...   the OpenAI-compatible server
     pagedserve generate [--model PATH] [--chat] "prompt" ... | --file F     offline generation, timed
+    pagedserve run-batch -i IN.jsonl -o OUT.jsonl [MODEL_PATH] ...          OpenAI batch files, offline
 
 With no model, the default model (SmolLM2-135M-Instruct) is prepared if needed and used. Every
 engine option is a --kebab-case flag with the same name as its EngineArgs field, and the server
@@ -34,6 +35,7 @@ from pagedserve.engine import (
     ensure_default_model,
 )
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.run_batch import add_run_batch_parser
 from pagedserve.server.vllm_flags import SHORT_FORMS, add_vllm_flags
 
 _SIZE_UNITS = {
@@ -309,11 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve",
         description="pagedserve: an LLM serving engine with a paged KV cache, prefix caching and "
         "continuous batching, and an OpenAI-compatible server.",
-        epilog="Run 'pagedserve serve --help' or 'pagedserve generate --help' for their options.",
+        epilog="Run 'pagedserve serve --help', 'pagedserve generate --help' or 'pagedserve "
+        "run-batch --help' for their options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,run-batch}")
     add_serve_parser(sub)
     add_generate_parser(sub)
+    add_run_batch_parser(sub, add_config_args)
     add_plugin_parsers(sub)
     return parser
 
