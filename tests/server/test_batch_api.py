@@ -226,3 +226,19 @@ def test_a_batch_past_its_window_expires_with_an_error_line_per_request_not_run(
     assert counts["total"] == 30 and 2 <= counts["completed"] < 30
     assert counts["completed"] + counts["failed"] == 30 == counts["completed"] + len(errors)
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def test_a_server_with_an_api_key_runs_its_batch_lines_with_it(tiny_path, tmp_path):
+    """The lines go through the app's gate like any request: with the server's key."""
+    config = ServerConfig(batch_store=str(tmp_path), api_key="sk-batch")
+    with TestClient(build_app(make_engine(tiny_path), config, MODEL)) as http:
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="sk-batch", http_client=http
+        )
+        file = upload(client, [chat_line("k0"), chat_line("k1")])
+        batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+        batch = wait_for_batch(client, batch.id)
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 0)
+        outsider = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http)
+        with pytest.raises(openai.AuthenticationError):
+            outsider.batches.retrieve(batch.id)
