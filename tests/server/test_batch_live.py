@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.server.testing import batch_line, live_server, wait_for_batch
+from pagedserve.server.testing import batch_line, greedy_requests, live_server, wait_for_batch
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -80,7 +80,7 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart(tiny_path, tmp_pa
 
 
 def mixed_lines(count: int) -> list[str]:
-    """``count`` lines: greedy chat and completion requests in turn, every 25th malformed in
+    """``count`` lines: greedy completion and chat requests in turn, every 25th malformed in
     one of five ways."""
     broken = [
         "{this is not JSON",
@@ -89,17 +89,9 @@ def mixed_lines(count: int) -> list[str]:
         batch_line("nowhere", "/v1/nowhere", {"prompt": "x"}),
         batch_line("streamed", "/v1/chat/completions", {"model": MODEL, "stream": True}),
     ]
-    lines = []
-    for i in range(count):
-        if i % 25 == 24:
-            lines.append(broken[(i // 25) % len(broken)])
-            continue
-        body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
-        if i % 2:
-            body["messages"] = [{"role": "user", "content": f"Tell me about item {i}"}]
-            lines.append(batch_line(f"m{i}", "/v1/chat/completions", body))
-        else:
-            lines.append(batch_line(f"m{i}", "/v1/completions", {**body, "prompt": f"Item {i} is"}))
+    lines = greedy_requests(count, MODEL, max_tokens=3)
+    for i in range(24, count, 25):
+        lines[i] = broken[(i // 25) % len(broken)]
     return lines
 
 

@@ -16,7 +16,7 @@ from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.run_batch import answer_file
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
-from pagedserve.server.testing import batch_line
+from pagedserve.server.testing import batch_line, greedy_requests
 
 ARGS = ["--served-model-name", MODEL, "--max-model-len", "256", "--num-gpu-blocks-override", "128"]
 
@@ -24,14 +24,7 @@ ARGS = ["--served-model-name", MODEL, "--max-model-len", "256", "--num-gpu-block
 def mixed_file(count: int) -> list[str]:
     """``count`` greedy requests, chat and completions in turn, then three lines that cannot
     run and one the route refuses."""
-    lines = []
-    for i in range(count):
-        body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
-        if i % 2:
-            body["messages"] = [{"role": "user", "content": f"question {i}"}]
-            lines.append(batch_line(f"r{i}", "/v1/chat/completions", body))
-        else:
-            lines.append(batch_line(f"r{i}", "/v1/completions", {**body, "prompt": f"text {i}"}))
+    lines = greedy_requests(count, MODEL, max_tokens=4)
     lines += [
         "{not json",
         batch_line("emb", "/v1/embeddings", {"model": MODEL, "input": "x"}),

@@ -20,13 +20,9 @@ full).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
 import os
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from pagedserve.engine import EngineArgs
@@ -54,30 +50,6 @@ ANSWER_OPTIONS = (
     "lora_modules",
     "otlp_traces_endpoint",
 )
-
-
-def add_run_batch_parser(sub, add_config_args) -> None:
-    """The subcommand's parser; ``add_config_args`` is the CLI's flag maker (cli.py), so the
-    engine and server flags read as ``pagedserve serve``'s."""
-    parser = sub.add_parser(
-        "run-batch",
-        help="answer a file of OpenAI batch requests offline (resumable)",
-        description="Answer a file of OpenAI batch requests offline: one output line per input "
-        "line, in OpenAI's batch output format; run again on the same output to resume.",
-    )
-    parser.add_argument("-i", "--input-file", required=True, help="batch requests (JSONL), or -")
-    parser.add_argument("-o", "--output-file", required=True, help="the answers (JSONL), or -")
-    parser.add_argument(
-        "model_path",
-        nargs="?",
-        default=None,
-        help="Hugging Face model folder (default: SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--model", dest="model_option", default=None, help="same as MODEL_PATH")
-    skip = tuple(f.name for f in fields(ServerConfig) if f.name not in ANSWER_OPTIONS)
-    add_config_args(parser.add_argument_group("server"), ServerConfig, skip=skip)
-    add_config_args(parser.add_argument_group("engine"), EngineArgs, skip=("model",))
-    parser.set_defaults(func=cmd_run_batch)
 
 
 def read_input(path: str) -> list[str]:
@@ -135,31 +107,21 @@ async def answer_file(app, lines: list[str], output: str, capacity: int) -> dict
     return counts
 
 
-def cmd_run_batch(args: argparse.Namespace) -> int:
-    from pagedserve.server.cli import reported
-
-    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
-    if args.model_path and args.model_option and args.model_path != args.model_option:
-        print("pagedserve run-batch: give the model once (MODEL_PATH or --model)", file=sys.stderr)
-        return 2
-    return reported("run-batch", lambda: asyncio.run(_run_batch(args)))
-
-
-async def _run_batch(args: argparse.Namespace) -> int:
+async def run_batch(
+    engine_args: EngineArgs, config: ServerConfig, name: str, input_file: str, output_file: str
+) -> int:
+    """``pagedserve run-batch``: the engine, the app serving it as ``name``, every line of
+    ``input_file`` answered into ``output_file``; a summary on stderr."""
     from pagedserve.engine import AsyncLLM
     from pagedserve.server.app import build_app
-    from pagedserve.server.cli import config_kwargs, resolve_model
     from pagedserve.server.serving_lora import load_startup_adapters
 
-    lines = read_input(args.input_file)
-    config = ServerConfig(**{name: getattr(args, name) for name in ANSWER_OPTIONS})
-    model, default_name = resolve_model(args.model_path or args.model_option)
-    engine_args = EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
+    lines = read_input(input_file)
     engine = AsyncLLM(engine_args)
-    app = build_app(engine, config, config.served_model_name or default_name or model)
+    app = build_app(engine, config, name)
     try:
         await load_startup_adapters(app.state.server)
-        counts = await answer_file(app, lines, args.output_file, 2 * engine_args.max_num_seqs)
+        counts = await answer_file(app, lines, output_file, 2 * engine_args.max_num_seqs)
     finally:
         await engine.shutdown()
         if app.state.server.tracer is not None:

@@ -161,6 +161,20 @@ def batch_line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+def greedy_requests(count: int, model: str, max_tokens: int) -> list[str]:
+    """``count`` batch lines of greedy requests (custom_id ``r<i>``), a completion and a chat
+    request in turn."""
+    lines = []
+    for i in range(count):
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": f"Tell me about item {i}"}]
+            lines.append(batch_line(f"r{i}", "/v1/chat/completions", body))
+        else:
+            lines.append(batch_line(f"r{i}", "/v1/completions", {**body, "prompt": f"Item {i} is"}))
+    return lines
+
+
 def wait_for_batch(client, batch_id: str, timeout: float = 120.0, until=FINAL_BATCH_STATUSES):
     """Poll ``client.batches.retrieve`` (the openai client) until the batch's status is one of
     ``until``; the batch."""
