@@ -243,15 +243,15 @@ class BatchWorker:
 
     async def _finalize(self, batch_id: str) -> None:
         """Write the output and error files from the answers and end the batch: cancelled,
-        expired (each line not run gets a batch_expired error line) or completed."""
+        expired (each line not run gets a batch_expired error line) or completed.
+
+        A finalizing batch has every line answered unless its window ended first
+        (``_answer_lines`` moves it on only then), so lines without an answer mean expired."""
         batch = self.store.get_batch(batch_id)
         unanswered = []
         if batch["status"] == "finalizing":
             answered = self.store.answered_lines(batch_id)
             unanswered = [line for line in await self._plan(batch) if line.number not in answered]
-            if unanswered and not self._expired(batch):  # stopped early: run the rest
-                self._transition(batch_id, "finalizing", status="in_progress")
-                return
         final = {"cancelling": "cancelled"}.get(batch["status"])
         final = final or ("expired" if unanswered else "completed")
         outputs: list[str] = []

@@ -81,7 +81,7 @@ async def answer_file(app, lines: list[str], output: str, capacity: int) -> dict
     todo = [line for line in plan if line.key not in done]
     counts = {"lines": len(plan), "skipped": len(plan) - len(todo), "succeeded": 0, "failed": 0}
     runner = LineRunner(app)
-    out = sys.stdout if output == "-" else open(output, "a", encoding="utf-8")  # noqa: SIM115
+    out = sys.stdout if output == "-" else open(output, "a", encoding="utf-8")
     bar = tqdm(total=len(plan), initial=counts["skipped"], unit="req", desc="run-batch")
     start, tokens = time.monotonic(), 0
 
