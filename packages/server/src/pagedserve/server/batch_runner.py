@@ -58,8 +58,10 @@ class LineRunner:
     def __init__(self, app, api_key: str | None = None, priority: int | None = None) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.priority = priority
+        # an exception that escapes the app (a bug) is a 500 for its line, not the batch's end
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         self._client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url=BASE_URL, headers=headers, timeout=None
+            transport=transport, base_url=BASE_URL, headers=headers, timeout=None
         )
 
     async def answer(self, line: BatchLine) -> LineAnswer:
@@ -75,7 +77,8 @@ class LineRunner:
         try:
             payload = response.json()
         except ValueError:
-            payload = {"error": {"message": response.text, "type": "internal_server_error"}}
+            message = response.text or "internal server error"
+            payload = {"error": {"message": message, "type": "internal_server_error"}}
         usage = payload.get("usage") if isinstance(payload, dict) else None
         tokens = usage.get("completion_tokens") or usage.get("output_tokens") if usage else 0
         ok = 200 <= response.status_code < 300
