@@ -17,7 +17,6 @@ sys.path.insert(0, str(ROOT / "tools"))
 import bench_batch_interference  # noqa: E402
 
 
-
 def test_batch_file_is_seeded_and_within_its_ranges():
     args = bench_batch_interference.parse_args(
         ["--batch-size", "5", "--batch-min-prompt", "3", "--batch-max-prompt", "6"]
