@@ -1,4 +1,4 @@
-"""The fused CPU decoder layer (pagedserve.kernels.decoder_layer_numba) against the layer composed
+"""The fused CPU decoder layer (pagedserve.kernels.cpu.decoder_layer) against the layer composed
 of the PyTorch references: rms_norm_ref, F.linear, rotary_embedding_ref, store_kv_ref,
 paged_attention_ref and silu_and_mul_ref, in the order LlamaDecoderLayer calls them.
 
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from tolerances import GEMM_FP32_ATOL, TOLERANCES
 
-from pagedserve.kernels import decoder_layer_numba as fused
-from pagedserve.kernels.paged_attention_numba import NUMBA_MAX_Q_LEN
-from pagedserve.kernels.paged_attention_plan import step_plan
+from pagedserve.kernels.cpu import decoder_layer as fused
+from pagedserve.kernels.cpu.paged_attention import NUMBA_MAX_Q_LEN
+from pagedserve.kernels.cpu.paged_attention_plan import step_plan
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 from pagedserve.kernels.rms_norm import rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
@@ -133,7 +133,7 @@ def test_fused_layer_matches_the_references(threads, bias, window, first_layer, 
     )  # fmt: skip
     plan = step_plan(
         step["block_tables"], step["seq_lens"], step["query_start_loc"], NUMBA_MAX_Q_LEN,
-        None, window or 0, {},
+        None, window or 0,
     )  # fmt: skip
     ours_caches = [c.clone() for c in step["caches"]]
     assert fused.supports(x, ours_caches, plan)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import dense_linear_numba as dense
+from pagedserve.kernels.cpu import dense_linear as dense
 
 SHAPES = [(960, 576), (576, 1536), (3074, 576), (7, 40), (4099, 64)]  # (N, K)
 
@@ -45,8 +45,8 @@ def test_the_serial_kernel_gives_the_parallel_ones_bits(n, k):
     x, w = _operands(5, n, k, seed=3)
     arrays = [x.numpy(), w.numpy()]
     parallel, serial = (torch.empty(5, n).numpy() for _ in range(2))
-    dense._dense_linear_parallel(*arrays, parallel)
-    dense._dense_linear_serial(*arrays, serial)
+    dense.dense_linear_parallel(*arrays, parallel)
+    dense.dense_linear_serial(*arrays, serial)
     assert (parallel == serial).all()
 
 

@@ -15,7 +15,7 @@ from tolerances import assert_close
 
 from pagedserve.kernels.dispatch import taken_as_cuda
 from pagedserve.kernels.paged_attention import paged_attention_triton
-from pagedserve.kernels.paged_attention_spec import paged_attention_spec
+from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
 contract = pytest.mark.contract("paged_attention")
@@ -37,7 +37,7 @@ def test_fp32_query_over_a_16bit_cache(step, heads, cache_dtype):
     )
     assert batch.k_cache.dtype == cache_dtype and batch.query.dtype == torch.float32
     out = contracts.implementation("paged_attention")(*batch.args())
-    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args()), attention=True)
 
 
 @contract
@@ -51,4 +51,4 @@ def test_tensor_core_branch_over_a_cache_of_another_dtype(step):
     )
     with taken_as_cuda(multi_processor_count=16):
         out = paged_attention_triton(*batch.args())
-    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args()), attention=True)

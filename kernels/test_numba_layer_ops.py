@@ -7,7 +7,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pagedserve.kernels import layer_ops_numba as ops
+from pagedserve.kernels.cpu import layer_ops as ops
 from pagedserve.kernels.rms_norm import rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul_ref

@@ -4,7 +4,7 @@ about one ulp over fp32's range, 0 below it (-inf included), inf above it, NaN k
 import numba
 import numpy as np
 
-from pagedserve.kernels.numba_math import exp_f32
+from pagedserve.kernels.cpu.fast_exp import exp_f32
 
 # The kernels that call exp_f32 reassociate their own arithmetic; exp_f32 must keep its own
 # order inside them (it is compiled with its own flags and inlined by LLVM, not by numba).

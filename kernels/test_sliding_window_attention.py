@@ -14,10 +14,10 @@ import torch
 from suite_grid import DEVICE, DTYPES, pick
 from tolerances import assert_close
 
+from pagedserve.kernels.cpu.paged_attention import paged_attention_numba
 from pagedserve.kernels.dispatch import taken_as_cuda
 from pagedserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from pagedserve.kernels.paged_attention_numba import paged_attention_numba
-from pagedserve.kernels.paged_attention_spec import paged_attention_spec
+from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
 contract = pytest.mark.contract("paged_attention")
@@ -78,7 +78,7 @@ def test_specification_is_dense_masked_attention(case, cap):
     """The spec itself, on a batch whose out-of-window blocks hold NaN: it reads none."""
     window, seqs = window_case(case)
     batch = _batch(seqs, window)
-    spec = paged_attention_spec(*batch.args(), sliding_window=window, logits_soft_cap=cap)
+    spec = paged_attention_literal(*batch.args(), sliding_window=window, logits_soft_cap=cap)
     assert_close(spec, _dense(batch, window, cap), attention=True)
 
 
@@ -89,7 +89,7 @@ def test_sliding_window(case, dtype):
     window, seqs = window_case(case)
     batch = _batch(seqs, window, dtype, heads=pick((4, 2), (8, 2)), seed=1)
     out = contracts.implementation("paged_attention")(*batch.args(), sliding_window=window)
-    assert_close(out, paged_attention_spec(*batch.args(), sliding_window=window), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args(), sliding_window=window), attention=True)
 
 
 @contract
@@ -101,7 +101,7 @@ def test_soft_cap(window):
     batch = _batch(seqs, window, seed=2)
     args = dict(sliding_window=window, logits_soft_cap=1.5)
     out = contracts.implementation("paged_attention")(*batch.args(), **args)
-    assert_close(out, paged_attention_spec(*batch.args(), **args), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args(), **args), attention=True)
 
 
 CPU_PATHS = {"ref": paged_attention_ref, "numba": paged_attention_numba}
@@ -115,7 +115,7 @@ def test_cpu_paths_with_windows(path, case, cap):
     batch = make_paged_batch(seqs, 9, 3, 32, BS, seed=3, sliding_window=window)
     args = dict(sliding_window=window, logits_soft_cap=cap)
     out = CPU_PATHS[path](*batch.args(), **args)
-    assert_close(out, paged_attention_spec(*batch.args(), **args), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args(), **args), attention=True)
 
 
 @contract
@@ -126,7 +126,7 @@ def test_forced_kv_splits_under_a_window():
     window, seqs = window_case("larger-than-block")
     batch = _batch(seqs, window, seed=4)
     out = paged_attention_triton(*batch.args(), num_kv_splits=3, sliding_window=window)
-    assert_close(out, paged_attention_spec(*batch.args(), sliding_window=window), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args(), sliding_window=window), attention=True)
 
 
 @contract
@@ -141,4 +141,4 @@ def test_tensor_core_branch_in_fp16_with_window(case):
     args = dict(sliding_window=window, logits_soft_cap=30.0)
     with taken_as_cuda(multi_processor_count=16):
         out = paged_attention_triton(*batch.args(), **args)
-    assert_close(out, paged_attention_spec(*batch.args(), **args), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args(), **args), attention=True)

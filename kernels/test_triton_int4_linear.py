@@ -86,7 +86,7 @@ def test_dequantize_reads_the_layout_element_by_element(act_order):
 def test_the_numba_decode_path_matches_the_reference(shape):
     """The CPU's loop for a few fp32 rows: the same values as dequantize-then-GEMM, summed in
     another order (groups folded in one at a time), so within the GEMM tolerance."""
-    numba_path = pytest.importorskip("pagedserve.kernels.int4_linear_numba")
+    numba_path = pytest.importorskip("pagedserve.kernels.cpu.int4_linear")
     m, n, k, group_size = shape
     (qweight, scales, zeros, gs, _), _ = random_layer(n, k, group_size, seed=8)
     qweight, scales, zeros = qweight.cpu(), scales.cpu(), zeros.cpu()

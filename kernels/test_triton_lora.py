@@ -27,14 +27,14 @@ def slots_for(num_tokens: int, num_slots: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(-1, num_slots, (num_tokens,), generator=gen).to(DEVICE)
 
 
-def shrink_spec(x, a, token_slot, scale):
+def shrink_literal(x, a, token_slot, scale):
     """Row t times its own slot's A; zero for slot -1."""
     picked = a[token_slot.clamp_min(0)].float()  # [T, r, in]
     y = torch.einsum("tk,trk->tr", x.float(), picked) * scale
     return torch.where(token_slot[:, None] >= 0, y, torch.zeros_like(y))
 
 
-def expand_spec(y, b, token_slot, base, offset):
+def expand_literal(y, b, token_slot, base, offset):
     out = base.clone()
     delta = torch.einsum("tr,tnr->tn", y.float(), b[token_slot.clamp_min(0)].float())
     cols = slice(offset, offset + b.shape[1])
@@ -53,7 +53,7 @@ def test_lora_shrink(num_tokens, rank, dtype):
     a = randn(slots, rank, k, dtype=dtype, seed=1)
     token_slot = slots_for(num_tokens, slots, seed=rank)
     out = implementation("lora_shrink")(x, a, token_slot, 0.5)
-    expected = shrink_spec(x, a, token_slot, 0.5)
+    expected = shrink_literal(x, a, token_slot, 0.5)
     assert_close(out, expected, gemm=True)
     assert_close(lora_shrink_ref(x, a, token_slot, 0.5), expected, gemm=True)
 
@@ -68,7 +68,7 @@ def test_lora_expand_into_a_slice(num_tokens, rank, dtype):
     b = randn(slots, n, rank, dtype=dtype, seed=2)
     base = randn(num_tokens, width, dtype=dtype, seed=3)
     token_slot = slots_for(num_tokens, slots, seed=rank + 1)
-    expected = expand_spec(y, b, token_slot, base, offset)
+    expected = expand_literal(y, b, token_slot, base, offset)
     out = implementation("lora_expand")(y, b, token_slot, base.clone(), offset)
     assert_close(out, expected, gemm=True)
     assert_close(lora_expand_ref(y, b, token_slot, base.clone(), offset), expected, gemm=True)
@@ -110,6 +110,6 @@ def test_a_fused_qkv_with_gqa_slices(shape, rank):
         )
     expected = base.clone()
     for i, offset in enumerate(offsets):
-        part = shrink_spec(x, a[i], token_slot, 1.0)
-        expected = expand_spec(part, b[i], token_slot, expected, offset)
+        part = shrink_literal(x, a[i], token_slot, 1.0)
+        expected = expand_literal(part, b[i], token_slot, expected, offset)
     assert_close(out, expected, gemm=True)

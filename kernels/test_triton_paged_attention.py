@@ -1,5 +1,5 @@
 """paged_attention (the Triton kernel, or the implementation given with --impl) against the
-literal specification, ``paged_attention_spec``; the engine's fast CPU path, paged_attention_ref,
+literal specification, ``paged_attention_literal``; the engine's fast CPU path, paged_attention_ref,
 against the same specification over the same grid.
 
 Every batch reads K/V through shuffled, non-contiguous block tables padded with -1, and
@@ -12,10 +12,10 @@ import torch
 from suite_grid import DEVICE, DTYPES, FULL, pick
 from tolerances import assert_close
 
+from pagedserve.kernels.cpu.paged_attention import paged_attention_numba
 from pagedserve.kernels.dispatch import taken_as_cuda
 from pagedserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from pagedserve.kernels.paged_attention_numba import paged_attention_numba
-from pagedserve.kernels.paged_attention_spec import paged_attention_spec
+from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
 contract = pytest.mark.contract("paged_attention")
@@ -44,7 +44,7 @@ def run(seqs, heads, head_dim, block_size, dtype, splits=None, seed=0):
         out = contracts.implementation("paged_attention")(*batch.args())
     else:
         out = paged_attention_triton(*batch.args(), num_kv_splits=splits)
-    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args()), attention=True)
 
 
 @contract
@@ -68,7 +68,7 @@ def test_fast_cpu_paths_match_the_specification(path, case, heads, dtype):
     block table) are held to the spec like a kernel, NaN-filled unused slots included."""
     batch = make_paged_batch(batch_case(case, 16), *heads, 32, 16, dtype, seed=5)
     out = CPU_PATHS[path](*batch.args())
-    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args()), attention=True)
 
 
 @contract
@@ -109,7 +109,7 @@ def test_tensor_core_branch_in_fp16(case, heads):
     batch = make_paged_batch(seqs, *heads, 64, 16, torch.float16, DEVICE, seed=6)
     with taken_as_cuda(multi_processor_count=16):
         out = paged_attention_triton(*batch.args())
-    assert_close(out, paged_attention_spec(*batch.args()), attention=True)
+    assert_close(out, paged_attention_literal(*batch.args()), attention=True)
 
 
 @contract
@@ -125,5 +125,5 @@ def test_padding_rows_and_empty_sequences():
     query = torch.cat([batch.query, torch.randn(2, 4, 32, device=DEVICE)])
     args = (query, *batch.args()[1:])
     out = contracts.implementation("paged_attention")(*args)
-    assert_close(out, paged_attention_spec(*args), attention=True)
+    assert_close(out, paged_attention_literal(*args), attention=True)
     assert not out[-2:].any()

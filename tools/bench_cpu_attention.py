@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.paged_attention_numba import (
+from pagedserve.kernels.cpu.paged_attention import (
     NUMBA_MAX_Q_LEN,
     paged_attention_numba,
     warm_up,

@@ -58,7 +58,7 @@ def step_ms(apply, weights, xs, repeats: int) -> float:
 def paths(shapes: list[tuple[int, int]], layers: int, lm_head: torch.Tensor) -> dict[str, tuple]:
     """Each path: (its weights, one per linear of a step and the lm_head last; how to apply
     one)."""
-    from pagedserve.kernels.dense_linear_numba import dense_linear_numba
+    from pagedserve.kernels.cpu.dense_linear import dense_linear_numba
 
     dense = [torch.randn(n, k) for _ in range(layers) for n, k in shapes] + [lm_head]
     packed = [w.to_mkldnn() for w in dense]

@@ -6,17 +6,17 @@ each round runs ``--steps-per-round`` steps under every variant in turn, so that
 whose load drifts (other processes, the hypervisor's steal) weighs on all variants alike.
 Variants are switches flipped in this process:
 
-- ``numba``: the engine as shipped on CPU (each decoder layer of a small step one numba call:
-  kernels/decoder_layer_numba.py);
-- ``unfused``: the same kernels called module by module (what the fused layer saves);
+- ``numba``: the engine as shipped on CPU (the CPU runner runs each decoder layer of a small
+  step as one numba call: engine/cpu_runner.py, kernels/cpu/decoder_layer.py, with the step's
+  attention planned once);
+- ``unfused``: the same kernels called module by module, each layer's attention planning for
+  itself (what the runner's fused layers save);
 - ``ref-ops``: the decoder layer's small ops (RMSNorm, rotary, store_kv, SiLU) on their PyTorch
-  references, attention still numba: what layer_ops_numba.py saves;
-- ``layer-plans``: the numba attention plans its work at every layer, as it did before the
-  step's plan memo (``AttentionMetadata.kernel_plans``): what planning once per step saves;
+  references, attention still numba: what cpu/layer_ops.py saves;
 - ``mkl-linear``: the linear layers and the lm_head on MKL (``F.linear``) at every batch size,
-  as before the numba decode GEMM (dense_linear_numba.py): what that kernel saves.
+  as before the numba decode GEMM (cpu/dense_linear.py): what that kernel saves.
 
-Switches combine with ``+`` (``ref-ops+layer-plans``); every switch but ``numba`` implies
+Switches combine with ``+`` (``ref-ops+mkl-linear``); every switch but ``numba`` implies
 ``unfused`` (the others change what the modules call).
 
 Then one batch-1 step's time per op (the kernels' entry points and the linear layers wrapped
@@ -48,34 +48,33 @@ def cpu_times() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-SWITCHES = ("numba", "unfused", "ref-ops", "layer-plans", "mkl-linear")
+SWITCHES = ("numba", "unfused", "ref-ops", "mkl-linear")
 
 
 @contextlib.contextmanager
-def variant(name: str) -> Iterator[None]:
+def variant(engine, name: str) -> Iterator[None]:
     """Flip the switches of one variant (names joined by ``+``) for the steps run inside."""
-    from pagedserve.kernels import dense_linear_numba, layer_ops_numba
-    from pagedserve.kernels import paged_attention_numba as pan
-    from pagedserve.models import llama
+    from pagedserve.kernels.cpu import dense_linear, layer_ops
 
     switches = set(name.split("+"))
     if not switches <= set(SWITCHES):
         raise ValueError(f"unknown variant {name!r} (switches {', '.join(SWITCHES)}, joined by +)")
-    supports, step_plan = layer_ops_numba.supports, pan.step_plan
-    dense_supports, fused_layer = dense_linear_numba.supports, llama.fused_decoder_layer
+    runner = engine.runner
+    supports, dense_supports, fused = layer_ops.supports, dense_linear.supports, runner.fused_layers
     if switches - {"numba"}:
-        llama.fused_decoder_layer = lambda *args: None
+        runner.fused_layers = None
     if "mkl-linear" in switches:
-        dense_linear_numba.supports = lambda *tensors: False
+        dense_linear.supports = lambda *tensors: False
     if "ref-ops" in switches:
-        layer_ops_numba.supports = lambda *tensors: False
-    if "layer-plans" in switches:
-        pan.step_plan = lambda *args, plans=None: step_plan(*args[:6], None)
+        layer_ops.supports = lambda *tensors: False
     try:
         yield
     finally:
-        layer_ops_numba.supports, pan.step_plan = supports, step_plan
-        dense_linear_numba.supports, llama.fused_decoder_layer = dense_supports, fused_layer
+        layer_ops.supports, dense_linear.supports, runner.fused_layers = (
+            supports,
+            dense_supports,
+            fused,
+        )
 
 
 def start_decodes(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
@@ -102,7 +101,7 @@ def time_variants(
     seconds = defaultdict(list)
     for _ in range(rounds):
         for name in variants:
-            with variant(name):
+            with variant(engine, name):
                 for _ in range(steps):
                     start = clock()
                     engine.step()
@@ -111,7 +110,7 @@ def time_variants(
 
 
 OPS = [  # (module, attribute, op) timed in the per-op breakdown
-    ("pagedserve.models.llama", "fused_decoder_layer", "decoder layers, fused"),
+    ("pagedserve.kernels.cpu.decoder_layer", "decoder_layer_numba", "decoder layers, fused"),
     ("pagedserve.models.layers.norm", "rms_norm", "rms_norm (+ residual)"),
     ("pagedserve.models.layers.rotary", "rotary_embedding", "rotary"),
     ("pagedserve.models.layers.attention", "store_kv", "store_kv"),

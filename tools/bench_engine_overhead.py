@@ -68,9 +68,9 @@ PHASES = [  # (path from the engine, attribute, phase)
     ("runner", "prepare_input", "prepare input"),
     ("runner.model", "forward", "model forward"),
     ("runner.model", "compute_logits", "model forward"),
-    ("", "_decide", "sample"),  # every group's decision: one sampler call, beam steps
+    ("runner", "sample", "sample"),  # every sampled row, fork, verification, prompt logprobs
     ("scheduler", "update", "scheduler update"),
-    ("", "_apply", "outputs + detokenize"),  # decisions applied, outputs built
+    ("output_processor", "process", "outputs + detokenize"),  # detokenized, outputs built
     ("", "step", "step"),
 ]
 

@@ -42,39 +42,36 @@ PHASES = [  # (path from the engine, attribute, phase): top-level phases, then n
     ("runner", "prepare_input", "build inputs"),
     ("runner.model", "forward", "forward (stand-in)"),
     ("runner.model", "compute_logits", "forward (stand-in)"),
-    ("", "_decide", "sampling + decisions"),
+    ("runner", "sample", "sampling"),
     ("scheduler", "update", "scheduler update"),
-    ("", "_apply", "apply decisions + outputs"),
-    ("", "sampler", "  of which sampler"),
-    ("", "_group_output", "  of which make outputs"),  # with timed_per_request's
+    ("output_processor", "process", "outputs + detokenize"),
+    ("runner", "sampler", "  of which sampler"),
     ("", "step", "step"),
 ]
 MAKE_OUTPUTS, DETOKENIZE = "  of which make outputs", "  of which detokenize + stops"
 NESTED = {"  of which sampler", MAKE_OUTPUTS, DETOKENIZE, "step"}
 # ``--timers outer``: only the step and the sampler call inside it, so that "host total" (step
 # minus the sampler, whose argmax is device work on a GPU) carries no per-phase timer's cost
-OUTER_PHASES = [("sampler", "  of which sampler"), ("step", "step")]
+OUTER_PHASES = [("runner", "sampler", "  of which sampler"), ("", "step", "step")]
 HOST_TOTAL = "host total (step - sampler)"
 
 
 @contextlib.contextmanager
 def timed_per_request(timer: PhaseTimer) -> Iterator[None]:
-    """Time the per-request work inside "apply decisions + outputs", wrapped on the classes for
-    the measurement and put back: detokenizing and the stop checks (each sequence's
-    ``process_new_token``; in the one-pass path of an all-plain step, output_processor.py, a
-    plain decode's detokenizer ``add_token``), and making outputs (the engine's
-    ``_group_output``, wrapped by PHASES; in the one-pass path, ``_running_plain_output``).
-    A call nested in another of its phase counts once (``PhaseTimer.wrap``)."""
+    """Time the per-request work inside "outputs + detokenize", wrapped on the classes for the
+    measurement and put back: detokenizing and the stop checks (each sequence's
+    ``process_new_tokens``, whose common decode calls its detokenizer's ``add_token``), and
+    making outputs (``SequenceGroup.make_output``). A call nested in another of its phase
+    counts once (``PhaseTimer.wrap``)."""
     from pagedserve.engine import detokenizer
-    from pagedserve.engine.group_outputs import GroupOutputs
-    from pagedserve.engine.sequence_group import SequenceState
+    from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
 
     targets = [
-        (SequenceState, "process_new_token", DETOKENIZE),
+        (SequenceState, "process_new_tokens", DETOKENIZE),
         (detokenizer.ByteLevelDetokenizer, "add_token", DETOKENIZE),
         (detokenizer.FinalTextDetokenizer, "add_token", DETOKENIZE),
         (detokenizer.IncrementalDetokenizer, "add_token", DETOKENIZE),
-        (GroupOutputs, "_running_plain_output", MAKE_OUTPUTS),
+        (SequenceGroup, "make_output", MAKE_OUTPUTS),
     ]
     real = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in targets]
     for owner, attribute, phase in targets:
@@ -218,9 +215,9 @@ def measure(
         engine = LLMEngine(args)
     timer = PhaseTimer(clock)
     if outer:
-        for attribute, phase in OUTER_PHASES:
-            timer.wrap(engine, attribute, phase)
-        phases = [phase for _, phase in OUTER_PHASES]
+        for path, attribute, phase in OUTER_PHASES:
+            timer.wrap(getattr(engine, path) if path else engine, attribute, phase)
+        phases = [phase for *_, phase in OUTER_PHASES]
     else:
         phases = instrument(engine, timer, PHASES)
     rng = random.Random(seed)
@@ -240,7 +237,7 @@ def measure(
             engine.step()
         timer.enabled = False
     if not outer:
-        phases.append(DETOKENIZE)
+        phases += [MAKE_OUTPUTS, DETOKENIZE]
     if len(engine.scheduler.running) != num_seqs:
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {num_seqs} were decoding")
     ms = {phase: 1e3 * timer.seconds[phase] / steps for phase in dict.fromkeys(phases)}

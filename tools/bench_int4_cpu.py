@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.cpu.int4_linear import int4_linear_numba
 from pagedserve.kernels.int4_linear import (
     Int4Workspace,
     dequantize_int4,
@@ -34,7 +35,6 @@ from pagedserve.kernels.int4_linear import (
     pack_int4_rows,
     unpack_int4_rows,
 )
-from pagedserve.kernels.int4_linear_numba import int4_linear_numba
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 GROUP = 64  # SmolLM2's 576 features are 4.5 groups of 128; AutoAWQ wants whole groups

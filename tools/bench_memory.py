@@ -137,7 +137,7 @@ def simulate(kv: KVCacheManager, workload: list[Planned], args: argparse.Namespa
             request = item.request
             if item.needs_sample:
                 done = request.num_output_tokens + 1 >= plan[request.request_id]
-                sampled[request.request_id] = EOS if done else 1
+                sampled[request.request_id] = [EOS if done else 1]
         scheduler.update(out, sampled)
         trace.held.append((kv.num_blocks - kv.num_free_blocks) * kv.block_size)
         trace.stored.append(sum(r.num_computed_tokens for r in scheduler.running))

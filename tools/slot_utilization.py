@@ -89,7 +89,7 @@ def continuous_batching(
     while scheduler.has_unfinished_requests():
         queued = len(scheduler.waiting) > 0
         out = scheduler.schedule()
-        sampled = {x.request.request_id: token for x in out.scheduled if x.needs_sample}
+        sampled = {x.request.request_id: [token] for x in out.scheduled if x.needs_sample}
         scheduler.update(out, sampled)
         steps += 1
         busy += len(out.scheduled)

@@ -1,5 +1,6 @@
 """Writes the table of vLLM's `vllm serve` flags in docs/configuration.md from what
-`pagedserve serve --help` shows (pagedserve.server.vllm_flags says why for each flag).
+`pagedserve serve --help` shows (pagedserve.server.vllm_flags says why for each flag;
+pagedserve.server.vllm_flag_inventory lists them).
 
     python tools/vllm_flag_table.py           # rewrite the table between its markers
     python tools/vllm_flag_table.py --check   # exit 1 when the page's table is not the help's
@@ -15,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedserve.server.vllm_flags import flag_table
+from pagedserve.server.vllm_flag_inventory import flag_table
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 BEGIN, END = "<!-- vllm-flags:begin -->", "<!-- vllm-flags:end -->"

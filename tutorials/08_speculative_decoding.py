@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineArgs
-from pagedserve.engine.spec_decode.ngram import propose_ngram_spec
+from pagedserve.engine.spec_decode.ngram import propose_ngram_literal
 from pagedserve.kernels.rejection_sample import rejection_sample
 from pagedserve.models.default_model import ensure_default_model
 
@@ -58,13 +58,14 @@ tokens = list(request.all_token_ids)
 print("== 1. Propose ==")
 print(f"  the sequence ends with {show(tokens[-6:])}")
 print(f"  proposals on the request: {request.spec_token_ids} = {show(request.spec_token_ids)}")
-assert request.spec_token_ids == propose_ngram_spec(tokens, 4, 2, 4)
-print("  the same as the literal rule (propose_ngram_spec): True")
+assert request.spec_token_ids == propose_ngram_literal(tokens, 4, 2, 4)
+print("  the same as the literal rule (propose_ngram_literal): True")
 
 # ## 2. Verify: one forward over the last token and the proposals
 #
 # We watch the next steps from outside: wrapping the scheduler's schedule and update and the
-# runner's execute records what each saw, and the engine runs as it always does. We step on
+# runner's forward (``execute_model``: the step's logits, before the runner verifies them)
+# records what each saw, and the engine runs as it always does. We step on
 # until a step rejects proposals that had spilled into a block of their own, and draw it out.
 
 
@@ -79,10 +80,10 @@ def recording(seen: dict):
         seen["blocks during"] = (len(item.block_table), kv.num_free_blocks)
         return plan
 
-    def recording_execute(plan):
-        logits, ids = execute(plan)
-        seen["logits"] = logits
-        return logits, ids
+    def recording_execute(model_input, blocks_to_copy):
+        logits = execute(model_input, blocks_to_copy)
+        seen["logits"] = logits.clone()  # the runner's sampler may change its rows in place
+        return logits
 
     def recording_update(plan, sampled):
         seen["sampled"] = sampled["r"]
@@ -95,21 +96,23 @@ def recording(seen: dict):
 
 schedule, execute, update = (
     engine.scheduler.schedule,
-    engine.runner.execute,
+    engine.runner.execute_model,
     engine.scheduler.update,
 )
 print("\n== 2. Verify ==")
 while True:
     seen = {}
-    engine.scheduler.schedule, engine.runner.execute, engine.scheduler.update = recording(seen)
+    engine.scheduler.schedule, engine.runner.execute_model, engine.scheduler.update = recording(
+        seen
+    )
     engine.step()
-    sampled = seen["sampled"] if isinstance(seen["sampled"], list) else [seen["sampled"]]
+    sampled = seen["sampled"]
     print(f"  a step proposed {show(seen['plan'][2])}, emitted {show(sampled)}")
     rejected = len(sampled) <= len(seen["plan"][2])  # fewer than all proposals + 1
     spilled = seen["after"][1] < seen["blocks during"][0]  # a block only rejected tokens used
     if rejected and (spilled or not engine.has_unfinished_requests()):
         break
-engine.scheduler.schedule, engine.runner.execute, engine.scheduler.update = (
+engine.scheduler.schedule, engine.runner.execute_model, engine.scheduler.update = (
     schedule,
     execute,
     update,
@@ -122,7 +125,7 @@ print(
 )
 k = len(drafts)
 logits = seen["logits"]
-rows = torch.cat([logits[len(logits) - k :], logits[:1]])  # proposal rows, then the bonus row
+rows = logits  # one row per proposal, then the bonus row (the runner's layout of this step)
 target = rows.argmax(dim=-1).tolist()
 for j, draft in enumerate(drafts):
     verdict = "accepted" if target[j] == draft else "rejected"

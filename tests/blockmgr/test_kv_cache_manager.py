@@ -111,7 +111,7 @@ def test_stats_through_the_scheduler_count_a_blocked_request_once():
     while scheduler.has_unfinished_requests():
         waiting_steps += any(r.request_id == "b" for r in scheduler.waiting)
         out = scheduler.schedule()
-        scheduler.update(out, {s.request.request_id: 7 for s in out.scheduled if s.needs_sample})
+        scheduler.update(out, {s.request.request_id: [7] for s in out.scheduled if s.needs_sample})
     assert waiting_steps == 4  # b was looked up at each of a's three steps, and then admitted
     assert scheduler.stats.num_preemptions == 0
     stats = kv.prefix_cache_stats

@@ -206,7 +206,7 @@ def test_consumer_cancelled_just_as_its_request_is_added_still_aborts_it(llama):
             # Block the loop (no await) until the engine thread has accepted the request, so
             # its acceptance is still queued on the loop when the cancellation lands.
             for _ in range(5000):
-                if llm.engine.groups:
+                if llm.engine.unfinished_request_ids():
                     break
                 time.sleep(0.001)
             task.cancel()
@@ -259,7 +259,7 @@ def test_shutdown_is_clean_and_final(llama):
     async def main():
         llm = make_engine(llama)
         await collect(llm, [4, 5, 6], GREEDY, "a")
-        thread = llm._thread
+        thread = llm.engine_thread
         await llm.shutdown()
         assert not thread.is_alive()
         assert not llm.is_running and not llm.errored

@@ -108,10 +108,11 @@ def test_prefix_caching_off_computes_everything(tiny):
 def _step(engine, choose):
     """One scheduler step through the real model runner; ``choose(request_id, logits)``."""
     out = engine.scheduler.schedule()
-    logits, request_ids = engine.runner.execute(out)
-    sampled = {r: choose(r, row) for r, row in zip(request_ids, logits, strict=True)}
-    engine.scheduler.update(out, sampled)
-    return out, dict(zip(request_ids, logits, strict=True))
+    model_input, layout = engine.runner.prepare_input(out)
+    logits = engine.runner.execute_model(model_input, out.blocks_to_copy)
+    rows = dict(zip(layout.sampled, logits, strict=True))
+    engine.scheduler.update(out, {r: [choose(r, row)] for r, row in rows.items()})
+    return out, rows
 
 
 def test_forked_children_keep_separate_kv(tiny, llm):

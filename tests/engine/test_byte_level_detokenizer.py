@@ -136,6 +136,6 @@ def test_the_whole_text_path_emits_what_the_decode_emits(tokenizer):
         skip = bool(n % 2)
         outputs = random_stream(tokenizer, partial, rng)
         fast = ByteLevelDetokenizer(tokenizer, table.tables[skip], skip)
-        assert fast._texts is table.texts[skip]  # the path is on
+        assert fast.whole_texts is table.texts[skip]  # the path is on
         slow = ByteLevelDetokenizer(tokenizer, table.tables[skip], skip, texts=[])
         assert deltas(fast, outputs) == deltas(slow, outputs)

@@ -95,13 +95,14 @@ def test_padded_decode_equals_unpadded_and_writes_only_its_own_slots(runners):
         for runner in runners:
             fill_caches(runner, context, seed=step)
         before = cache_slots(padded)
-        padded_input = padded.prepare_input(output)
+        padded_input, layout = padded.prepare_input(output)
         bucket = padded_input.padded_batch_size
         assert bucket == min(s for s in cuda_graph_sizes(16) if s >= num_seqs)
         assert padded_input.input_ids.shape == (bucket,)
-        logits, ids = padded.execute(output)
-        eager_logits, eager_ids = eager.execute(output)
-        assert ids == eager_ids and logits.shape == eager_logits.shape == (num_seqs, vocab)
+        eager_input, eager_layout = eager.prepare_input(output)
+        logits = padded.execute_model(padded_input, output.blocks_to_copy)
+        eager_logits = eager.execute_model(eager_input, output.blocks_to_copy)
+        assert layout == eager_layout and logits.shape == eager_logits.shape == (num_seqs, vocab)
         torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1.3e-6)
         assert torch.equal(logits.argmax(-1), eager_logits.argmax(-1))
 
@@ -120,12 +121,13 @@ def test_padded_decode_equals_unpadded_and_writes_only_its_own_slots(runners):
 def test_a_step_with_a_prefill_stays_unpadded(runners):
     padded, _ = runners
     output, _ = random_decode_step(random.Random(1), 3, padded.model_config.vocab_size)
-    first = output.scheduled[0]
+    items = output.scheduled
+    first = items[0]
     if first.num_computed_tokens:
-        output.scheduled[0] = ScheduledRequest(
+        items[0] = ScheduledRequest(
             first.request, first.num_computed_tokens - 1, 2, first.block_table
         )
-    model_input = padded.prepare_input(output)
+    model_input, _ = padded.prepare_input(SchedulerOutput(scheduled=items))
     assert model_input.padded_batch_size is None and model_input.input_ids.shape == (4,)
 
 

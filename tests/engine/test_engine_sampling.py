@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.models.testing import transformers_greedy
 
 PROMPT = [5, 17, 99, 240, 3, 77, 8, 120, 45, 301, 12, 9, 64, 200, 31, 18, 7, 250, 99, 4]  # 20
@@ -155,7 +156,9 @@ def test_stop_token_ids_and_min_tokens(llm, hf_llama):
 @pytest.mark.parametrize("budget", [None, 8], ids=["one-chunk", "chunked-prefill"])
 def test_prompt_logprobs_equal_transformers(llama, hf_llama, budget):
     """Every prompt token's logprob (and the top 2) from transformers' forward over the prompt,
-    also when the prompt is read in chunks of 8 and when its blocks are in the prefix cache."""
+    also when the prompt is read in chunks of 8 and when its blocks are in the prefix cache;
+    every token's rank (vLLM's: how many tokens are at least as likely), inside the top 2 or
+    not."""
     llm = LLM(model=llama, block_size=8, num_gpu_blocks_override=64, max_num_batched_tokens=budget)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     with torch.inference_mode():
@@ -168,6 +171,9 @@ def test_prompt_logprobs_equal_transformers(llama, hf_llama, budget):
             assert list(entry)[:2] == reference[i].topk(2).indices.tolist()
             token = PROMPT[i + 1]
             assert entry[token] == pytest.approx(float(reference[i, token]), abs=1e-4)
+            assert entry[token].logprob == float(entry[token])
+            assert entry[token].rank == int((reference[i] >= reference[i, token] - 1e-5).sum())
+            assert [entry[t].rank for t in list(entry)[:2]] == [1, 2]
     assert_no_block_held(llm)
 
 
@@ -188,3 +194,46 @@ def test_n_3_when_the_first_sequence_stops_at_its_first_token(llm):
         assert got.token_ids == tokens[:cut]
         assert got.finish_reason == ("stop" if stop in tokens else "length")
     assert_no_block_held(llm)
+
+
+def test_the_thinking_budget_ends_the_thinking_after_exactly_n_tokens(llm):
+    """The prompt opens the thinking (as a reasoning model's chat template does); after the
+    budget's tokens the end tokens follow, then the answer is free again. Without a start in
+    sight nothing is forced."""
+    start, end = [300], [301, 302]
+    params = dict(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True)
+    budget = SamplingParams(
+        **params,
+        thinking_token_budget=5,
+        thinking_start_token_ids=start,
+        thinking_end_token_ids=end,
+    )
+    prompt = [{"prompt_token_ids": PROMPT + start}]
+    out = llm.generate(prompt, budget, use_tqdm=False)[0].outputs[0].token_ids
+    assert out[5:7] == end
+    assert 301 not in out[:5] or out.index(301) >= 5
+    free = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert free.token_ids[:5] == out[:5]  # the same draws until the budget is spent
+    unopened = llm.generate([{"prompt_token_ids": PROMPT}], budget, use_tqdm=False)[0]
+    plain = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(**params), use_tqdm=False)
+    assert unopened.outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_allowed_token_ids_and_bad_words_hold_through_the_engine(llm):
+    allowed = [7, 8, 9, 10]
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=10, allowed_token_ids=allowed)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    free = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    # a token the free run writes that is a whole word on its own
+    token, word = next(
+        (t, tokenizer.decode([t]))
+        for t in free.token_ids
+        if tokenizer.decode([t]).strip()
+        and [t] in bad_words_token_ids([tokenizer.decode([t])], tokenizer)
+    )
+    banned = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=[word])
+    out = llm.generate([{"prompt_token_ids": PROMPT}], banned, use_tqdm=False)[0].outputs[0]
+    assert token in free.token_ids and token not in out.token_ids

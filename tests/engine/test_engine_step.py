@@ -1,6 +1,6 @@
-"""The engine step: every group decides through one interface, sampling rows are drawn in one
-sampler call per step, and a beam whose sibling is recomputing waits (rewound by the scheduler)
-without changing the search's result."""
+"""The engine step: single, forked (n > 1) and beam-search requests share steps without
+changing each other's tokens, and a beam whose sibling is recomputing waits (rewound by the
+scheduler) without changing the search's result."""
 
 from __future__ import annotations
 
@@ -11,38 +11,43 @@ from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 99, 240, 3, 77, 8, 120, 45], [300, 12, 9, 64], [7, 7, 8, 9, 10, 11]]
+PARAMS = {
+    "single": SamplingParams(temperature=0, max_tokens=4),
+    "forked": SamplingParams(n=3, seed=1, max_tokens=4, logprobs=1),
+    "beams": SamplingParams(n=2, temperature=0, use_beam_search=True, max_tokens=4),
+}
 
 
-def test_one_sampler_call_per_step_for_single_forked_and_beam_requests(tiny_checkpoint):
-    llm = LLM(model=tiny_checkpoint("llama"), block_size=8, num_gpu_blocks_override=128)
-    engine = llm.engine
-    calls: list[int] = []
-    sampler = engine.sampler
-
-    def counting_sampler(logits, meta):
-        calls.append(logits.shape[0])
-        return sampler(logits, meta)
-
-    engine.sampler = counting_sampler
-    engine.add_request("single", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))
-    engine.add_request("forked", PROMPTS[1], SamplingParams(n=3, seed=1, max_tokens=4))
-    beam = SamplingParams(n=2, temperature=0, use_beam_search=True, max_tokens=4)
-    engine.add_request("beams", PROMPTS[2], beam)
-    steps = 0
+def _run(engine, names) -> dict:
+    for name in names:
+        engine.add_request(name, PROMPTS[list(PARAMS).index(name)], PARAMS[name])
     finished = {}
     while engine.has_unfinished_requests():
-        before = len(calls)
         for out in engine.step():
             if out.finished:
-                finished[out.request_id] = out
-        steps += 1
-        assert len(calls) - before <= 1  # never one sampler call per group
-    assert set(finished) == {"single", "forked", "beams"}
-    # The first step samples "single" once and "forked" three times (its n sequences draw from
-    # the one prompt row); beams never go through the sampler.
-    assert calls[0] == 4
-    assert len(calls) == 4 and steps >= 4
-    assert [len(o.token_ids) for o in finished["forked"].outputs] == [4, 4, 4]
+                finished[out.request_id] = [(o.token_ids, o.logprobs) for o in out.outputs]
+    return finished
+
+
+def test_single_forked_and_beam_requests_in_one_batch_give_what_each_gives_alone(
+    tiny_checkpoint,
+):
+    engine = LLM(model=tiny_checkpoint("llama"), block_size=8, num_gpu_blocks_override=128).engine
+    together = _run(engine, list(PARAMS))
+    for name in PARAMS:  # the same tokens; logprobs within what another batch's GEMM changes
+        (alone,) = _run(engine, [name]).values()
+        assert [tokens for tokens, _ in alone] == [tokens for tokens, _ in together[name]]
+        for (_, got), (_, expected) in zip(alone, together[name], strict=True):
+            assert (got is None) == (expected is None)
+            for row, ref in zip(got or [], expected or [], strict=True):
+                assert row.keys() == ref.keys()
+                assert list(row.values()) == pytest.approx(list(ref.values()), abs=1e-4)
+    assert [len(tokens) for tokens, _ in together["forked"]] == [4, 4, 4]
+    assert len({tuple(tokens) for tokens, _ in together["forked"]}) > 1  # three draws, not one
+    assert engine.step() == []  # the runner forgets the last finished sequences at a step
+    assert not engine.runner.input_batch.states
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def test_the_engine_is_built_stepped_and_reads_adapters_on_its_own_thread(
             await llm.add_lora(LoRARequest("a", 1, str(adapter)))
             async for _ in llm.generate([3, 4, 5], GREEDY, "r0"):
                 pass
-            return llm._thread.ident
+            return llm.engine_thread.ident
         finally:
             await llm.shutdown()
 

@@ -91,7 +91,7 @@ def test_more_adapters_than_slots_queue_and_all_finish_correctly(adapters):
         want = reference_tokens(base, loras[name].lora_path if name else None, PROMPTS[0])
         assert list(out.outputs[0].token_ids) == want, name
     manager = llm.engine.lora_manager
-    assert len(manager.resident) == 1 and len(manager._host) == 1
+    assert len(manager.resident) == 1 and len(manager.host) == 1
 
 
 def test_the_prefix_cache_never_shares_blocks_across_adapters(adapters):

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.spec_decode.ngram import NgramProposer, propose_ngram, propose_ngram_spec
+from pagedserve.engine.spec_decode.ngram import NgramProposer, propose_ngram, propose_ngram_literal
 
 
 @settings(max_examples=300, deadline=None)
@@ -18,14 +18,14 @@ from pagedserve.engine.spec_decode.ngram import NgramProposer, propose_ngram, pr
 )
 def test_vectorised_proposals_follow_the_literal_rule(tokens, k, low, extra):
     got = propose_ngram(np.array(tokens, dtype=np.int64), k, low, low + extra).tolist()
-    assert got == propose_ngram_spec(tokens, k, low, low + extra)
+    assert got == propose_ngram_literal(tokens, k, low, low + extra)
 
 
 def test_longest_match_first_then_earliest():
     # suffix [1, 2, 3]: the 3-gram occurs once (at 4), the 2-gram [2, 3] earlier (at 0)
     tokens = [2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert propose_ngram_spec(tokens, 2, 2, 3) == [7, 8]
-    assert propose_ngram_spec(tokens, 2, 2, 2) == [9, 9]
+    assert propose_ngram_literal(tokens, 2, 2, 3) == [7, 8]
+    assert propose_ngram_literal(tokens, 2, 2, 2) == [9, 9]
     assert propose_ngram(np.array(tokens), 2, 2, 3).tolist() == [7, 8]
     assert propose_ngram(np.array([1, 2, 3]), 2, 1, 3).tolist() == []  # no earlier match
 

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from pagedserve.engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedserve.engine.input_batch import SamplingState
 from pagedserve.engine.kv_cache import bytes_per_block
 from pagedserve.engine.spec_decode import SpeculativeConfig, SpeculativeConfigError
 from pagedserve.engine.spec_decode.draft_model import draw_draft_tokens
 from pagedserve.kernels.rejection_sample import rejection_sample
 from pagedserve.kernels.sampling import sampling_probs
+from pagedserve.scheduler import Request
 
 
 def test_the_older_spelling_infers_the_method_from_the_model():
@@ -84,10 +86,9 @@ def chi_square_passes(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
     return statistic < CRITICAL[int(support.sum()) - 1]
 
 
-class _State:
-    def __init__(self, params: SamplingParams, seed: int) -> None:
-        self.params = params
-        self.generator = torch.Generator().manual_seed(seed)
+def _State(params: SamplingParams, seed: int) -> SamplingState:
+    request = Request("r", [1], max_tokens=8)
+    return SamplingState(request, params, torch.Generator().manual_seed(seed))
 
 
 def test_draft_tokens_follow_the_q_they_hand_on_and_the_target_survives():

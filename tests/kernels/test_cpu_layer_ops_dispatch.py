@@ -4,8 +4,8 @@ references when told to or when a dtype has no numba path; either way the result
 import pytest
 import torch
 
-from pagedserve.kernels import layer_ops_numba as ops
 from pagedserve.kernels import rms_norm, rotary_embedding, silu_and_mul, store_kv
+from pagedserve.kernels.cpu import layer_ops as ops
 
 
 @pytest.fixture

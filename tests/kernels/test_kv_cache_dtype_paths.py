@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import paged_attention_ref, store_kv_ref
-from pagedserve.kernels.paged_attention_numba import paged_attention_cpu, paged_attention_numba
-from pagedserve.kernels.paged_attention_spec import paged_attention_spec
+from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_numba
+from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
 PATHS = {"ref": paged_attention_ref, "numba": paged_attention_numba, "cpu": paged_attention_cpu}
@@ -29,7 +29,7 @@ def test_fp32_query_over_a_16bit_cache_matches_the_specification(path, step, hea
     batch = make_paged_batch(STEPS[step], *heads, 64, 16, seed=9, cache_dtype=cache_dtype)
     out = PATHS[path](*batch.args())
     assert out.dtype == torch.float32 and not out.isnan().any()
-    torch.testing.assert_close(out, paged_attention_spec(*batch.args()), atol=1e-4, rtol=1.3e-6)
+    torch.testing.assert_close(out, paged_attention_literal(*batch.args()), atol=1e-4, rtol=1.3e-6)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)

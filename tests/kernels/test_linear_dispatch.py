@@ -5,7 +5,7 @@ the model's projections and its lm_head both go through it."""
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import dense_linear_numba as dense
+from pagedserve.kernels.cpu import dense_linear as dense
 from pagedserve.kernels.linear import linear
 
 
@@ -33,11 +33,10 @@ def test_decode_rows_take_numba_and_the_rest_mkl(monkeypatch):
 
 
 def test_a_models_decode_step_runs_its_gemms_on_numba(monkeypatch, tiny_checkpoint):
-    """Module by module (the fused CPU layer turned off): every projection and the lm_head
-    through ``linear``'s numba path. Fused (as shipped): the layers' GEMMs run inside the one
-    numba call per layer (tests/models/test_fused_decoder_layer.py), the lm_head still here."""
+    """Module by module (the CPU runner's fused layers turned off): every projection and the
+    lm_head through ``linear``'s numba path. Fused (as shipped): the layers' GEMMs run inside
+    the one numba call per layer (tests/engine/test_cpu_runner.py), the lm_head still here."""
     from pagedserve.engine import LLM, SamplingParams
-    from pagedserve.models import llama
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
@@ -45,7 +44,7 @@ def test_a_models_decode_step_runs_its_gemms_on_numba(monkeypatch, tiny_checkpoi
     layers = llm.engine.runner.model_config.num_layers
     greedy = SamplingParams(temperature=0, max_tokens=3)
     with monkeypatch.context() as unfused:
-        unfused.setattr(llama, "fused_decoder_layer", lambda *args: None)
+        unfused.setattr(llm.engine.runner, "fused_layers", None)
         calls = _count_numba_calls(unfused)
         llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy)
     rows = [shape[0] for shape in calls]

@@ -1,4 +1,4 @@
-"""fp32 rounded to fp16 and bf16 bits in numba-compiled code (numba_half.py) against torch's own
+"""fp32 rounded to fp16 and bf16 bits in numba-compiled code (cpu/half.py) against torch's own
 conversion, bit for bit: random fp32 patterns over the whole range, and every value near each
 fp16 rounding boundary (halfway points, subnormals, the overflow edge)."""
 
@@ -8,14 +8,14 @@ import numba
 import numpy as np
 import torch
 
-from pagedserve.kernels.numba_half import _float32_to_bf16_bits, _float32_to_fp16_bits
+from pagedserve.kernels.cpu.half import float32_to_bf16_bits, float32_to_fp16_bits
 
 
 @numba.njit
 def _narrow_all(x, fp16, bf16):
     for i in range(x.shape[0]):
-        fp16[i] = _float32_to_fp16_bits(x[i])
-        bf16[i] = _float32_to_bf16_bits(x[i])
+        fp16[i] = float32_to_fp16_bits(x[i])
+        bf16[i] = float32_to_bf16_bits(x[i])
 
 
 def _inputs() -> np.ndarray:

@@ -8,7 +8,7 @@ import threading
 import numba
 import torch
 
-from pagedserve.kernels.numba_threads import follow_torch_threads
+from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 
 def _expected() -> int:
@@ -46,7 +46,7 @@ def test_starting_numba_keeps_torchs_count(tmp_path):
 
     script = (
         "import torch; torch.set_num_threads(1)\n"
-        "from pagedserve.kernels.numba_threads import follow_torch_threads\n"
+        "from pagedserve.kernels.cpu.threads import follow_torch_threads\n"
         "print(follow_torch_threads(), torch.get_num_threads())\n"
     )
     env = {**os.environ, "NUMBA_NUM_THREADS": "2"}

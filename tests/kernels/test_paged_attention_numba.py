@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from pagedserve.kernels import paged_attention, paged_attention_ref
-from pagedserve.kernels import paged_attention_numba as pan
-from pagedserve.kernels import paged_attention_plan as plan_module
-from pagedserve.kernels.numba_half import _to_float32
-from pagedserve.kernels.paged_attention_numba import (
+from pagedserve.kernels.cpu import paged_attention as pan
+from pagedserve.kernels.cpu.half import to_float32
+from pagedserve.kernels.cpu.paged_attention import (
     paged_attention_cpu,
     paged_attention_numba,
     warm_up,
 )
+from pagedserve.kernels.cpu.paged_attention_plan import step_plan
 from pagedserve.kernels.testing import make_paged_batch
 
 TOLERANCES = {  # CONVENTIONS.md: attention fp32 atol 1e-4; fp16 and bf16 as for any kernel
@@ -81,33 +81,47 @@ def test_block_table_padding_and_stale_slots_are_never_read(pad_value):
     assert_matches_reference(batch)
 
 
+def _plan(q_lens, seq_lens, max_q_len=None, num_kv_splits=None):
+    """The step plan of a layout given by each sequence's new tokens and length."""
+    starts = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+    tables = torch.zeros(len(q_lens), 64, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return step_plan(tables, lens, starts, max_q_len, num_kv_splits)
+
+
 def test_long_prefill_is_split_into_parallel_tiles():
-    q_lens, seq_lens = np.array([1, 20, 0]), np.array([50, 30, 7])
-    tiles = pan._work_items(q_lens, seq_lens, None)
-    # 1 decode tile + ceil(20 / 8) = 3 chunk tiles; none for the sequence without new tokens
-    assert tiles.tolist() == [[0, 0, 1], [1, 0, 8], [1, 8, 16], [1, 16, 20]]
-    assert pan._work_items(q_lens, seq_lens, 15).tolist() == [[0, 0, 1]]
-    work, merges = pan._plan(tiles, np.array([0, 1, 21, 21]), seq_lens, splits=1)
-    # (seq, q0, q1, kv_lo, kv_hi, partial slot): most KV positions first, none split
-    assert work.tolist() == [
+    plan = _plan([1, 20, 0], [50, 30, 7], num_kv_splits=1)
+    # 1 decode tile + ceil(20 / 8) = 3 chunk tiles, none for the sequence without new tokens;
+    # (seq, q0, q1, kv_lo, kv_hi, partial slot), most KV positions first, none split
+    assert plan.work.tolist() == [
         [0, 0, 1, 0, 50, -1], [1, 16, 20, 0, 30, -1], [1, 8, 16, 0, 26, -1],
         [1, 0, 8, 0, 18, -1],
     ]  # fmt: skip
-    assert len(merges) == 0
+    assert len(plan.merges) == 0 and plan.long_seqs == ()
+    short = _plan([1, 20, 0], [50, 30, 7], max_q_len=15)
+    assert short.work.tolist() == [[0, 0, 1, 0, 50, -1]]
+    assert short.long_seqs == ((1, 1, 21),)  # left to the caller (SDPA)
 
 
-def test_a_single_long_decode_is_split_over_the_kv_axis():
-    assert plan_module._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=2) == 3
-    assert plan_module._num_kv_splits(n_tiles=1, max_kv_end=1000, threads=1) == 1
-    assert plan_module._num_kv_splits(n_tiles=4, max_kv_end=1000, threads=2) == 1
-    tiles = np.array([[0, 0, 1], [1, 0, 1]])
-    work, merges = pan._plan(tiles, np.array([0, 1, 2]), np.array([600, 100]), splits=3)
+def test_a_single_long_decode_is_split_over_the_kv_axis(monkeypatch):
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two numba threads")
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # too few tiles for two threads: split into 3 KV ranges
+        assert _plan([1], [1000]).merges.tolist() == [[0, 0, 3]]
+        assert len(_plan([1, 1, 1, 1], [1000, 999, 998, 997]).merges) == 0  # enough tiles
+        torch.set_num_threads(1)
+        assert len(_plan([1], [1000]).merges) == 0  # one thread: nothing to share out
+    finally:
+        torch.set_num_threads(saved)
+    plan = _plan([1, 1], [600, 100], num_kv_splits=3)
     # 600 positions in 3 ranges of whole 32-position tiles; the 100-token decode is not split
-    assert sorted(work.tolist()) == [
+    assert sorted(plan.work.tolist()) == [
         [0, 0, 1, 0, 224, 0], [0, 0, 1, 224, 448, 1], [0, 0, 1, 448, 600, 2],
         [1, 0, 1, 0, 100, -1],
     ]  # fmt: skip
-    assert merges.tolist() == [[0, 0, 3]]
+    assert plan.merges.tolist() == [[0, 0, 3]]
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])
@@ -135,50 +149,6 @@ def test_cpu_path_splits_decode_and_prefill_and_matches_reference(heads):
     assert_matches_reference(batch, paged_attention_cpu(*batch.args()))
 
 
-def _layer(batch, seed):
-    """Another layer's query and caches over the same batch layout (the cache's stale slots
-    keep their NaN: they are the same slots)."""
-    g = torch.Generator().manual_seed(seed)
-    k_cache, v_cache = (
-        c + torch.randn(c.shape, generator=g) for c in (batch.k_cache, batch.v_cache)
-    )
-    query = torch.randn(batch.query.shape, generator=g)
-    return query, k_cache, v_cache, *batch.args()[3:]
-
-
-@pytest.mark.parametrize("seqs", [[(100, 1)], [(600, 1)], CASES["mixed"]])
-def test_a_step_plans_once_for_all_its_layers(seqs):
-    """The layers of a step share one plan through the step's memo: the second layer finds
-    the first one's, and each layer's output has the same bits as when planned alone."""
-    batch = make_paged_batch(seqs, 9, 3, 64, 16, seed=6)
-    plans: dict = {}
-    for seed in range(3):
-        args = _layer(batch, seed)
-        assert torch.equal(paged_attention_cpu(*args, plans=plans), paged_attention_cpu(*args))
-        assert_matches_reference(batch, paged_attention_cpu(*batch.args(), plans=plans))
-    assert len(plans) == 1
-
-
-def test_a_plan_is_reused_for_its_own_tensors_only():
-    """A memo entry built from one batch's tensors is not taken for another batch's."""
-    first = make_paged_batch([(40, 1), (9, 1)], 9, 3, 64, 16, seed=7)
-    second = make_paged_batch([(300, 1), (20, 12), (70, 30)], 9, 3, 64, 16, seed=8)
-    plans: dict = {}
-    assert_matches_reference(first, paged_attention_cpu(*first.args(), plans=plans))
-    assert_matches_reference(second, paged_attention_cpu(*second.args(), plans=plans))
-
-
-def test_windowed_and_global_layers_of_a_step_plan_apart():
-    """Gemma's local and global layers share a step's memo and keep a plan each."""
-    batch = make_paged_batch([(90, 1), (40, 5), (33, 1)], 8, 2, 64, 16, seed=9)
-    plans: dict = {}
-    for window in (None, 16, None, 16):
-        expected = paged_attention_ref(*batch.args(), sliding_window=window)
-        got = paged_attention_cpu(*batch.args(), sliding_window=window, plans=plans)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1.3e-6)
-    assert len(plans) == 2
-
-
 def test_public_function_takes_the_numba_path_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
@@ -191,7 +161,7 @@ def test_public_function_takes_the_numba_path_on_cpu(monkeypatch):
 @numba.njit(cache=False)
 def _widen(bits, out):
     for i in range(bits.shape[0]):
-        out[i] = _to_float32(bits[i])
+        out[i] = to_float32(bits[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -219,7 +189,7 @@ def test_warm_up_compiles_every_cache_dtype():
     """The compiled launch is the entry point (the kernels behind it are compiled into it, and
     when it comes from numba's disk cache their own dispatchers never see a call)."""
     warm_up((torch.float32, torch.float16, torch.bfloat16))
-    assert len(pan._launch.signatures) >= 3
+    assert len(pan.launch_attention.signatures) >= 3
 
 
 def test_rejects_unsupported_inputs():

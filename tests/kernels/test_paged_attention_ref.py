@@ -1,4 +1,4 @@
-"""paged_attention_ref and paged_attention_spec against a naive attention that knows nothing
+"""paged_attention_ref and paged_attention_literal against a naive attention that knows nothing
 about paging.
 
 The naive side reads each sequence's contiguous keys/values and computes, one new token at
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import paged_attention, paged_attention_ref
-from pagedserve.kernels.paged_attention_spec import paged_attention_spec
+from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
 
@@ -44,7 +44,7 @@ CASES = {
 
 
 IMPLEMENTATIONS = pytest.mark.parametrize(
-    "attention", [paged_attention_ref, paged_attention_spec], ids=["ref", "spec"]
+    "attention", [paged_attention_ref, paged_attention_literal], ids=["ref", "spec"]
 )
 
 

@@ -35,7 +35,7 @@ def _our_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor
     step = engine.scheduler.schedule()
     assert len(step.scheduled) == len(prompts), "all prompts must fit in one step"
     runner = engine.runner
-    model_input = runner.prepare_input(step)
+    model_input, _ = runner.prepare_input(step)
     with torch.inference_mode():
         hidden = runner.model(
             model_input.input_ids,

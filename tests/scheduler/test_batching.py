@@ -16,7 +16,7 @@ def make_scheduler(num_blocks=64, block_size=4, caching=True, **config) -> Sched
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {x.request.request_id: token for x in out.scheduled if x.needs_sample})
+    s.update(out, {x.request.request_id: [token] for x in out.scheduled if x.needs_sample})
     return out
 
 
@@ -151,7 +151,7 @@ def test_abort_mid_prefill_and_between_schedule_and_update():
     out = s.schedule()  # long: second chunk
     assert dict(shares(out))["long"] == 4
     s.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)  # before the step's update
-    updated = s.update(out, {x.request.request_id: 9 for x in out.scheduled if x.needs_sample})
+    updated = s.update(out, {x.request.request_id: [9] for x in out.scheduled if x.needs_sample})
     long = out.scheduled[0].request
     assert long.status is RequestStatus.FINISHED_ABORTED and long.output_token_ids == []
     assert long.num_computed_tokens == 4 and "long" not in s.kv.block_tables

@@ -19,7 +19,7 @@ def make_scheduler(num_blocks=16, block_size=4, **config) -> Scheduler:
 def step(s: Scheduler, tokens: dict[str, int] | None = None, default: int = 7):
     out = s.schedule()
     sampled = {
-        x.request.request_id: (tokens or {}).get(x.request.request_id, default)
+        x.request.request_id: [(tokens or {}).get(x.request.request_id, default)]
         for x in out.scheduled
         if x.needs_sample
     }
@@ -60,7 +60,7 @@ def test_children_follow_their_parent_share_blocks_and_copy_on_write():
     tables = {x.request.request_id: x.block_table for x in out.scheduled}
     assert tables["p"][0] == tables["p1"][0] == tables["p2"][0]  # the full block stays shared
     assert len({tables["p"][1], tables["p1"][1], tables["p2"][1]}) == 3
-    s.update(out, {r: 7 for r in tables})
+    s.update(out, {r: [7] for r in tables})
     assert s.requests["p2"].output_token_ids == [12, 7]
 
 

@@ -12,7 +12,7 @@ from pagedserve.scheduler import Request, Scheduler, SchedulerConfig
 s = Scheduler(SchedulerConfig(max_model_len=16), KVCacheManager(8, 4))
 s.add_request(Request("a", [1, 2, 3], max_tokens=2))
 out = s.schedule()
-s.update(out, {"a": 5})
+s.update(out, {"a": [5]})
 assert "torch" not in sys.modules, "the scheduler imported torch"
 """
 

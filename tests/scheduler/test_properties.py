@@ -159,7 +159,7 @@ class SimulatedEngine:
         self.check_policy(out, waiting_before)
         self.run_kv(out)
         sampled = {
-            x.request.request_id: next_token(x.request.all_token_ids)
+            x.request.request_id: [next_token(x.request.all_token_ids)]
             for x in out.scheduled
             if x.needs_sample
         }

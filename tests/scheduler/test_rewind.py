@@ -16,7 +16,7 @@ def make_scheduler(prefix_caching: bool = False, num_blocks: int = 16) -> Schedu
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {x.request.request_id: token for x in out.scheduled if x.needs_sample})
+    s.update(out, {x.request.request_id: [token] for x in out.scheduled if x.needs_sample})
     return out
 
 
@@ -36,7 +36,7 @@ def test_rewound_tokens_are_computed_again_in_the_blocks_already_held():
     assert (item.num_computed_tokens, item.num_new_tokens) == (4, 4)  # tokens 4..7 again
     assert item.needs_sample
     assert item.block_table == table and s.kv.num_free_blocks == free
-    s.update(out, {"r": 9})
+    s.update(out, {"r": [9]})
     assert request.output_token_ids == [7, 8, 9]
     assert (request.num_tokens, request.num_computed_tokens) == (9, 8)
 
@@ -48,7 +48,7 @@ def test_a_rewind_across_a_cached_block_keeps_the_prefix_cache_valid():
     s.rewind("r", 6)  # back into the first full block
     out = s.schedule()
     assert [(x.num_computed_tokens, x.num_new_tokens) for x in out.scheduled] == [(3, 7)]
-    s.update(out, {"r": 7})
+    s.update(out, {"r": [7]})
     # A second request with the same prompt still finds both full blocks cached.
     s.add_request(Request("q", list(range(10, 19)), max_tokens=4))
     out = s.schedule()

@@ -16,7 +16,7 @@ def make_scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
 
 def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.needs_sample}
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.needs_sample}
     return out, scheduler.update(out, sampled)
 
 

@@ -27,7 +27,7 @@ def make_busy_scheduler() -> Scheduler:
         s.add_request(Request(f"r{i}", prompt, max_tokens=max_len - PROMPT_LEN))
     while len(s.running) < NUM_RUNNING or any(r.num_output_tokens == 0 for r in s.running):
         out = s.schedule()  # the prefills, 64 per step, beside the first decodes
-        s.update(out, {x.request.request_id: 1 for x in out.scheduled if x.needs_sample})
+        s.update(out, {x.request.request_id: [1] for x in out.scheduled if x.needs_sample})
     assert len(s.running) == NUM_RUNNING and len(s.waiting) == NUM_WAITING
     return s
 
@@ -39,7 +39,7 @@ def test_schedule_and_update_with_256_decodes_and_64_waiting(benchmark):
     def step():
         out = s.schedule()
         token = next(counter) % 32000
-        s.update(out, {x.request.request_id: token for x in out.scheduled})
+        s.update(out, {x.request.request_id: [token] for x in out.scheduled})
         return out
 
     out = benchmark.pedantic(step, rounds=200, iterations=1, warmup_rounds=5)

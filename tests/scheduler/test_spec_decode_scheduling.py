@@ -21,7 +21,7 @@ def decoding(s: Scheduler, prompt: list[int], max_tokens: int = 20, **kw) -> Req
     s.add_request(request)
     while not request.output_token_ids:  # the prefill, in chunks under a small budget
         out = s.schedule()
-        s.update(out, {"r": 100} if out.scheduled[0].needs_sample else {})
+        s.update(out, {"r": [100]} if out.scheduled[0].needs_sample else {})
     assert request.num_computed_tokens + 1 == request.num_tokens
     return request
 
@@ -81,7 +81,7 @@ def test_a_preempted_request_drops_its_proposals():
     request = decoding(s, [1, 2, 3, 4, 5, 6, 7], max_tokens=5)  # 8 known: 2 blocks held
     other = Request("o", [9, 9, 9], max_tokens=4)
     s.add_request(other)
-    s.update(s.schedule(), {"r": 101, "o": 50})  # "o" takes the third block
+    s.update(s.schedule(), {"r": [101], "o": [50]})  # "o" takes the third block
     other.spec_token_ids = [51]
     out = s.schedule()  # position 8 of "r" needs a block: "o", the newest, is preempted
     assert out.preempted == [other] and other.status is RequestStatus.PREEMPTED
@@ -94,7 +94,7 @@ def test_proposals_that_do_not_fit_fall_back_to_a_plain_decode():
     request = decoding(s, [1, 2, 3, 4, 5, 6], max_tokens=6)  # 7 known, 6 computed: 2 blocks
     other = Request("o", [9, 9, 9], max_tokens=4)
     s.add_request(other)
-    s.update(s.schedule(), {"r": 101, "o": 50})  # "o" takes the third block
+    s.update(s.schedule(), {"r": [101], "o": [50]})  # "o" takes the third block
     request.spec_token_ids = [8, 8, 8]  # positions 7..10 would need the block "o" holds
     out = s.schedule()
     assert not out.preempted

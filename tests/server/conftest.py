@@ -41,8 +41,10 @@ def roomy_engine(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def app(engine):
-    return build_app(engine, ServerConfig(), MODEL_NAME)
+def app(engine, tmp_path_factory):
+    """The app, its stored responses in a file of the test's own (not $PAGEDSERVE_HOME's)."""
+    store = tmp_path_factory.mktemp("store") / "responses.sqlite3"
+    return build_app(engine, ServerConfig(responses_store=str(store)), MODEL_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ with its help text, and what the flags parse to reaches the engine's and the ser
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -13,32 +13,33 @@ from pagedserve.server.cli import add_config_args, build_parser, config_kwargs
 from pagedserve.server.config import ServerConfig
 
 
-def subparser(name: str) -> argparse.ArgumentParser:
-    parser = build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return sub.choices[name]
+def config_flags(cls: type, **kwargs) -> dict[str, argparse.Action]:
+    """The flags ``add_config_args`` makes of a config dataclass, by field."""
+    return add_config_args(argparse.ArgumentParser(), cls, **kwargs)
 
 
-def flags_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {option: a for a in parser._actions for option in a.option_strings}
+def help_of(command: str, capsys) -> str:
+    """``pagedserve COMMAND --help`` as printed."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-def test_every_engine_field_is_a_flag_with_help(command):
-    flags = flags_of(subparser(command))
-    for f in fields(EngineArgs):
-        if f.name == "model":
-            continue
-        action = flags["--" + f.name.replace("_", "-")]
-        assert action.dest == f.name and action.default == f.default
+def test_every_engine_field_is_a_flag_with_help(command, capsys):
+    text = help_of(command, capsys)
+    for name, action in config_flags(EngineArgs, skip=("model",)).items():
+        f = EngineArgs.__dataclass_fields__[name]
+        assert action.dest == name and action.default == f.default
         assert action.help and not action.help.startswith(" (default")
+        assert "--" + name.replace("_", "-") in text, name
 
 
-def test_every_server_field_is_a_serve_flag_with_help():
-    flags = flags_of(subparser("serve"))
-    for f in fields(ServerConfig):
-        action = flags["--" + f.name.replace("_", "-")]
-        assert action.dest == f.name and action.help and not action.help.startswith(" (default")
+def test_every_server_field_is_a_serve_flag_with_help(capsys):
+    text = help_of("serve", capsys)
+    for name, action in config_flags(ServerConfig).items():
+        assert action.dest == name and action.help and not action.help.startswith(" (default")
+        assert "--" + name.replace("_", "-") in text, name
 
 
 def test_flags_parse_to_the_types_of_the_fields(tiny_path):

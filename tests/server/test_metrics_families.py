@@ -67,9 +67,9 @@ def test_one_request_moves_each_family_by_what_it_did(client):
 
     assert moved("request_prompt_tokens_sum") == len(prompt)
     assert moved("request_generation_tokens_sum") == 5
-    # one prefill of the whole prompt, then four one-token decodes (the fifth token comes
-    # from the fourth decode's logits)
-    assert moved("iteration_tokens_total_sum") == len(prompt) + 4
+    # five steps, counted as vLLM counts them: the first the prompt and its first token, the
+    # other four one generated token each
+    assert moved("iteration_tokens_total_sum") == len(prompt) + 5
     assert moved("iteration_tokens_total_count") == 5
     assert moved("inter_token_latency_seconds_count") == 4
     for name in (

@@ -1,10 +1,12 @@
 """The playground (GET /) and the API docs (GET /docs) in a real headless browser (Debian's
 chromium through selenium's chromedriver): a message sent streams an answer that equals the
-chat route's answer to the same conversation, the live figures update from /metrics, and the
-docs page renders every route of /openapi.json. Skips where no browser can be found."""
+chat route's answer to the same conversation, the live figures update from /metrics, a
+reasoning model's thinking is shown apart and collapsed, tool calls are shown, and the docs
+page renders every route of /openapi.json. Skips where no browser can be found."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -19,6 +21,7 @@ from pagedserve.server.testing import uvicorn_in_thread
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.select import Select  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -28,6 +31,12 @@ pytestmark = pytest.mark.skipif(
     reason="no chromium/chromedriver (apt-get install chromium chromium-driver)",
 )
 SCREENSHOT = os.environ.get("PAGEDSERVE_PLAYGROUND_SCREENSHOT")  # where to save one (docs)
+
+
+@pytest.fixture(scope="module")
+def engine(roomy_engine):
+    """Room for a conversation with tools listed in its system prompt."""
+    return roomy_engine
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +141,96 @@ def test_the_docs_page_renders_every_route(browser, served):
     assert shown == wanted
     schemas = browser.find_elements(By.CSS_SELECTOR, "#schemas .schema")
     assert len(schemas) == len(spec["components"]["schemas"])
+
+
+QWEN3_LIKE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(engine):
+    config = ServerConfig(reasoning_parser="qwen3", chat_template=QWEN3_LIKE)
+    with uvicorn_in_thread(build_app(engine, config, MODEL)) as url:
+        yield url
+
+
+def _ask(browser, url: str, question: str, **settings):
+    browser.get(url + "/")
+    WebDriverWait(browser, 30).until(
+        lambda b: b.find_element(By.ID, "model").get_attribute("value") == MODEL
+    )
+    for element_id, value in settings.items():
+        set_value(browser, element_id.replace("_", "-"), value)
+    return _ask_here(browser, question)
+
+
+def test_the_thinking_is_shown_apart_and_collapsed(browser, thinking_server):
+    """The tiny model never closes its thinking: the whole reply goes to the collapsed
+    Thinking section, and it is the API's reasoning_content for the same conversation."""
+    turn = _ask(browser, thinking_server, "Is 221 prime?", max_tokens="16")
+    system = browser.find_element(By.ID, "system").get_attribute("value")
+    expected = httpx.post(
+        thinking_server + "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "Is 221 prime?"},
+            ],
+            "temperature": 0,
+            "top_p": 1,
+            "max_tokens": 16,
+        },
+        timeout=60,
+    ).json()["choices"][0]["message"]
+    details = turn.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert details.get_attribute("open") is None  # collapsed
+    shown = browser.execute_script(
+        "return arguments[0].querySelector('.reasoning-text').textContent", turn
+    )
+    assert shown == expected["reasoning_content"] and shown
+    assert turn.find_element(By.CSS_SELECTOR, ".answer").text == ""
+
+
+def test_tool_calls_are_shown(browser, served):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    tools[0]["function"]["parameters"] = {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+    }
+    browser.get(served + "/")
+    WebDriverWait(browser, 30).until(
+        lambda b: b.find_element(By.ID, "model").get_attribute("value") == MODEL
+    )
+    Select(browser.find_element(By.ID, "tool-choice")).select_by_visible_text("required")
+    set_value(browser, "tools", json.dumps(tools))
+    turn = _ask_here(browser, "What time is it?")
+    system = browser.find_element(By.ID, "system").get_attribute("value")
+    expected = httpx.post(
+        served + "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "What time is it?"},
+            ],
+            "tools": tools,
+            "tool_choice": "required",
+            "temperature": 0,
+            "top_p": 1,
+            "max_tokens": 128,
+        },
+        timeout=60,
+    ).json()["choices"][0]["message"]["tool_calls"]
+    shown = [e.text for e in turn.find_elements(By.CSS_SELECTOR, "pre.tool-call")]
+    assert shown == [f"{c['function']['name']}({c['function']['arguments']})" for c in expected]
+
+
+def _ask_here(browser, question: str):
+    set_value(browser, "temperature", "0")
+    browser.find_element(By.ID, "message").send_keys(question)
+    browser.find_element(By.ID, "send").click()
+    return WebDriverWait(browser, 30).until(
+        lambda b: b.find_element(By.CSS_SELECTOR, ".turn.assistant[data-done='true']")
+    )

@@ -6,12 +6,16 @@ tiny model's tokenizer, so each verdict is the one the sampler's mask would give
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
 from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
+from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
+from pagedserve.server.tool_parsers import TOOL_CALL_PARSERS
 from pagedserve.server.tools import plan_tools
 
 PICK_CITY = {
@@ -80,3 +84,51 @@ def test_parallel_tool_calls_false_ends_the_reply_after_one_call(walk):
     call = '<tool_call>{"name": "pick_city", "arguments": {"city": "Rome"}}</tool_call>'
     assert walk("hermes", call + call, tools=[PICK_CITY])
     assert not walk("hermes", call + call, tools=[PICK_CITY], parallel_tool_calls=False)
+
+
+FRAMED = sorted(name for name, parser in TOOL_CALL_PARSERS.items() if parser.frame is not None)
+
+
+@pytest.mark.parametrize("parser", FRAMED)
+def test_each_framed_parser_holds_its_calls_and_reads_what_it_holds(walk, parser):
+    """The grammar's frame of a call is the parser's own format: a call written in it is held
+    to the strict schema, and the parser reads it back as that call."""
+    frame = TOOL_CALL_PARSERS[parser].frame
+    opening = frame.begin.format(name=json.dumps("pick_city"), raw_name="pick_city")
+    good = f'Sure. {opening}{{"city": "Rome"}}{frame.end}'
+    assert walk(parser, good, tools=[PICK_CITY])
+    assert not walk(parser, good.replace("Rome", "Oslo"), tools=[PICK_CITY])
+    reader = TOOL_CALL_PARSERS[parser]([PICK_CITY])
+    delta = reader.feed(good.removeprefix("Sure. ") if parser == "llama3_json" else good)
+    delta += reader.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in delta.calls] == [
+        ("pick_city", {"city": "Rome"})
+    ]
+
+
+@pytest.mark.parametrize("parser", sorted(set(TOOL_CALL_PARSERS) - set(FRAMED)))
+def test_a_strict_tool_under_a_parser_without_json_arguments_is_refused(parser):
+    body = ChatCompletionRequest(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[PICK_CITY]
+    )
+    with pytest.raises(APIError) as error:
+        plan_tools(body, parser).constraint()
+    assert error.value.status_code == 400 and error.value.param == "tools"
+
+
+CALL = '{"name": "pick_city", "arguments": {"city": "Rome"}}'
+
+
+@pytest.mark.parametrize(
+    "text, parallel, allowed",
+    [
+        (f"[{CALL}]", True, True),  # the model may close the list after any call...
+        (f"[{CALL}, {CALL}, {CALL}]", True, True),  # ...or go on
+        (f"[{CALL}", True, False),  # but the list must be closed before the reply ends
+        ("[]", True, False),  # and hold at least one call
+        (f"[{CALL}, {CALL}]", False, False),  # one call when parallel_tool_calls is false
+    ],
+)
+def test_required_ends_where_the_model_closes_the_list(walk, text, parallel, allowed):
+    request = dict(tools=[PICK_CITY], tool_choice="required", parallel_tool_calls=parallel)
+    assert walk("hermes", text, **request) is allowed

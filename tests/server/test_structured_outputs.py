@@ -170,6 +170,25 @@ def test_required_and_named_tool_calls_follow_their_schemas(client):
                     assert call["function"]["name"] == "get_time" and choice == "required"
 
 
+def test_a_cut_off_required_list_is_reported_as_cut(client):
+    """A "required" list cut by max_tokens is never "tool_calls": its complete calls (if any)
+    stay calls, the unfinished rest is content, and finish_reason says it was cut. The same
+    streamed."""
+    fields = dict(tools=TOOLS, tool_choice="required", max_tokens=12, n=1, temperature=0)
+    whole = chat(client, **fields)
+    (choice,) = whole.json()["choices"]
+    assert choice["finish_reason"] == "length"
+    text = choice["message"]["content"]
+    assert text and not text.startswith("[")  # the unfinished call, as written
+    complete = choice["message"].get("tool_calls", [])
+    streamed = chat(client, stream=True, **fields).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in streamed if line.startswith("data: {")]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    calls = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert content == text and len(calls) == len(complete)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 STRICT_TOOL = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
 
 

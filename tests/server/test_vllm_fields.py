@@ -171,6 +171,24 @@ class RankedLogprob:  # vLLM's Logprob: what an engine that ranks every prompt t
     rank: int | None = None
 
 
+def test_a_prompt_token_outside_the_top_k_gets_its_integer_rank(oai, engine, hf_model):
+    """vLLM's prompt_logprobs: the prompt's own token is listed with its rank (how many tokens
+    are at least as likely) even where it is not among the top k."""
+    ids = engine.tokenizer.encode("Paged attention reads blocks through a table")
+    completion = oai.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    positions = completion.choices[0].model_extra["prompt_logprobs"]
+    expected = hf_log_softmax(hf_model, ids)
+    outside = 0
+    for position in range(1, len(ids)):
+        entry, row, token = positions[position], expected[position - 1], ids[position]
+        rank = entry[str(token)]["rank"]
+        assert isinstance(rank, int) and abs(rank - int((row >= row[token]).sum())) <= 1
+        outside += rank > 1
+    assert outside  # the random model ranks most prompt tokens far from the top
+
+
 def test_the_engines_rank_of_a_prompt_token_outside_the_top_is_kept(engine):
     """vLLM gives a prompt token outside the top-k its integer rank; the server keeps an
     engine's rank where it gives one, and says null (unknown) only where it gives none."""

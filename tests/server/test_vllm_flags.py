@@ -20,14 +20,13 @@ from pagedserve.server.app import build_app
 from pagedserve.server.cli import build_parser, config_kwargs, main
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
-from pagedserve.server.vllm_flags import (
-    ACCEPTED,
-    REFUSED,
+from pagedserve.server.vllm_flag_inventory import (
     VLLM_SERVE_FLAGS,
     flag_statuses,
     flag_table,
     help_flags,
 )
+from pagedserve.server.vllm_flags import ACCEPTED, REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,6 +21,17 @@ no layer again. They are released as the sequence grows; their table entries bec
 ``OUT_OF_WINDOW``, a placeholder no pool owns, so tables keep one entry per logical block (the
 slot arithmetic is unchanged) and attention never reads those entries. A released block keeps
 its prefix hash: another request with the same prefix can still hit it.
+
+One token for a running sequence (a decode) is nearly every allocation of a busy server, and
+nearly always needs nothing: the token lands in the sequence's own last block, which it does not
+fill. ``allocate_slots`` answers those first (``_allocate_decode``): from a remembered range of
+computed counts while it holds (one dict lookup), a new block popped from the free queue when the
+token starts one, the block hashed and registered when the token fills it. Anything else (a
+shared block to copy first, hits, several tokens) takes the general allocation below it.
+
+Why one file: the class is one idea (a sequence's blocks through their life) at some 450
+lines; its parts (lookup, allocation, the decode's, fork, copy-on-write, the window, free)
+share every table, so they stay in one place rather than in halves joined by inheritance.
 """
 
 from __future__ import annotations
@@ -29,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.blockmgr.block_pool import BlockPool, KVBlock
-from pagedserve.blockmgr.decode_slots import DecodeSlots
 from pagedserve.blockmgr.prefix_hash import extend_block_hashes
 
 # The table entry of a block released behind the sliding window: never read, owned by no pool.
@@ -62,9 +72,8 @@ class PrefixCacheStats:
         self.hits += num_hit_tokens
 
 
-class KVCacheManager(DecodeSlots):
-    """Block tables, prefix-cache lookups, allocation, fork, copy-on-write and free (the decode
-    fast paths: the base class, decode_slots.py)."""
+class KVCacheManager:
+    """Block tables, prefix-cache lookups, allocation, fork, copy-on-write and free."""
 
     def __init__(
         self,
@@ -94,8 +103,9 @@ class KVCacheManager(DecodeSlots):
         self._block_ids: dict[str, list[int]] = {}
         # Per sequence: how many of its leading blocks were released behind the window.
         self._num_out_of_window: dict[str, int] = {}
-        # Per sequence: the computed counts that decode in place, and its block ids (decode_slots).
-        self._in_place: dict[str, tuple[int, int, list[int]]] = {}
+        # Per sequence: the computed counts that decode in place, and its block ids
+        # (``_allocate_decode``): the range whose token lands in its last block and fills none.
+        self._in_place: dict[str, tuple[int, int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -172,13 +182,17 @@ class KVCacheManager(DecodeSlots):
         tokens land in that another sequence also holds is copied first (copy-on-write). Full
         blocks whose tokens are all known are registered in the prefix cache. A new sequence
         must leave the watermark free, so that admitting it does not force a preemption at the
-        next decode step. All or nothing: returns False and changes nothing when the pool
-        cannot supply the blocks (the scheduler then preempts or waits).
-        """
-        table = self.block_tables.get(seq_id)
-        if table is not None and not computed_blocks and num_new_tokens == 1:
-            if self.decode_in_place(seq_id, num_computed_tokens) is not None:
+        next decode step. All or nothing: False, nothing changed, when the pool cannot supply
+        the blocks (the scheduler then preempts or waits)."""
+        if num_new_tokens == 1 and not computed_blocks:  # a decode: nearly every call
+            known = self._in_place.get(seq_id)
+            if (known is not None and known[0] <= num_computed_tokens <= known[1]) or (
+                self._allocate_decode(
+                    seq_id, token_ids, num_computed_tokens, cache_salt, lora_int_id
+                )
+            ):
                 return True
+        table = self.block_tables.get(seq_id)
         _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
         self._table_changed(seq_id)
         is_new = table is None
@@ -196,7 +210,6 @@ class KVCacheManager(DecodeSlots):
         reserve = self.watermark_blocks if is_new else 0
         if needed > self.pool.num_free_blocks - reserve:
             return False
-
         for block in computed_blocks:
             self.pool.touch(block)
         table.extend(computed_blocks)
@@ -273,6 +286,67 @@ class KVCacheManager(DecodeSlots):
         return True
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _allocate_decode(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed: int,
+        cache_salt: str | None,
+        lora_int_id: int,
+    ) -> bool:
+        """``allocate_slots`` for one token at ``num_computed`` that lands at the end of the
+        sequence's own table: True when done; False, with nothing changed, when the general
+        path must run (a shared block to copy first, no free block, a count elsewhere).
+
+        (``allocate_slots`` answers first from the range ``_in_place`` remembers: counts whose
+        token lands in the last block, which the sequence holds alone, and fills no
+        unregistered block.) At a boundary the token starts a block (one popped from the free queue; nothing to hash
+        until it is full) or fills one (hashed and registered in the prefix cache). Only a
+        change to the sequence's own table (``_table_changed``) or a fork (which shares its
+        last block) ends a remembered range early: a block past the registered ones has no
+        hash, so no other request's prefix hit can take a reference on it."""
+        table = self.block_tables.get(seq_id)
+        if table is None or num_computed < 1:
+            return False
+        block_size, num_blocks = self.block_size, len(table)
+        index = num_computed // block_size
+        if index == num_blocks:  # the first token of a new block
+            if not self.pool.num_free_blocks:
+                return False
+            table.append(self.pool.allocate())
+            self._table_changed(seq_id)
+        elif index != num_blocks - 1 or table[index].ref_count > 1:
+            return False
+        total = num_computed + 1
+        if self.enable_prefix_caching and total // block_size > self._num_registered.get(seq_id, 0):
+            self._in_place.pop(seq_id, None)
+            self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
+        if self.sliding_window is not None:
+            self._free_out_of_window(seq_id, table, num_computed)
+        else:
+            self._remember_in_place(seq_id, table)
+        return True
+
+    def _remember_in_place(self, seq_id: str, table: list[KVBlock]) -> None:
+        """Record the computed counts that need nothing from now on: those whose token lands in
+        the last block, held alone, after the registered blocks and before the token that fills
+        it (with prefix caching; without, anywhere in the last block)."""
+        block_size, num_blocks = self.block_size, len(table)
+        if table[-1].ref_count > 1:
+            return
+        low, high = max(1, (num_blocks - 1) * block_size), num_blocks * block_size - 1
+        if self.enable_prefix_caching:
+            registered = self._num_registered.get(seq_id, 0)
+            low = max(low, registered * block_size)
+            high = min(high, (registered + 1) * block_size - 2)
+        if low <= high:
+            self._in_place[seq_id] = (low, high)
+
+    def _table_changed(self, seq_id: str) -> None:
+        """Forget what was kept for the sequence's table: its block ids and in-place range."""
+        self._block_ids.pop(seq_id, None)
+        self._in_place.pop(seq_id, None)
 
     def _free_out_of_window(self, seq_id: str, table: list[KVBlock], num_computed: int) -> None:
         """Release the blocks wholly before the next token's window (none without a window).

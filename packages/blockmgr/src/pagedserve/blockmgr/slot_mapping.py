@@ -39,9 +39,20 @@ def build_paged_batch(
     block_size: int,
 ) -> PagedBatch:
     """Lay out one step. Every table must cover its sequence's computed and new tokens."""
-    num_seqs = len(block_tables)
-    counts = np.asarray(num_new_tokens, dtype=np.int64)
-    starts = np.asarray(num_computed_tokens, dtype=np.int64)
+    return layout_paged_batch(
+        block_table_array(block_tables),
+        np.asarray(num_computed_tokens, dtype=np.int64),
+        np.asarray(num_new_tokens, dtype=np.int64),
+        block_size,
+    )
+
+
+def layout_paged_batch(
+    table_array: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
+) -> PagedBatch:
+    """Lay out one step from its block-table array (``[B, max_blocks]`` int32; a model runner
+    keeps one across steps), each sequence's computed count and its new tokens' count (int64)."""
+    num_seqs = len(starts)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
@@ -49,7 +60,6 @@ def build_paged_batch(
     positions = starts[seq_index] + (
         np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][seq_index]
     )
-    table_array = block_table_array(block_tables)
     slot_mapping = (
         table_array[seq_index, positions // block_size].astype(np.int64) * block_size
         + positions % block_size

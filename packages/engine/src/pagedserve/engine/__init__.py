@@ -22,7 +22,7 @@ from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats, FinishedRequestStats
-from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import apply_chat_template
 from pagedserve.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -40,6 +40,7 @@ __all__ = [
     "FinishedRequestStats",
     "InvalidRequestError",
     "LLMEngine",
+    "Logprob",
     "LoRARequest",
     "RequestMetrics",
     "RequestOutput",

@@ -115,10 +115,11 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards _streams, dead_error, _closed and queueing
         self._closed = False
         built: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(
+        # the thread that builds and steps the engine: all its torch work stays there
+        self.engine_thread = threading.Thread(
             target=self._engine_thread, args=(args, built), name="pagedserve-engine", daemon=True
         )
-        self._thread.start()
+        self.engine_thread.start()
         built.result()  # the engine, or the error that stopped its construction
         # A tokenizer of its own for callers: the engine thread detokenizes concurrently, and a
         # fast tokenizer must not be encoded in one thread while it decodes in another.
@@ -243,7 +244,7 @@ class AsyncLLM:
             if self._closed:
                 return
             self._closed = True
-            thread = self._thread
+            thread = self.engine_thread
             self._commands.put(_SHUTDOWN)
         if thread is not None:
             await asyncio.to_thread(thread.join)

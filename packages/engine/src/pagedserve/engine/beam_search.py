@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
+from pagedserve.engine.input_batch import InputBatch, SamplingState
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sequence_group import SequenceGroup
-from pagedserve.scheduler import Request, RequestStatus
+from pagedserve.scheduler import Request, RequestStatus, Scheduler
 
 
 @dataclass
@@ -90,28 +90,26 @@ class BeamSearchGroup(SequenceGroup):
     tokenizer: Any = None
 
     @property
-    def needs_fork(self) -> bool:
-        return False
-
-    @property
     def is_finished(self) -> bool:
         return self.done or self.aborted
 
-    def decide(self, rows: list[tuple[Request, int]], batch: SamplingBatch) -> StepDecision:
-        """One beam step from the live beams' logits rows, if every live beam has one here."""
+    def step_beams(self, beam_logprobs: dict[str, torch.Tensor]) -> BeamStep | list[Request]:
+        """One beam step when every live beam has its log-probabilities in ``beam_logprobs``
+        (the runner's rows); otherwise the beams that have them, which must wait (a sibling
+        was preempted and is recomputing): they are rewound by one token after the update, so
+        that they recompute it with their siblings."""
         live = [s for s in self.sequences if not s.is_finished]
-        if {r.request_id for r, _ in rows} != {s.request_id for s in live}:
-            return BeamDecision(self, waiting=[r for r, _ in rows])
-        row_of = {r.request_id: row for r, row in rows}
-        index = torch.tensor([row_of[s.request_id] for s in live], device=batch.logits.device)
-        plan = self.step(live, batch.logits[index])
+        rows = [beam_logprobs.get(s.request_id) for s in live]
+        if any(row is None for row in rows):
+            return [s for s, row in zip(live, rows) if row is not None]
+        plan = self.step(live, torch.stack(rows))
         self.beam_scores.update(plan.scores)
-        return BeamDecision(self, plan)
+        return plan
 
-    def step(self, beams: list[Request], logits: torch.Tensor) -> BeamStep:
-        """One beam step from the live ``beams`` (all of them) and their logits ``[m, V]``."""
-        k, vocab = self.beam_width, logits.shape[1]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    def step(self, beams: list[Request], logprobs: torch.Tensor) -> BeamStep:
+        """One beam step from the live ``beams`` (all of them) and their log-probabilities
+        ``[m, V]``."""
+        k, vocab = self.beam_width, logprobs.shape[1]
         scores = torch.tensor([self.beam_scores.get(b.request_id, 0.0) for b in beams])
         candidates = (scores[:, None] + logprobs.cpu()).flatten()
         num_keep = min(max(2, 1 + len(self.eos_token_ids)) * k, candidates.numel())
@@ -164,6 +162,35 @@ class BeamSearchGroup(SequenceGroup):
         plan.dropped = [b for b in beams if b.request_id not in plan.sampled]
         return plan
 
+    def apply_step(self, plan: BeamStep, scheduler: Scheduler, input_batch: InputBatch) -> None:
+        """After the update appended the continuing beams' tokens: start the forks (each
+        shares its parent's blocks), drop the beams no candidate came from, keep the live
+        beams best first."""
+        for parent, output_ids, score in plan.forks:
+            child = Request(
+                request_id=self.next_child_id(),
+                prompt_token_ids=list(self.prompt_token_ids),
+                max_tokens=parent.max_tokens,
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+                lora_int_id=parent.lora_int_id,
+            )
+            child.output_token_ids.extend(output_ids)
+            sampling = SamplingState(
+                child, self.params, parent.payload.sampling.generator, beam=True
+            )
+            child.payload = self.sequence_state(0, sampling, self.tokenizer)
+            scheduler.add_forked_request(parent.request_id, child)
+            input_batch.add(sampling)
+            self.sequences.append(child)
+            self.beam_scores[child.request_id] = score
+        scheduler.finish_requests(
+            [r.request_id for r in plan.dropped], RequestStatus.FINISHED_ABORTED
+        )
+        live = [s for s in self.sequences if not s.is_finished]
+        live.sort(key=lambda s: self.beam_scores[s.request_id], reverse=True)
+        self.sequences = live
+
     def next_child_id(self) -> str:
         child_id = f"{self.request_id}#beam{self.next_beam_index}"
         self.next_beam_index += 1
@@ -214,48 +241,3 @@ def _stop_token(hypothesis: Hypothesis, stop_token_ids: list[int]) -> int | None
     """A hypothesis ended by a token of ``stop_token_ids`` names it; one ended by EOS does not."""
     last = hypothesis.token_ids[-1]
     return last if hypothesis.ended_by_eos and last in stop_token_ids else None
-
-
-@dataclass
-class BeamDecision:
-    """One beam step of one group, or, when not all its live beams got logits this step (a
-    sibling was preempted and is recomputing), no step: those beams wait, rewound by one token
-    so that they recompute it with their siblings."""
-
-    group: BeamSearchGroup
-    plan: BeamStep | None = None
-    waiting: list[Request] = field(default_factory=list)
-
-    def sampled_tokens(self) -> dict[str, int]:
-        return self.plan.sampled if self.plan is not None else {}
-
-    def apply(self, ctx: StepContext) -> bool:
-        """Fork and drop beams after the update; True when the group stepped."""
-        if self.plan is None:
-            for beam in self.waiting:
-                ctx.scheduler.rewind(beam.request_id, 1)
-            return False
-        group = self.group
-        ctx.num_generation_tokens += sum(1 for b in self.plan.sampled if b in ctx.updated)
-        for parent, output_ids, score in self.plan.forks:
-            child = Request(
-                request_id=group.next_child_id(),
-                prompt_token_ids=list(group.prompt_token_ids),
-                max_tokens=parent.max_tokens,
-                priority=parent.priority,
-                arrival_time=parent.arrival_time,
-                lora_int_id=parent.lora_int_id,
-                payload=group.new_state(0, ctx.tokenizer, ctx.device),
-            )
-            child.output_token_ids.extend(output_ids)
-            ctx.scheduler.add_forked_request(parent.request_id, child)
-            group.sequences.append(child)
-            group.beam_scores[child.request_id] = score
-        ctx.scheduler.finish_requests(
-            [r.request_id for r in self.plan.dropped], RequestStatus.FINISHED_ABORTED
-        )
-        live = [s for s in group.sequences if not s.is_finished]
-        live.sort(key=lambda s: group.beam_scores[s.request_id], reverse=True)
-        group.sequences = live
-        ctx.record_token(group)
-        return True

@@ -119,7 +119,7 @@ class ByteLevelDetokenizer:
         "skip_special_tokens",
         "text",
         "_table",
-        "_texts",
+        "whole_texts",
         "_pending",
         "_held",
     )
@@ -135,7 +135,7 @@ class ByteLevelDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self._table = table
-        self._texts = _whole_texts_of(tokenizer, table) if texts is None else texts
+        self.whole_texts = _whole_texts_of(tokenizer, table) if texts is None else texts
         self._pending = b""  # the decoder's buffer: bytes of an unfinished character
         self._held = ""  # decoded text not yet emitted: it ends in U+FFFD, or bytes are pending
 
@@ -158,7 +158,7 @@ class ByteLevelDetokenizer:
         """
         if not self._pending and not self._held:
             try:
-                whole = self._texts[token_id]
+                whole = self.whole_texts[token_id]
             except IndexError:
                 whole = None
             if whole is not None:

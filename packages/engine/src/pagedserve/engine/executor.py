@@ -1,14 +1,21 @@
-"""The engine's model executor: one ``ModelRunner`` in this process, or rank 0 of a
-tensor-parallel group (``TensorParallelExecutor``) behind the same interface, as vLLM picks a
-single-process or a multiprocess executor from the parallel config."""
+"""The engine's model executor: one model runner in this process (``CPUModelRunner`` on a CPU,
+``ModelRunner`` elsewhere), or rank 0 of a tensor-parallel group (``TensorParallelExecutor``)
+behind the same interface, as vLLM picks a single-process or a multiprocess executor from the
+parallel config."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.cpu_runner import CPUModelRunner
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.models import ModelConfig
+
+if TYPE_CHECKING:
+    from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
 
 
 def create_runner(
@@ -16,19 +23,23 @@ def create_runner(
     model_config: ModelConfig,
     cache_config: CacheConfig,
     extra_block_bytes: int = 0,
+    drafter: DraftModelProposer | None = None,
 ) -> ModelRunner | TensorParallelExecutor:
     """The runner for ``args``; ``extra_block_bytes``: a draft model's KV bytes per block, which
-    share the KV memory budget (on rank 0 only under tensor parallelism)."""
+    share the KV memory budget (on rank 0 only under tensor parallelism); ``drafter``: that
+    draft model, which the runner runs at the start of each step."""
     lora_config = args.create_lora_config()
     if args.tensor_parallel_size == 1:  # LoRA steps run eagerly: no padded decode graphs
         graphs = args.cuda_graph_config() if lora_config is None else None
-        return ModelRunner(
+        cpu = model_config.torch_device.type == "cpu"
+        return (CPUModelRunner if cpu else ModelRunner)(
             model_config,
             cache_config,
             graph_config=graphs,
             lora_config=lora_config,
             extra_block_bytes=extra_block_bytes,
+            drafter=drafter,
         )
     return TensorParallelExecutor(
-        model_config, cache_config, args.tensor_parallel_size, extra_block_bytes
+        model_config, cache_config, args.tensor_parallel_size, extra_block_bytes, drafter
     )

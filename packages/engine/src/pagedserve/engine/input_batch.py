@@ -1,17 +1,25 @@
-"""The host side of a step's inputs: the persistent block-table array (vLLM V1's
-``BlockTable``), the tokens read from a request, and the arrays' way to the device.
+"""What the model runner keeps across steps: each live sequence's sampling state, and the
+block-table array (vLLM V1's persistent ``InputBatch`` and ``BlockTable``).
 
-Every step needs the scheduled sequences' block tables as one ``[B, max_blocks]`` int32 array.
-Building it afresh walks every block id of every sequence at every step, though a decode adds a
-block only once every ``block_size`` steps. So the array persists between steps, one row per
-batch position, and a row is rewritten only when the list it was written from changes: the
-KVCacheManager's ``block_ids`` lists are replaced, never changed in place, whenever a table
-changes, so a row whose source is the very same list object (``is``) is still up to date.
+Sampling state: the engine registers a sequence's ``SamplingState`` when it joins (its params,
+its seeded generator, later its grammar matcher) and the scheduler reports it in
+``SchedulerOutput.finished`` once it has left; the runner then forgets it. So a step reads
+what each row needs from objects that already exist, and a step of plain rows (greedy, no
+processor, no logprobs: most of a busy server) reads nothing per row at all: the batch counts
+how many live sequences need more (``num_special``) and builds per-row metadata only then.
+
+Block tables: every step needs the scheduled sequences' tables as one ``[B, max_blocks]`` int32
+array. Building it afresh walks every block id of every sequence at every step, though a
+decode adds a block only once every ``block_size`` steps. So the array persists between steps,
+one row per batch position, and a row is rewritten only when the list it was written from
+changes: the KVCacheManager's ``block_ids`` lists are replaced, never changed in place, whenever
+a table changes, so a row whose source is the very same list object (``is``) is up to date.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import is_not
 
@@ -19,8 +27,117 @@ import numpy as np
 import torch
 
 from pagedserve.blockmgr.slot_mapping import PagedBatch
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output.backend import GrammarMatcher
+from pagedserve.kernels.sampling import GREEDY_TEMPERATURE
 from pagedserve.models import AttentionMetadata
-from pagedserve.scheduler import Request, ScheduledRequest
+from pagedserve.scheduler import Request
+
+
+@dataclass(eq=False, slots=True)
+class SamplingState:
+    """One sequence's sampling inputs, registered in the ``InputBatch`` while it lives.
+
+    ``request``: the scheduler's sequence (its prompt and output so far, which the penalties
+    read; its stop ids and ``min_tokens``, which the min_tokens mask reads). ``forks``: the
+    other sequences of an ``n > 1`` request before its first sample, as (request id,
+    generator): the runner draws each one's first token from this row too, and the engine
+    starts them with it. ``beam``: a beam-search sequence, whose row is not sampled: the
+    runner returns its log-probabilities for the group's beam step. ``bad_words_token_ids``:
+    ``params.bad_words`` as token ids (the engine tokenizes them once).
+
+    ``greedy``, ``processed`` and ``special`` are read from ``params`` once: ``processed``
+    when a logits processor applies (logits_processors.py), ``special`` when the row needs
+    anything beyond an argmax.
+    """
+
+    request: Request
+    params: SamplingParams
+    generator: torch.Generator
+    grammar_matcher: GrammarMatcher | None = None
+    forks: list[tuple[str, torch.Generator]] = field(default_factory=list)
+    beam: bool = False
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    greedy: bool = field(init=False)
+    processed: bool = field(init=False)
+    special: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.greedy = params.temperature < GREEDY_TEMPERATURE
+        self.processed = (
+            params.structured_outputs is not None
+            or params.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+            or params.thinking_token_budget is not None
+            or bool(params.logit_bias)
+            or params.min_tokens > 0
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
+        self.special = self._needs_more_than_argmax()
+
+    def _needs_more_than_argmax(self) -> bool:
+        return (
+            not self.greedy
+            or self.processed
+            or self.params.logprobs is not None
+            or bool(self.forks)
+        )
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def history(self) -> list[int]:
+        """The output tokens the penalties and the min_tokens mask read."""
+        return self.request.output_token_ids
+
+
+class InputBatch:
+    """The live sequences' sampling states, by request id (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, SamplingState] = {}
+        self.num_special = 0  # live states that need more than an argmax
+        self.num_beams = 0
+        self.num_forking = 0
+
+    def add(self, state: SamplingState) -> None:
+        """Register a sequence (a reused id replaces the finished sequence's state)."""
+        old = self.states.get(state.request_id)
+        if old is not None:
+            self._count(old, -1)
+        self.states[state.request_id] = state
+        self._count(state, 1)
+
+    def remove(self, request: Request) -> None:
+        """Forget a sequence that has left (only its own state: an id may have been reused)."""
+        state = self.states.get(request.request_id)
+        if state is not None and state.request is request:
+            del self.states[request.request_id]
+            self._count(state, -1)
+
+    def take_forks(self, state: SamplingState) -> list[tuple[str, torch.Generator]]:
+        """The forks of ``state``'s first sample, once: the runner draws them now."""
+        self._count(state, -1)
+        forks, state.forks = state.forks, []
+        state.special = state._needs_more_than_argmax()
+        self._count(state, 1)
+        return forks
+
+    def states_of(self, request_ids: Sequence[str]) -> list[SamplingState] | None:
+        """The states of ``request_ids`` in order; None when every live sequence is plain
+        (nothing per row to read)."""
+        if not self.num_special and not self.num_beams:
+            return None
+        return list(map(self.states.__getitem__, request_ids))
+
+    def _count(self, state: SamplingState, sign: int) -> None:
+        self.num_special += sign * state.special
+        self.num_beams += sign * state.beam
+        self.num_forking += sign * bool(state.forks)
 
 
 class BlockTable:
@@ -73,26 +190,7 @@ class BlockTable:
         return wider
 
 
-def decode_batch(
-    starts: np.ndarray, block_ids: Sequence[Sequence[int]], block_table: BlockTable, block_size: int
-) -> PagedBatch:
-    """The layout of a pure-decode step (one token per sequence, at ``starts``), as vLLM's
-    persistent ``InputBatch`` makes it: block tables from the persistent ``BlockTable`` (a row is
-    rewritten only when its sequence's table changed), each token's slot from its table row and
-    position, numpy for the arithmetic. Equal to ``build_paged_batch`` of the same step."""
-    num_seqs = len(starts)
-    tables = block_table.fill(block_ids)
-    slots = tables[np.arange(num_seqs), starts // block_size].astype(np.int64) * block_size
-    return PagedBatch(
-        positions=starts,
-        slot_mapping=slots + starts % block_size,
-        block_tables=tables,
-        seq_lens=(starts + 1).astype(np.int32),
-        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
-    )
-
-
-def _token_slice(request: Request, start: int, count: int) -> list[int]:
+def token_slice(request: Request, start: int, count: int) -> list[int]:
     """Tokens ``[start, start + count)`` of prompt + output, without concatenating the two
     (``all_token_ids`` would copy the whole sequence for every request at every step)."""
     prompt, end = request.prompt_token_ids, start + count
@@ -104,8 +202,23 @@ def _token_slice(request: Request, start: int, count: int) -> list[int]:
     return prompt[start:] + output[: end - len(prompt)]
 
 
-def _attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
-    """A step's layout (``build_paged_batch``) as the tensors every attention layer reads."""
+def token_at(request: Request, position: int) -> int:
+    """Token ``position`` of prompt + output."""
+    prompt = request.prompt_token_ids
+    if position < len(prompt):
+        return prompt[position]
+    return request.output_token_ids[position - len(prompt)]
+
+
+def prompt_logit_positions(request: Request, start: int, count: int) -> range:
+    """Positions of a chunk ``[start, start + count)`` whose logits score the next prompt token,
+    for a request that asked for prompt logprobs (``Request.needs_prompt_logits``): such a
+    request bypasses the prefix cache, so every prompt position is computed at least once."""
+    return range(start, min(start + count, request.num_prompt_tokens - 1))
+
+
+def attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
+    """A step's layout (``layout_paged_batch``) as the tensors every attention layer reads."""
     return AttentionMetadata(
         slot_mapping=to_device(batch.slot_mapping, device),
         block_tables=to_device(batch.block_tables, device),
@@ -127,12 +240,3 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def prompt_logit_positions(item: ScheduledRequest) -> range:
-    """Positions of this chunk whose logits score the next prompt token, for a request that
-    asked for prompt logprobs (``Request.needs_prompt_logits``); empty for every other one."""
-    if not item.request.needs_prompt_logits:
-        return range(0)
-    start = item.num_computed_tokens
-    return range(start, min(start + item.num_new_tokens, item.request.num_prompt_tokens - 1))

@@ -1,14 +1,20 @@
-"""LLMEngine: the step loop that ties scheduler, model runner, sampler and detokenizer together.
+"""LLMEngine: the step loop that ties scheduler, model runner and output processor together.
 
-``add_request`` validates and queues; ``step`` runs one iteration: schedule, forward, decide the
-next tokens (sampling, n > 1 forks, beam steps), update (append tokens, stop, free), detokenize,
+``add_request`` validates and queues; ``step`` runs one iteration:
+
+    scheduler.schedule() -> SchedulerOutput
+    runner.execute(...) -> ModelRunnerOutput          forward and sampling, by request id
+    scheduler.update(...) -> updated sequences         append tokens, stop, free
+    output_processor.process(...) -> RequestOutputs    detokenize, stop strings, forks, outputs
+
 and returns a RequestOutput for every request that advanced (cumulative, a delta, or none until
-it finishes, as its ``output_kind`` asks). Offline ``LLM`` and
-online ``AsyncLLM`` both drive this loop.
+it finishes, as its ``output_kind`` asks). Offline ``LLM`` and online ``AsyncLLM`` both drive
+this loop. Beam search is the one step that decides between execute and update: its groups
+choose their beams' tokens from the runner's log-probabilities (``step_beams``).
 
 The scheduler sees sequences; the engine groups them into requests (sequence_group.py): a request
-with ``n > 1`` forks into n sequences after its prompt is read, and a beam-search request keeps
-its live beams as sequences that fork and drop each step (beam_search.py).
+with ``n > 1`` forks into n sequences at its first sample, and a beam-search request keeps its
+live beams as sequences that fork and drop each step (beam_search.py).
 """
 
 from __future__ import annotations
@@ -24,25 +30,17 @@ from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
-from pagedserve.engine.decisions import (
-    PlainRequests,
-    SamplingBatch,
-    StepContext,
-    StepDecision,
-    group_decisions,
-    sampled_tokens,
-)
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
+from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.lora import LoRAManager, LoRARequest
-from pagedserve.engine.lora.engine_mixin import LoRAEngineMixin
+from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
-from pagedserve.engine.output_processor import process_plain_step
+from pagedserve.engine.output_processor import OutputProcessor, StepTokens
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
-from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
-from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
+from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
@@ -53,7 +51,7 @@ from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOut
 logger = logging.getLogger("pagedserve.engine")
 
 
-class LLMEngine(LoRAEngineMixin):
+class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
@@ -69,7 +67,10 @@ class LLMEngine(LoRAEngineMixin):
         )
         block_size = self.cache_config.block_size
         draft_bytes = self.speculator.kv_block_bytes(block_size) if self.speculator else 0
-        self.runner = create_runner(args, self.model_config, self.cache_config, draft_bytes)
+        drafter = self.speculator.draft if self.speculator else None
+        self.runner = create_runner(
+            args, self.model_config, self.cache_config, draft_bytes, drafter
+        )
         if self.speculator is not None:  # a draft model's cache: the same blocks
             self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
         self.kv_cache_manager = KVCacheManager(
@@ -81,7 +82,6 @@ class LLMEngine(LoRAEngineMixin):
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
-        self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         logger.info(
             "stop ids %s; %s",
@@ -90,9 +90,9 @@ class LLMEngine(LoRAEngineMixin):
         )
         self._seed_source = torch.Generator().manual_seed(args.seed)
         self._ids = itertools.count()
-        self.groups: dict[str, SequenceGroup] = {}
-        self.plain_requests = PlainRequests()
-        self.output_fast_path = True  # output_processor.py; False: the general path alone
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.runner.input_batch, self.tokenizer, self._record_finished
+        )
         self._never_scheduled: set[str] = set()  # requests whose first_scheduled_time is unset
         self.stats = StatsCollector()
         self.structured_output = StructuredOutputManager(self._grammar_backend)
@@ -138,7 +138,7 @@ class LLMEngine(LoRAEngineMixin):
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
         request leaves no trace: no group, no seed drawn. ``lora_request`` (None: the base
         model) is registered if it is new, its files read and checked now."""
-        if request_id in self.groups:
+        if request_id in self.output_processor.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
         if params.use_beam_search and self.speculator is not None:
@@ -174,14 +174,35 @@ class LLMEngine(LoRAEngineMixin):
             self.scheduler.add_request(request)
         except RequestRejectedError as e:
             raise InvalidRequestError(str(e), e.param) from e
-        group = self._new_group(request_id, list(prompt_ids), params, prompt, now, max_tokens)
-        request.payload = group.new_state(0, self.tokenizer, self.runner.device)
-        group.sequences.append(request)
-        self.groups[request_id] = group
-        self.plain_requests.register(request_id, request.payload)
+        self._start_group(request, params, prompt, now, max_tokens)
         self._never_scheduled.add(request_id)
         if params.structured_outputs is not None:
             self.structured_output.hold(request, params.structured_outputs)
+
+    def _start_group(self, request: Request, params, prompt, now, max_tokens) -> None:
+        """The request's group and its first sequence's state, registered with the runner and
+        the output processor. Sequence i draws from a generator seeded ``seed + i``: with
+        ``n > 1`` the other sequences (forks) draw their first token from the first one's row
+        at its first sample, and start then."""
+        group = self._new_group(
+            request.request_id, list(request.prompt_token_ids), params, prompt, now, max_tokens
+        )
+        num_generators = 1 if params.use_beam_search else params.n
+        generators = [self._generator(group.seed + i) for i in range(num_generators)]
+        forks = [(group.child_request_id(i), generators[i]) for i in range(1, num_generators)]
+        bad_words = bad_words_token_ids(params.bad_words or (), self.tokenizer)
+        sampling = SamplingState(
+            request,
+            params,
+            generators[0],
+            forks=forks,
+            beam=params.use_beam_search,
+            bad_words_token_ids=bad_words,
+        )
+        request.payload = group.sequence_state(0, sampling, self.tokenizer)
+        group.sequences.append(request)
+        self.runner.input_batch.add(sampling)
+        self.output_processor.add(group, forks)
 
     def take_request_errors(self) -> list[tuple[str, BaseException]]:
         """Requests that failed since the last call, with their error (a constraint that did
@@ -195,13 +216,16 @@ class LLMEngine(LoRAEngineMixin):
         now); fail each whose grammar did not, and only it."""
         ready, failed = self.structured_output.release(timeout)
         for request, grammar in ready:
-            group = request.payload.group
-            group.compiled_grammar = grammar
-            request.payload.grammar_matcher = grammar.matcher()
+            request.payload.group.compiled_grammar = grammar
+            request.payload.sampling.grammar_matcher = grammar.matcher()
         for request, error in failed:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            self._forget(request.request_id)
+            self.output_processor.forget(request.request_id)
+            self._never_scheduled.discard(request.request_id)
             self._request_errors.append((request.request_id, error))
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.runner.device).manual_seed(seed % 2**64)
 
     def _new_group(self, request_id, prompt_ids, params, prompt, now, max_tokens) -> SequenceGroup:
         seed = (
@@ -241,24 +265,16 @@ class LLMEngine(LoRAEngineMixin):
         Returns the final output (finish_reason "abort") of each request that was still live.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        outputs = []
-        for request_id in ids:
-            group = self.groups.get(request_id)
-            if group is None:
-                continue
-            live = [s.request_id for s in group.sequences if not s.is_finished]
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            group.aborted = True
-            outputs.append(self._group_output(group, time.monotonic()))
+        outputs = self.output_processor.abort(ids, time.monotonic())
         if outputs:
-            self._record_step(0)  # the gauges (running, waiting, KV usage) changed
+            self._record_step(StepTokens())  # the gauges (running, waiting, KV usage) changed
         return outputs
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self.groups)
+        return list(self.output_processor.groups)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or self.scheduler.has_unfinished_requests()
+        return bool(self.output_processor.groups) or self.scheduler.has_unfinished_requests()
 
     def get_stats(self, drain: bool = True) -> EngineStats:
         """Gauges, counters and finished-request latencies; safe to call from any thread."""
@@ -267,134 +283,98 @@ class LLMEngine(LoRAEngineMixin):
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> decide -> update -> outputs."""
+        """One iteration: schedule -> execute -> update -> outputs (module docstring)."""
         if self.structured_output.num_held:
             self._release_grammars()
         scheduled = self.scheduler.schedule()
+        if self._never_scheduled and not scheduled.is_empty:  # only then can one be new
+            self._stamp_first_scheduled(scheduled)
+        output = self.runner.execute(scheduled)  # an empty step only forgets what finished
         if scheduled.is_empty:
             if self.structured_output.num_held:  # only compiles to wait for: wait, not spin
                 self._release_grammars(timeout=0.05)
             return []
-        logits, seq_ids = self._execute(scheduled)
-        batch, decisions = self._decide(scheduled, logits, seq_ids)
-        updated = self.scheduler.update(scheduled, sampled_tokens(batch, decisions))
-        outputs = self._apply(batch, decisions, updated, scheduled.num_scheduled_tokens)
+        processor = self.output_processor
+        processor.step_beams(output)
+        updated = self.scheduler.update(scheduled, output.sampled_token_ids)
+        outputs, tokens = processor.process(updated, output, time.monotonic())
+        if output.spec_decode is not None:
+            self.stats.record_spec_decode(output.spec_decode)
+        self._record_step(tokens, is_step=True)
         self._release_removed_loras()
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
         return outputs
 
-    def _execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        if self._never_scheduled:  # only then can a scheduled request be new
-            self._stamp_first_scheduled(scheduled)
-        if self.speculator is not None:  # a draft model proposes once the slots exist
-            self.speculator.prepare_step(scheduled)
-        return self.runner.execute(scheduled)
-
     def _stamp_first_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()
         never = self._never_scheduled
-        for item in scheduled.scheduled:
-            metrics = item.request.payload.group.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-                never.discard(item.request.payload.group.request_id)
-
-    def _decide(
-        self, scheduled: SchedulerOutput, logits: torch.Tensor, seq_ids: list[str]
-    ) -> tuple[SamplingBatch, list[StepDecision]]:
-        """Each group decides from its rows; every sampling row is drawn in one sampler call,
-        every speculative decode's rows are verified in one pass (spec_decode/verify.py).
-
-        A step whose rows are all plain (decisions.py) has no decisions at all: its rows go to
-        the batch's plain pass as they are, with no Python per row."""
-        verify, proposals = None, {}
-        num_spec = scheduled.num_spec_tokens if self.speculator is not None else 0
-        if num_spec:
-            verify, proposals = self.speculator.verification_batch(scheduled, logits, num_spec)
-            logits = logits[: len(logits) - num_spec]
-        if len(logits) > len(seq_ids):
-            record_prompt_logprobs(scheduled, logits[len(seq_ids) :])
-        batch = SamplingBatch(logits, len(seq_ids))
-        decisions = []
-        if proposals or not self.plain_requests.add_all(batch, seq_ids):
-            requests, plain = self.scheduler.requests, self.plain_requests
-            decisions = group_decisions(seq_ids, requests, batch, plain, proposals, verify)
-        batch.sample(self.sampler)
-        if verify is not None:
-            self.stats.record_spec_decode(verify.verify())
-        return batch, decisions
-
-    def _apply(
-        self,
-        batch: SamplingBatch,
-        decisions: list[StepDecision],
-        updated: list[Request],
-        num_scheduled_tokens: int = 0,
-    ) -> list[RequestOutput]:
-        """Apply each decision after the update; one output per group that has news. A step
-        with no decisions (every row plain: one sequence per request) is processed in one pass
-        (output_processor.py) unless ``output_fast_path`` is off, the general path it is
-        tested against."""
-        updated_ids = {r.request_id for r in updated} if decisions else set()
-        now = time.monotonic()  # every token of the step: one time
-        ctx = StepContext(self.scheduler, self.tokenizer, self.runner.device, updated_ids, now=now)
-        if not decisions and self.output_fast_path and SequenceState.lean_path_enabled:
-            outputs = process_plain_step(updated, ctx, self._group_output)
-        else:
-            batch.apply_plain(updated, ctx)
-            if decisions:
-                touched = dict.fromkeys(r.payload.group for r in updated)
-                for decision in decisions:
-                    if decision.apply(ctx):
-                        touched.setdefault(decision.group)
-            else:
-                touched = [r.payload.group for r in updated]
-            outputs = [self._group_output(g, now) for g in touched if g.has_new_output]
-        self._record_step(
-            ctx.num_generation_tokens,
-            ctx.num_prompt_tokens,
-            iteration_tokens=num_scheduled_tokens,
-            inter_token_latencies=ctx.inter_token_latencies,
-        )
-        return outputs
+        for request in scheduled.requests:
+            group = request.payload.group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+                never.discard(group.request_id)
 
     # ---- outputs and metrics -------------------------------------------------------------
 
-    def _group_output(self, group: SequenceGroup, now: float) -> RequestOutput:
-        output = group.make_output()
-        if output.finished and self._forget(group.request_id) is not None:
-            group.metrics.finished_time = now
-            self.stats.record_finished(
-                finished_request_stats(
-                    group.request_id,
-                    "abort" if group.aborted else output.outputs[0].finish_reason,
-                    len(group.prompt_token_ids),
-                    group.num_output_tokens(output),
-                    group.metrics,
-                )
+    def _record_finished(self, group: SequenceGroup, output: RequestOutput, now: float) -> None:
+        """A request has left the engine with ``output``: its latencies, once."""
+        self._never_scheduled.discard(group.request_id)
+        group.metrics.finished_time = now
+        self.stats.record_finished(
+            finished_request_stats(
+                group.request_id,
+                "abort" if group.aborted else output.outputs[0].finish_reason,
+                len(group.prompt_token_ids),
+                group.num_output_tokens(output),
+                group.metrics,
             )
-        return output
+        )
 
-    def _forget(self, request_id: str) -> SequenceGroup | None:
-        """Drop a request that has left the engine; its group, if it was still known."""
-        self.plain_requests.discard(request_id)
-        self._never_scheduled.discard(request_id)
-        return self.groups.pop(request_id, None)
-
-    def _record_step(
-        self, num_new_tokens: int, num_new_prompt_tokens: int = 0, **per_step_samples
-    ) -> None:
+    def _record_step(self, tokens: StepTokens, is_step: bool = False) -> None:
+        """The gauges, and a step's tokens. A step's sample for the per-step histogram is, as
+        vLLM counts it, the prompt tokens of the requests that got their first token in it
+        plus the tokens generated in it (0 included)."""
         kv = self.kv_cache_manager
         stats = self.scheduler.stats
         self.stats.record_step(
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
+            num_waiting_deferred=self.structured_output.num_held,  # held for their grammar
             kv_cache_usage=kv.usage(),
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=stats.num_preemptions,
-            new_prompt_tokens=num_new_prompt_tokens,
-            new_generation_tokens=num_new_tokens,
-            **per_step_samples,
+            new_prompt_tokens=tokens.num_prompt_tokens,
+            new_generation_tokens=tokens.num_generation_tokens,
+            iteration_tokens=tokens.num_prompt_tokens + tokens.num_generation_tokens
+            if is_step
+            else None,
+            inter_token_latencies=tokens.inter_token_latencies,
         )
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----------------------
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return 0
+        return require_lora(self.lora_manager).check_request(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest, weights=None) -> None:
+        """Register an adapter (``weights``: what ``lora_manager.read`` gave, if read already)."""
+        require_lora(self.lora_manager).add_lora(lora_request, weights)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter: its running and waiting requests finish with it first."""
+        removed = self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+        self._release_removed_loras()
+        return removed
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora_manager is None else list(self.lora_manager.registered.values())
+
+    def _release_removed_loras(self) -> None:
+        """Free removed adapters whose last request is gone; record the adapters in use."""
+        if (manager := self.lora_manager) is not None:
+            manager.release_removed(self.scheduler.requests.values())
+            self.stats.record_lora(*manager.adapters_in_use(self.scheduler.requests.values()))

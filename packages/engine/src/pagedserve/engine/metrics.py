@@ -136,11 +136,13 @@ class StatsCollector:
         num_preemptions: int,
         new_prompt_tokens: int,
         new_generation_tokens: int,
-        iteration_tokens: int = 0,
+        iteration_tokens: int | None = None,
         inter_token_latencies: list[float] | None = None,
         num_waiting_deferred: int = 0,
     ) -> None:
-        """Gauges and cumulative totals (as read from the scheduler/KV manager) + this step's tokens."""
+        """Gauges and cumulative totals (as read from the scheduler/KV manager) + this step's
+        tokens. ``iteration_tokens``: the step's sample for the per-step histogram, 0 included
+        (None: not a step, only the gauges changed)."""
         with self._lock:
             s = self._stats
             s.num_running, s.num_waiting, s.kv_cache_usage = (
@@ -154,7 +156,7 @@ class StatsCollector:
             s.prompt_tokens_total += new_prompt_tokens
             s.generation_tokens_total += new_generation_tokens
             # bounded: with nobody draining (offline use), samples must not pile up forever
-            if iteration_tokens and len(s.iteration_tokens) < MAX_PENDING_SAMPLES:
+            if iteration_tokens is not None and len(s.iteration_tokens) < MAX_PENDING_SAMPLES:
                 s.iteration_tokens.append(iteration_tokens)
             if inter_token_latencies and len(s.inter_token_latencies) < MAX_PENDING_SAMPLES:
                 s.inter_token_latencies.extend(inter_token_latencies)

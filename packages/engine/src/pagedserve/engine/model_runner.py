@@ -1,10 +1,14 @@
-"""ModelRunner: turns one scheduler step into one forward pass over a flat varlen batch.
+"""ModelRunner: turns one scheduler step into one forward pass and the step's sampled tokens.
 
-The scheduled requests' new tokens are laid end to end (no padding). For each token we compute
-its position and its cache slot (``block_table[pos // block_size] * block_size + pos %
-block_size``); for each sequence its block table, its length in the cache after this step, and
-where its tokens start in the flat batch. The model returns hidden states for every token; only
-the last token of each sequence that reached the end of its known tokens is turned into logits.
+``execute(scheduler_output) -> ModelRunnerOutput``. The scheduled requests' new tokens are laid
+end to end (no padding). For each token we compute its position and its cache slot
+(``block_table[pos // block_size] * block_size + pos % block_size``); for each sequence its block
+table, its length in the cache after this step, and where its tokens start in the flat batch.
+The model returns hidden states for every token; only the rows the step needs are turned into
+logits (``LogitsLayout``: the last token of each sequence that reached the end of its known
+tokens, prompt positions whose logprobs were asked for, proposals to verify), and the runner
+samples them (sample_step.py) from the sequences' sampling state, which it keeps across steps
+(``InputBatch``). The engine never sees a logits row.
 
 Pure-decode steps can instead run from persistent buffers padded to a batch-size bucket, replayed
 as CUDA graphs on a GPU (cuda_graph.py); the logits are those of the real rows either way.
@@ -13,20 +17,22 @@ as CUDA graphs on a GPU (cuda_graph.py); the logits are those of the real rows e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedserve.blockmgr import CacheConfig
-from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch
+from pagedserve.blockmgr.slot_mapping import build_paged_batch, layout_paged_batch
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
 from pagedserve.engine.input_batch import (
     BlockTable,
-    _attention_metadata,
-    _token_slice,
-    decode_batch,
+    InputBatch,
+    attention_metadata,
     prompt_logit_positions,
     to_device,
+    token_at,
+    token_slice,
 )
 from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
@@ -38,20 +44,28 @@ from pagedserve.engine.kv_cache import (
     num_blocks_for_memory,
 )
 from pagedserve.engine.lora import LoRAConfig, LoRAManager
+from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.sample_step import LogitsLayout, sample_step
+from pagedserve.engine.sampler import Sampler
 from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
+
 
 @dataclass
 class ModelInput:
+    """A step's flat batch as every tensor-parallel rank runs it (rank 0 alone keeps the
+    ``LogitsLayout`` that says which logits row is what)."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_request_ids: list[str]
     # the decode bucket this batch was padded to (its tensors are views of the runner's
     # persistent buffers); None for an unpadded batch
     padded_batch_size: int | None = None
@@ -73,6 +87,8 @@ class ModelRunner:
 
     ``extra_block_bytes``: KV bytes per block kept elsewhere for the same block ids (a draft
     model's cache, spec_decode/draft_model.py); a memory budget is split between both.
+    ``drafter``: that draft model, which proposes at the start of each step, once the
+    scheduler has allocated its proposals' slots.
     """
 
     def __init__(
@@ -83,6 +99,7 @@ class ModelRunner:
         graph_config: CUDAGraphConfig | None = None,
         lora_config: LoRAConfig | None = None,
         extra_block_bytes: int = 0,
+        drafter: DraftModelProposer | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -102,7 +119,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
         log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
         if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
-            from pagedserve.kernels.paged_attention_numba import warm_up
+            from pagedserve.kernels.cpu.warmup import warm_up
 
             warm_up((self.kv_cache_dtype,))
         if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
@@ -119,9 +136,9 @@ class ModelRunner:
                 logits_soft_cap=mc.attention_logits_soft_cap,
                 cache_dtype=self.kv_cache_dtype,
             )
-        # Pure-decode steps build their inputs on the fast path (tests turn it off to hold it
-        # equal to the general path), their block tables in the persistent array.
-        self.decode_fast_path = True
+        self.drafter = drafter
+        self.input_batch = InputBatch()
+        self.sampler = Sampler()
         self.block_table = BlockTable(-(-model_config.max_model_len // cache_config.block_size))
         self.decode_buffers: DecodeInputBuffers | None = None
         self.cuda_graphs: DecodeCUDAGraphs | None = None
@@ -211,7 +228,7 @@ class ModelRunner:
             self.kv_cache_dtype,
             dev,
         )
-        meta = _attention_metadata(batch, dev)
+        meta = attention_metadata(batch, dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.from_numpy(batch.positions).to(dev)
         hidden = self.model(input_ids, positions, caches, meta)
@@ -227,127 +244,112 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def prepare_input(self, output: SchedulerOutput) -> ModelInput:
-        """The flat batch of a step: a pure-decode step (every request runs its one last token)
-        through a decode fast path, from the scheduler's ``decodes`` lists when it made every
-        item, else from the requests; any other through ``_prepare_general``."""
-        num_seqs = output.num_scheduled_seqs
-        if (
-            self.decode_fast_path
-            and num_seqs
-            and output.num_scheduled_tokens == num_seqs
-            and not output.num_spec_tokens
-        ):
-            if output.all_decodes:
-                return self._prepare_scheduled_decodes(output)
-            model_input = self._prepare_decodes(output)
-            if model_input is not None:
-                return model_input
-        return self._prepare_general(output)
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: its tokens and logprobs by request id."""
+        if output.is_empty:  # nothing runnable: only forget what finished
+            self.begin_step(output)
+            return ModelRunnerOutput()
+        model_input, layout = self.begin_step(output)
+        logits = self.execute_model(model_input, output.blocks_to_copy)
+        return self.sample(layout, logits)
 
-    def _prepare_scheduled_decodes(self, output: SchedulerOutput) -> ModelInput:
-        """The decode fast path from the scheduler's ``decodes`` lists (vLLM V1's cached
-        requests): every item runs its last known token, which the scheduler listed with its
-        position and blocks while it scheduled it, so no request is read again here."""
-        decodes = output.decodes
-        starts = np.array(decodes.num_computed_tokens, dtype=np.int64)
-        token_ids = np.array(decodes.token_ids, dtype=np.int64)
-        return self._decode_input(output, starts, token_ids, decodes.block_ids, decodes.req_ids)
-
-    def _prepare_decodes(self, output: SchedulerOutput) -> ModelInput | None:
-        """The decode fast path for any pure-decode step: one list comprehension per field. None
-        (the general path) unless every request runs one token, its last known one (it needs a
-        sample; no prompt-logits row can remain at that position)."""
-        items = output.scheduled
-        requests = [item.request for item in items]
-        starts = np.array([item.num_computed_tokens for item in items], dtype=np.int64)
-        num_tokens = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in requests]
-        if not np.array_equal(starts + 1, num_tokens):
+    def begin_step(self, output: SchedulerOutput) -> tuple[ModelInput, LogitsLayout] | None:
+        """Forget the sequences that have left, let the draft model propose into the slots the
+        scheduler allocated (filling ``output.spec_token_ids``), and lay out the batch (None for
+        an empty step)."""
+        for request in output.finished:
+            self.input_batch.remove(request)
+        if output.is_empty:
             return None
-        token_ids = np.array(
-            [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests], dtype=np.int64
-        )
-        tables, req_ids = [item.block_table for item in items], [r.request_id for r in requests]
-        return self._decode_input(output, starts, token_ids, tables, req_ids)
+        if self.drafter is not None:
+            self.drafter.propose(output, self.input_batch)
+        return self.prepare_input(output)
 
-    def _decode_input(self, output, starts, token_ids, block_ids, req_ids) -> ModelInput:
-        """A pure-decode step's inputs (``decode_batch``), one tensor per input."""
-        batch = decode_batch(starts, block_ids, self.block_table, self.cache_config.block_size)
-        rows, counts = np.arange(len(starts)), [1] * len(starts)
-        return self._model_input(output, token_ids, batch, rows, counts, req_ids)
+    def sample(self, layout: LogitsLayout, logits: torch.Tensor) -> ModelRunnerOutput:
+        """The step's tokens and logprobs by request id, from the rows ``layout`` describes."""
+        draft_probs = self.drafter.draft_probs if self.drafter is not None else None
+        return sample_step(logits, layout, self.input_batch, self.sampler, draft_probs)
 
-    def _prepare_general(self, output: SchedulerOutput) -> ModelInput:
-        """The flat batch of any step (prefill chunks, prompt logprobs, proposals to verify).
-        A decode (one new token, an output token) takes its token without slicing."""
-        tokens, starts, counts, tables, sample_ids, logits_rows = [], [], [], [], [], []
+    def prepare_input(self, output: SchedulerOutput) -> tuple[ModelInput, LogitsLayout]:
+        """The flat batch of a step and the layout of the rows it scores (``LogitsLayout``).
+
+        Most items of a busy step are decodes (one token, the last known one, sampled); they
+        take the loop's first branch, every other item (a prefill chunk, prompt logprobs,
+        proposals to verify) the second."""
+        tokens: list[int] = []
+        layout = LogitsLayout()
+        sampled, sample_rows = layout.sampled, []
         prompt_rows: list[int] = []
         spec_rows: list[int] = []
         offset = 0
-        for item in output.scheduled:
-            request = item.request
-            start, count = item.num_computed_tokens, item.num_new_tokens
-            if request.needs_prompt_logits:
-                prompt_rows.extend(offset + p - start for p in prompt_logit_positions(item))
-            num_prompt = len(request.prompt_token_ids)
-            if item.spec_token_ids:  # the last known token, then the proposals to verify
-                tokens.extend(_token_slice(request, start, 1))
-                tokens.extend(item.spec_token_ids)
-                spec_rows.extend(range(offset, offset + count - 1))
-                starts.append(start)
-                counts.append(count)
-                tables.append(item.block_table)
-                offset += count
-                sample_ids.append(request.request_id)
-                logits_rows.append(offset - 1)
-                continue
-            if count == 1 and start >= num_prompt:
-                tokens.append(request.output_token_ids[start - num_prompt])
+        for request, start, count in zip(
+            output.requests, output.num_computed_tokens, output.num_new_tokens
+        ):
+            prompt, generated = request.prompt_token_ids, request.output_token_ids
+            if count == 1 and start + 1 == len(prompt) + len(generated):  # a decode
+                tokens.append(generated[-1] if generated else prompt[-1])
+                sampled.append(request.request_id)
+                sample_rows.append(offset)
             else:
-                tokens.extend(_token_slice(request, start, count))
-            starts.append(start)
-            counts.append(count)
-            tables.append(item.block_table)
+                self._lay_out_item(
+                    output, request, start, count, offset, tokens, layout,
+                    (sample_rows, prompt_rows, spec_rows),
+                )  # fmt: skip
             offset += count
-            if start + count == num_prompt + len(request.output_token_ids):  # needs_sample
-                sample_ids.append(request.request_id)
-                logits_rows.append(offset - 1)
-        batch = build_paged_batch(tables, starts, counts, self.cache_config.block_size)
+        starts = np.array(output.num_computed_tokens, dtype=np.int64)
+        counts = np.array(output.num_new_tokens, dtype=np.int64)
+        tables = self.block_table.fill(output.block_ids)
+        batch = layout_paged_batch(tables, starts, counts, self.cache_config.block_size)
+        rows = sample_rows + prompt_rows + spec_rows
         token_ids = np.array(tokens, dtype=np.int64)
-        rows = logits_rows + prompt_rows + spec_rows if spec_rows else logits_rows + prompt_rows
-        return self._model_input(output, token_ids, batch, rows, counts, sample_ids)
+        return self._model_input(output, token_ids, batch, rows), layout
 
-    def _model_input(
-        self,
-        output: SchedulerOutput,
-        token_ids: np.ndarray,
-        batch: PagedBatch,
-        rows: list[int] | np.ndarray,
-        counts: list[int],
-        sample_ids: list[str],
-    ) -> ModelInput:
+    @staticmethod
+    def _lay_out_item(output, request, start, count, offset, tokens, layout, rows) -> None:
+        """``prepare_input`` for an item that is not a plain decode: its tokens, and the rows it
+        scores (``rows``: the sampled, prompt and proposal rows so far)."""
+        sample_rows, prompt_rows, spec_rows = rows
+        drafts = output.spec_token_ids.get(request.request_id)
+        if drafts:  # the last known token, then the proposals to verify
+            tokens.append(token_at(request, start))
+            tokens.extend(drafts)
+            layout.spec.append((request.request_id, drafts))
+            spec_rows.extend(range(offset, offset + count))
+            return
+        tokens.extend(token_slice(request, start, count))
+        if start + count == request.num_tokens:
+            layout.sampled.append(request.request_id)
+            sample_rows.append(offset + count - 1)
+        if request.needs_prompt_logits:
+            positions = prompt_logit_positions(request, start, count)
+            if positions:
+                layout.prompt.append((request.request_id, positions.start, len(positions)))
+                prompt_rows.extend(offset + p - start for p in positions)
+
+    def _model_input(self, output, token_ids, batch, rows) -> ModelInput:
         """A laid-out step as tensors: into the padded decode buffers when it is a pure-decode
         step with a bucket, else one tensor per input."""
         dev = self.device
         logits_indices = to_device(np.asarray(rows, dtype=np.int64), dev)
-        bucket = self._decode_bucket(len(token_ids), len(counts))
+        bucket = self._decode_bucket(len(token_ids), output.num_scheduled_seqs)
         if bucket is not None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
-            return ModelInput(input_ids, positions, meta, logits_indices, sample_ids, bucket)
+            return ModelInput(input_ids, positions, meta, logits_indices, bucket)
         return ModelInput(
             input_ids=to_device(token_ids, dev),
             positions=to_device(batch.positions, dev),
-            attn_metadata=_attention_metadata(batch, dev),
+            attn_metadata=attention_metadata(batch, dev),
             logits_indices=logits_indices,
-            sample_request_ids=sample_ids,
-            lora_token_slot=self._lora_token_slot(output, counts),
+            lora_token_slot=self._lora_token_slot(output),
         )
 
-    def _lora_token_slot(self, output: SchedulerOutput, counts: list[int]) -> torch.Tensor | None:
+    def _lora_token_slot(self, output: SchedulerOutput) -> torch.Tensor | None:
         """Each token's adapter slot, the step's adapters put into slots first."""
         if self.lora_manager is None:
             return None
-        lora_ids = [item.request.lora_int_id for item in output.scheduled]
-        return self.lora_manager.token_slots(lora_ids, counts)
+        lora_ids = [request.lora_int_id for request in output.requests]
+        return self.lora_manager.token_slots(lora_ids, output.num_new_tokens)
 
     def _decode_bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         """The padded batch size of a pure-decode step (one new token per sequence), or None
@@ -355,19 +357,6 @@ class ModelRunner:
         if self.decode_buffers is None or num_tokens != num_seqs:
             return None
         return self.decode_buffers.bucket_for(num_seqs)
-
-    @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        """Run one step; returns float32 logits and the request ids of their first rows.
-
-        Row i < len(ids) gives request ids[i]'s next token; the rows after them are the
-        prompt-logprobs rows (``prompt_logit_positions``, in scheduled order), then the rows
-        that score a speculative decode's proposals (``num_spec_tokens`` of them: proposal j
-        of each such request, in scheduled order; its row in ids scores the bonus token).
-        """
-        model_input = self.prepare_input(output)
-        logits = self.execute_model(model_input, output.blocks_to_copy)
-        return logits, model_input.sample_request_ids
 
     @torch.inference_mode()
     def execute_model(
@@ -387,10 +376,14 @@ class ModelRunner:
         if self.cuda_graphs is not None and bucket in self.cuda_graphs.graphs:
             hidden = self.cuda_graphs.replay(bucket)
         else:
-            hidden = self.model(
-                model_input.input_ids,
-                model_input.positions,
-                self.kv_caches,
-                model_input.attn_metadata,
-            )
+            hidden = self.forward(model_input)
         return self.model.compute_logits(hidden[model_input.logits_indices])
+
+    def forward(self, model_input: ModelInput) -> torch.Tensor:
+        """The model's hidden states for every token of the step."""
+        return self.model(
+            model_input.input_ids,
+            model_input.positions,
+            self.kv_caches,
+            model_input.attn_metadata,
+        )

@@ -1,4 +1,5 @@
-"""What the engine returns: RequestOutput and CompletionOutput, shaped like vLLM's.
+"""What the engine returns (RequestOutput and CompletionOutput, shaped like vLLM's), and what the
+model runner returns to the engine each step (ModelRunnerOutput).
 
 A DELTA stream makes one of each per running request per step, so they are slotted dataclasses:
 no per-object ``__dict__``, so they are cheaper to make and to read (vLLM keeps its output objects
@@ -7,7 +8,37 @@ as lean, for the same reason).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedserve.engine.spec_decode.verify import VerifyCounts
+
+
+class Logprob(float):
+    """A token's log-probability, a float, that also carries the token's rank in its position's
+    distribution (1: the likeliest; the number of tokens at least as likely, itself included),
+    as vLLM's ``Logprob`` does: ``.logprob`` and ``.rank`` read as vLLM's, and code that takes
+    a logprob as a number keeps working."""
+
+    __slots__ = ("rank",)
+
+    def __new__(cls, logprob: float, rank: int) -> Logprob:
+        value = float.__new__(cls, logprob)
+        value.rank = rank
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):  # slots and a float subclass: pickle (Ray, the cluster) by value
+        return Logprob, (float(self), self.rank)
+
+
+Logprobs = dict[int, Logprob]  # {token id: logprob}: the top N of a position, then the actual one
 
 
 @dataclass(slots=True)
@@ -99,3 +130,25 @@ class RequestOutput:
                 self.outputs[i] = completion
             else:
                 self.outputs[i].add_delta(completion)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step computed, by request id: the one contract between the runner and the
+    engine, which never learns in which row of the logits a request sat.
+
+    ``sampled_token_ids``: each sequence that reached its last known token, its new tokens (one;
+    under speculative decoding the accepted proposals, then the target's own token); an
+    ``n > 1`` request's first step adds its forks, under their own ids. ``logprobs``: for the
+    sequences that report them, one entry per sampled token. ``prompt_logprobs``: per request
+    that asked, (first position, entries) for the prompt positions computed this step; the
+    entry at position p scores prompt token p + 1. ``beam_logprobs``: a beam's raw
+    log-probabilities ``[V]`` (beams are not sampled: their group steps them all at once).
+    ``spec_decode``: the step's verification counts, when it verified proposals.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    spec_decode: VerifyCounts | None = None

@@ -12,8 +12,8 @@ from enum import IntEnum
 
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.kernels.sampling import GREEDY_TEMPERATURE
 
-_GREEDY_EPS = 1e-5
 # vLLM's seed range: a signed 64-bit integer (torch.long), refused beyond as its server does
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # the engine's default cap (EngineArgs.max_logprobs), checked at add_request
@@ -55,6 +55,17 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be drawn
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words that are never written (each word's tokens, with and without a leading
+    # space: the last token of one is masked once the ones before it are out)
+    bad_words: list[str] | None = None
+    # vLLM's thinking budget: after this many tokens inside the thinking, the end of the
+    # thinking is forced; the thinking's start and end are token ids a reasoning parser names
+    # (the server sets them from --reasoning-parser)
+    thinking_token_budget: int | None = None
+    thinking_start_token_ids: list[int] | None = None
+    thinking_end_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
@@ -76,7 +87,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _require(self, ok: bool, name: str, message: str) -> None:
         if not ok:
@@ -102,6 +113,7 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         self._validate_lengths()
         self._validate_outputs_and_stops()
+        self._validate_token_constraints()
         if self.use_beam_search:
             self._validate_beam_search()
         elif self.best_of not in (None, self.n):
@@ -157,6 +169,38 @@ class SamplingParams:
                     "logit_bias",
                 )
 
+    def _validate_token_constraints(self) -> None:
+        check = self._require
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            check(
+                isinstance(ids, list)
+                and bool(ids)
+                and all(isinstance(t, int) and t >= 0 for t in ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids",
+            )
+        if self.bad_words is not None:
+            check(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be non-empty strings",
+            )
+        if self.thinking_token_budget is not None:
+            check(
+                isinstance(self.thinking_token_budget, int) and self.thinking_token_budget >= 0,
+                "thinking_token_budget",
+                "must be an integer >= 0",
+            )
+            for name in ("thinking_start_token_ids", "thinking_end_token_ids"):
+                ids = getattr(self, name)
+                check(
+                    bool(ids) and all(isinstance(t, int) and t >= 0 for t in ids),
+                    name,
+                    "must name the thinking's tokens when thinking_token_budget is set (a "
+                    "reasoning parser gives them)",
+                )
+
     def _validate_beam_search(self) -> None:
         """Beam search is deterministic: it takes no sampling knobs, stop strings or logprobs.
         Its ``stop_token_ids`` end a hypothesis as EOS does."""
@@ -172,6 +216,9 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "thinking_token_budget": self.thinking_token_budget is not None,
             "stop": bool(self.stop_strings),
             "min_tokens": self.min_tokens != 0,
             "logprobs": self.logprobs is not None,

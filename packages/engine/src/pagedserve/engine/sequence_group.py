@@ -1,25 +1,33 @@
-"""A user's request as the engine keeps it: one or more sequences that share a prompt.
+"""A user's request as the engine keeps it: one or more sequences that share a prompt, and how
+its outputs are made.
 
 The scheduler sees sequences (``scheduler.Request``); a user sees requests. With ``n == 1`` a
 request is one sequence under the request's own id. With ``n > 1`` the request starts as one
-sequence; when its prompt has been read (its first sample), it forks into ``n`` sequences that
-share the prompt's blocks, each drawing its own first token from the same logits. Beam search
-(beam_search.py) is a group too, whose sequences are its live beams.
+sequence; its first sample is drawn once per sequence (the runner draws its forks from the same
+row, each with its own generator) and the other ``n - 1`` sequences start then, sharing the
+prompt's blocks. Beam search (beam_search.py) is a group too, whose sequences are its live beams.
 
-Each sequence carries a ``SequenceState`` in ``Request.payload``: its generator, detokenizer,
-stop-string scan and logprobs. Each step a group decides from its rows of the logits
-(``decide``, decisions.py): a sampling group adds them to the step's one sampler batch, and
-after ``scheduler.update`` its decision detokenizes the new tokens, checks stop strings and
-starts the forks of an ``n > 1`` request.
+Each sequence carries a ``SequenceState`` in ``Request.payload``: what turns its tokens into
+text (the detokenizer, the stop-string scan), its logprobs, and its ``SamplingState`` (the
+runner's: params, generator, grammar matcher).
+
+Outputs, as ``SamplingParams.output_kind`` asks: CUMULATIVE, each output a snapshot of every
+sequence's whole text and tokens so far; DELTA (vLLM's delta outputs), only what each sequence
+added since the request's last output; FINAL_ONLY, none until the request finishes, then one
+snapshot. While a sequence with stop strings runs, the text it may still cut is held back
+(``visible_text``), so no kind ever takes text back.
+
+The common case at each decode step (a running sequence with no logprobs, grammar or stop
+strings, one new token) is what a busy server does most: ``process_new_tokens`` then only
+detokenizes, and ``make_output`` makes its output without the general checks (each
+microsecond there is a millisecond at a thousand requests: docs/benchmarks.md, "Engine host
+cost per step").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from pagedserve.engine.decisions import SamplingBatch, StepContext, StepDecision
 from pagedserve.engine.detokenizer import (
     ByteLevelDetokenizer,
     FinalTextDetokenizer,
@@ -27,49 +35,39 @@ from pagedserve.engine.detokenizer import (
     detokenizer_for,
     find_stop_string,
 )
-from pagedserve.engine.group_outputs import GroupOutputs
-from pagedserve.engine.outputs import RequestMetrics
+from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.engine.structured_output.backend import CompiledGrammar, GrammarMatcher
-from pagedserve.scheduler import (
-    Request,
-    RequestRejectedError,
-    RequestStatus,
-    SchedulerOverloadedError,
-)
+from pagedserve.engine.structured_output.backend import CompiledGrammar
+from pagedserve.scheduler import Request, RequestStatus, Scheduler
 
 _RUNNING = RequestStatus.RUNNING
+_DELTA = RequestOutputKind.DELTA
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 @dataclass(eq=False, slots=True)
 class SequenceState:
     """What the engine keeps per sequence beyond the scheduler's view (``Request.payload``).
 
-    ``grammar_matcher``: the sequence's place in its structured-output grammar (None when
-    unconstrained, or while the grammar compiles); it fills the sequence's row of each step's
-    bitmask and accepts each new token. Speculative decoding rolls it back with the scheduler's
-    ``rewind`` (``grammar_matcher.rollback(n)``).
-
-    ``text_sent``/``tokens_sent``: how much of the visible text and of the output tokens the
-    request's DELTA outputs have carried already.
-
-    ``plain``: no logprobs, no grammar, no stop strings, so a running decode's new token only
-    needs detokenizing (``process_new_token``'s lean path, the common request's).
+    ``num_processed``: output tokens already detokenized and checked. ``text_sent`` /
+    ``tokens_sent``: how much of the visible text and of the output tokens the request's DELTA
+    outputs have carried already. ``plain``: no logprobs, no grammar, no stop strings, so a
+    running decode's new token only needs detokenizing.
     """
 
     group: SequenceGroup
     index: int
-    generator: torch.Generator
+    sampling: SamplingState
     detokenizer: ByteLevelDetokenizer | FinalTextDetokenizer | IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[Logprobs] | None = None
     cumulative_logprob: float = 0.0
+    num_processed: int = 0
     text_checked: int = 0  # characters of text already searched for stop strings
     stop_string_hit: str | None = None
-    grammar_matcher: GrammarMatcher | None = None
     text_sent: int = 0
     tokens_sent: int = 0
     plain: bool = False
-    lean_path_enabled = True  # a class switch, for the test that holds the two paths equal
 
     def __post_init__(self) -> None:
         params = self.group.params
@@ -83,39 +81,42 @@ class SequenceState:
     def params(self) -> SamplingParams:
         return self.group.params
 
-    def record_logprobs(self, token_logprobs: dict[int, float], token: int) -> None:
-        if self.logprobs is not None:
-            self.logprobs.append(token_logprobs)
-            self.cumulative_logprob += token_logprobs[token]
-
-    def process_new_token(
-        self,
-        request: Request,
-        logprobs: dict[int, float] | None,
-        ctx: StepContext,
-        token_index: int = -1,
-    ) -> None:
-        """After ``scheduler.update`` appended a token: logprobs, detokenize, stop strings.
-
-        ``token_index``: which output token, when a step appended several (speculative
-        decoding's accepted run, processed in order); only the last one can have ended it."""
-        ctx.record_token(self.group)
-        ctx.num_generation_tokens += 1
-        if (
-            self.plain
-            and token_index == -1
-            and request.status is _RUNNING
-            and self.lean_path_enabled
-        ):  # the common decode: its token is not the last, and has no logprobs or stops
-            self.detokenizer.add_token(request.output_token_ids[-1])
-            return
+    def process_new_tokens(
+        self, request: Request, logprobs: list[Logprobs] | None, scheduler: Scheduler
+    ) -> int:
+        """After ``scheduler.update`` appended tokens: logprobs, grammar, detokenize, stop
+        strings, token by token (``logprobs``: one entry per new token). A stop string ends
+        the output at the token that completes it (a speculative run is cut there). Returns
+        how many tokens were processed."""
         output = request.output_token_ids
-        token = output[token_index]
-        last = token_index == -1 or token_index == len(output) - 1
-        if logprobs is not None:
-            self.record_logprobs(logprobs, token)
-        if self.grammar_matcher is not None:
-            self._advance_grammar(request, token, ctx)
+        first = self.num_processed
+        if self.plain and first == len(output) - 1 and request.status is _RUNNING:
+            self.num_processed += 1  # the common decode: not its last token, nothing to check
+            self.detokenizer.add_token(output[-1])
+            return 1
+        for index in range(first, len(output)):
+            token = output[index]
+            if logprobs is not None and self.logprobs is not None:
+                self.logprobs.append(logprobs[index - first])
+                self.cumulative_logprob += logprobs[index - first][token]
+            self._process_token(request, token, index, scheduler)
+            if self.stop_string_hit is not None:
+                del output[index + 1 :]  # the request is finished: its blocks are freed
+                break
+        num = len(output) - first
+        self.num_processed = len(output)
+        return num
+
+    def _process_token(self, request: Request, token: int, index: int, scheduler) -> None:
+        """Output token ``index``: only the last one of a step can have ended the request."""
+        last = index == len(request.output_token_ids) - 1
+        matcher = self.sampling.grammar_matcher
+        if matcher is not None:
+            matcher.accept_token(token)
+            if matcher.is_terminated() and not request.is_finished:
+                # a grammar that has ended (its stop token taken) ends the request even where
+                # the stop token does not (ignore_eos)
+                scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=token)
         hidden_stop = (
             last
             and request.status is RequestStatus.FINISHED_STOPPED
@@ -125,21 +126,14 @@ class SequenceState:
             self.detokenizer.add_token(token)
         if last and request.is_finished:
             self.detokenizer.flush()
-        if self.group.params.stop_strings:
-            self._check_stop_strings(request, ctx, len(output) if last else token_index + 1)
+        if self.params.stop_strings:
+            self._check_stop_strings(request, scheduler, index + 1)
 
-    def _advance_grammar(self, request: Request, token: int, ctx: StepContext) -> None:
-        """Accept the token; a grammar that has ended (its stop token taken) ends the request
-        even where the stop token does not (``ignore_eos``)."""
-        self.grammar_matcher.accept_token(token)
-        if self.grammar_matcher.is_terminated() and not request.is_finished:
-            ctx.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=token)
-
-    def _check_stop_strings(self, request: Request, ctx: StepContext, num_output: int) -> None:
+    def _check_stop_strings(self, request: Request, scheduler, num_output: int) -> None:
         """``num_output``: output tokens up to the one just processed."""
         stops = self.params.stop_strings
         text = self.detokenizer.text
-        if not stops or self.stop_string_hit is not None:
+        if self.stop_string_hit is not None:
             return
         if num_output < self.params.min_tokens:
             self.text_checked = len(text)  # as EOS: no stop string counts before min_tokens
@@ -152,13 +146,15 @@ class SequenceState:
         end = index + len(stop) if self.params.include_stop_str_in_output else index
         self.detokenizer.text = text[:end]
         self.stop_string_hit = stop
-        ctx.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
 
 
 @dataclass(eq=False)
-class SequenceGroup(GroupOutputs):
-    """The sequences of one request. ``sequences[i]`` is the scheduler Request of output i;
-    its outputs are made as group_outputs.py says."""
+class SequenceGroup:
+    """The sequences of one request. ``sequences[i]`` is the scheduler Request of output i.
+
+    ``pending_forks``: the other sequences of an ``n > 1`` request until its first sample, as
+    (index, generator); they start with the tokens the runner drew for them."""
 
     request_id: str
     prompt: str | None
@@ -168,11 +164,11 @@ class SequenceGroup(GroupOutputs):
     seed: int = 0
     output_kind: RequestOutputKind = field(init=False)
     sequences: list[Request[SequenceState]] = field(default_factory=list)
-    forked: bool = False
+    pending_forks: dict[str, int] = field(default_factory=dict)
     aborted: bool = False
     compiled_grammar: CompiledGrammar | None = None  # set once a structured output compiled
     # [None, {token 1: logprob, top-N...}, ...]: the first prompt token has no logprob
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     def __post_init__(self) -> None:
         self.output_kind = self.params.output_kind
@@ -180,125 +176,159 @@ class SequenceGroup(GroupOutputs):
             self.prompt_logprobs = [None]
 
     @property
-    def needs_fork(self) -> bool:
-        """True until an ``n > 1`` request has split into its ``n`` sequences."""
-        return self.params.n > 1 and not self.forked
-
-    @property
     def is_finished(self) -> bool:
         if self.aborted:
             return True
         sequences = self.sequences
         if len(sequences) == 1:  # the common case, without a generator per request per step
-            return sequences[0].is_finished and not self.needs_fork
-        return not self.needs_fork and all(s.is_finished for s in sequences)
+            return sequences[0].is_finished and not self.pending_forks
+        return not self.pending_forks and all(s.is_finished for s in sequences)
 
     def child_request_id(self, index: int) -> str:
         return self.request_id if index == 0 else f"{self.request_id}#{index}"
 
-    def new_state(self, index: int, tokenizer, device: torch.device) -> SequenceState:
-        """The state of sequence ``index``; sequence i draws from a generator seeded ``seed + i``."""
+    def sequence_state(self, index: int, sampling: SamplingState, tokenizer) -> SequenceState:
+        """The output side of sequence ``index``."""
         return SequenceState(
             group=self,
             index=index,
-            generator=torch.Generator(device=device).manual_seed((self.seed + index) % 2**64),
+            sampling=sampling,
             detokenizer=detokenizer_for(
                 tokenizer,
                 self.prompt_token_ids,
                 self.params.skip_special_tokens,
                 # FINAL_ONLY without stop strings: no text is read before the request ends
-                final_text=self.output_kind is RequestOutputKind.FINAL_ONLY
-                and not self.params.stop_strings,
+                final_text=self.output_kind is _FINAL_ONLY and not self.params.stop_strings,
             ),
             logprobs=[] if self.params.logprobs is not None else None,
-            grammar_matcher=None
-            if self.compiled_grammar is None
-            else self.compiled_grammar.matcher(),
         )
 
-    # ---- one step ------------------------------------------------------------------------
+    def record_prompt_logprobs(self, start: int, entries: list[Logprobs]) -> bool:
+        """Append the prompt logprobs of positions ``start``... (the entry at position p scores
+        token p + 1); a position already recorded (a chunk recomputed after preemption) is not
+        recorded twice. True once every prompt position is recorded."""
+        recorded = self.prompt_logprobs
+        for position, entry in enumerate(entries, start):
+            if position + 1 == len(recorded):
+                recorded.append(entry)
+        return len(recorded) == len(self.prompt_token_ids)
 
-    def decide(self, rows: list[tuple[Request, int]], batch: SamplingBatch) -> StepDecision:
-        """Add this step's rows (request, logits row) to the sampler batch. The row of an
-        ``n > 1`` request's first sample is added ``n`` times: once for each sequence it forks
-        into, each drawing with its own generator."""
-        decision = SamplingDecision(self, batch)
-        for request, row in rows:
-            state = request.payload
-            decision.slots.append((request, state, batch.add(row, state, request)))
-            if self.needs_fork:
-                self.forked = True
-                tokenizer = state.detokenizer.tokenizer
-                for index in range(1, self.params.n):
-                    child = self.new_state(index, tokenizer, batch.logits.device)
-                    decision.slots.append((None, child, batch.add(row, child, None)))
-        return decision
+    # ---- outputs -------------------------------------------------------------------------
 
-    def start_child(
-        self, state: SequenceState, token: int, logprobs: dict[int, float] | None, ctx: StepContext
-    ) -> None:
-        """Sequence ``state.index`` of an n > 1 request, born with its first token: it forks
-        the parent's blocks."""
-        parent = self.sequences[0]
-        child = Request(
-            request_id=self.child_request_id(state.index),
-            prompt_token_ids=list(self.prompt_token_ids),
-            max_tokens=parent.max_tokens,
-            min_tokens=parent.min_tokens,
-            stop_token_ids=parent.stop_token_ids,
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            lora_int_id=parent.lora_int_id,  # the parent's blocks were computed with it
-            payload=state,
+    @property
+    def has_new_output(self) -> bool:
+        """Whether a step that touched this request makes it an output: always, except a
+        FINAL_ONLY request, which has none until it finishes (vLLM's FINAL_ONLY)."""
+        return self.output_kind is not _FINAL_ONLY or self.is_finished
+
+    def num_output_tokens(self, output: RequestOutput) -> int:
+        """Tokens generated in all, for the finished-request stats: ``output``'s when it is a
+        snapshot, the sequences' own when it is a delta."""
+        if self.output_kind is _DELTA:
+            return sum(len(s.output_token_ids) for s in self.sequences)
+        return sum(len(o.token_ids) for o in output.outputs)
+
+    def visible_text(self, request: Request) -> str:
+        """The text a caller may see now. While a sequence with stop strings runs, its last
+        ``max(len(stop)) - 1`` characters are held back: they may yet begin a stop string that
+        will be cut, and streamed text cannot be taken back."""
+        state: SequenceState = request.payload
+        text = state.detokenizer.text
+        stops = self.params.stop_strings
+        if not stops or request.is_finished or self.params.include_stop_str_in_output:
+            return text
+        hold = max(len(s) for s in stops) - 1
+        return text[: max(0, len(text) - hold)]
+
+    def completion(self, request: Request) -> CompletionOutput:
+        """The sequence's whole output so far (CUMULATIVE and FINAL_ONLY)."""
+        state: SequenceState = request.payload
+        logprobs = state.logprobs
+        return CompletionOutput(  # positional: this runs for every request at every step
+            state.index,
+            self.visible_text(request) if self.params.stop_strings else state.detokenizer.text,
+            request.output_token_ids.copy(),
+            None if logprobs is None else state.cumulative_logprob,
+            None if logprobs is None else logprobs.copy(),
+            request.status.finish_reason,
+            None if request.stop_reason is None else self.stop_reason(request),
         )
-        child.append_output_token(token)
-        self.sequences.append(child)
-        stop = child.check_stop()
-        if stop is not None:
-            ctx.scheduler.finish_request(child, stop)  # done at its first token: no block
-        elif parent.status is RequestStatus.RUNNING:
-            ctx.scheduler.add_forked_request(parent.request_id, child)
+
+    def completion_delta(self, request: Request) -> CompletionOutput:
+        """What the sequence added since its last output (DELTA, vLLM's delta outputs): the
+        new visible text, token ids and logprobs; ``cumulative_logprob`` stays cumulative.
+        Visible text only grows (``visible_text`` holds back what a stop string may cut), so
+        a delta never has to take text back."""
+        state: SequenceState = request.payload
+        logprobs = state.logprobs
+        text = self.visible_text(request) if self.params.stop_strings else state.detokenizer.text
+        tokens = request.output_token_ids
+        text_sent, tokens_sent = state.text_sent, state.tokens_sent
+        state.text_sent, state.tokens_sent = len(text), len(tokens)
+        return CompletionOutput(
+            state.index,
+            text[text_sent:],
+            tokens[tokens_sent:],
+            None if logprobs is None else state.cumulative_logprob,
+            None if logprobs is None else logprobs[tokens_sent:],
+            request.status.finish_reason,
+            None if request.stop_reason is None else self.stop_reason(request),
+        )
+
+    def stop_reason(self, request: Request) -> int | str | None:
+        """The stop string or stop token id that ended ``request``; None when it ended on EOS
+        (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
+        reason = request.stop_reason
+        if isinstance(reason, int) and reason not in self.params.stop_token_ids:
+            return None
+        return reason
+
+    def make_output(self) -> RequestOutput:
+        """Every sequence's output: a snapshot of its whole text and tokens so far, or with
+        ``output_kind`` DELTA what it added since the request's last output."""
+        sequences = self.sequences
+        first = sequences[0]
+        state: SequenceState = first.payload
+        if (
+            len(sequences) == 1
+            and state.plain
+            and first.status is _RUNNING
+            and self.prompt_logprobs is None
+        ):
+            return self._running_plain_output(first, state)
+        completion = self.completion_delta if self.output_kind is _DELTA else self.completion
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [completion(first)] if len(sequences) == 1 else [completion(s) for s in sequences],
+            self.is_finished,
+            max(first.num_cached_tokens, 0),
+            self.metrics,
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+        )
+
+    def _running_plain_output(self, request: Request, state: SequenceState) -> RequestOutput:
+        """``make_output`` for the common request at each decode step: one running sequence
+        (so unfinished: no finish or stop reason), no logprobs, no stop strings (all its text
+        is visible), what ``completion``/``completion_delta`` would give without their checks."""
+        text = state.detokenizer.text
+        tokens = request.output_token_ids
+        if self.output_kind is _DELTA:
+            text_sent, tokens_sent = state.text_sent, state.tokens_sent
+            state.text_sent, state.tokens_sent = len(text), len(tokens)
+            completion = CompletionOutput(
+                state.index, text[text_sent:], tokens[tokens_sent:], None, None, None, None
+            )
         else:
-            # The parent ended at its first token and freed its blocks; the child is queued
-            # afresh and finds the prompt's blocks in the prefix cache.
-            try:
-                ctx.scheduler.add_request(child)
-            except (RequestRejectedError, SchedulerOverloadedError):
-                ctx.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-        state.process_new_token(child, logprobs, ctx)
-
-
-@dataclass
-class SamplingDecision:
-    """A sampling group's step: its slots in the sampler batch, applied after the update.
-
-    A slot is (request, its state, batch slot); the request is None for a fork not yet born.
-    """
-
-    group: SequenceGroup
-    batch: SamplingBatch
-    slots: list[tuple[Request | None, SequenceState, int]] = field(default_factory=list)
-
-    def sampled_tokens(self) -> dict[str, int]:
-        if len(self.slots) == 1 and self.slots[0][0] is not None:
-            request, _, slot = self.slots[0]
-            return {request.request_id: self.batch.token(slot)}
-        return {r.request_id: self.batch.token(slot) for r, _, slot in self.slots if r is not None}
-
-    def apply(self, ctx: StepContext) -> bool:
-        """Process the parents' new tokens, then start the forks, in slot order."""
-        if len(self.slots) == 1 and self.slots[0][0] is not None:  # one sequence, no fork
-            request, state, slot = self.slots[0]
-            if request.request_id not in ctx.updated:
-                return False
-            state.process_new_token(request, self.batch.logprobs(slot), ctx)
-            return True
-        for request, state, slot in self.slots:
-            if request is not None and request.request_id in ctx.updated:
-                state.process_new_token(request, self.batch.logprobs(slot), ctx)
-        for request, state, slot in self.slots:
-            if request is None:
-                self.group.start_child(
-                    state, self.batch.token(slot), self.batch.logprobs(slot), ctx
-                )
-        return any(r is not None and r.request_id in ctx.updated for r, _, _ in self.slots)
+            completion = CompletionOutput(state.index, text, tokens.copy(), None, None, None, None)
+        cached = request.num_cached_tokens  # -1 until its first admission
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [completion],
+            False,
+            cached if cached > 0 else 0,
+            self.metrics,
+        )

@@ -28,6 +28,9 @@ def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_s
     for name, ids in (
         ("logit_bias", params.logit_bias or {}),
         ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("thinking_start_token_ids", params.thinking_start_token_ids or ()),
+        ("thinking_end_token_ids", params.thinking_end_token_ids or ()),
     ):
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:

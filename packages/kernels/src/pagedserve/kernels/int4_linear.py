@@ -17,7 +17,7 @@ only the 4-bit words (an eighth of fp32's bytes) are read from memory: that is w
 memory-bound decode step wants. The reference (the CPU engine's path) dequantizes the whole
 layer into a reusable fp32 buffer (:class:`Int4Workspace`) and calls one fp32 GEMM; for a
 decode step's few rows the CPU runs a numba loop over the words instead
-(int4_linear_numba.py). On a CPU the 4-bit weight saves memory, not time
+(cpu/int4_linear.py). On a CPU the 4-bit weight saves memory, not time
 (docs/quantization.md has the measurements).
 """
 
@@ -220,7 +220,7 @@ def int4_linear(
     if path == "triton":
         return int4_linear_triton(x, qweight, scales, zeros, group_size, g_idx, bias)
     if path == "numba" and g_idx is None and x.dtype == torch.float32:
-        from pagedserve.kernels import int4_linear_numba as numba_path
+        from pagedserve.kernels.cpu import int4_linear as numba_path
 
         if x.numel() <= numba_path.MAX_ROWS * x.shape[-1]:
             return numba_path.int4_linear_numba(x, qweight, scales, zeros, group_size, bias)

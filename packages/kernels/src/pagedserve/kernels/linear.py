@@ -1,7 +1,7 @@
 """The dense linear layer's GEMM, ``x @ weight.T + bias``, by the fastest path for the call.
 
 On a GPU (and under Triton's interpreter) this is ``F.linear``: cuBLAS is the kernel. On a CPU a
-decode step's few rows go to the numba kernel (dense_linear_numba.py: MKL streams the weights at
+decode step's few rows go to the numba kernel (cpu/dense_linear.py: MKL streams the weights at
 well under the memory's speed there), everything else to ``F.linear`` (MKL). The choice goes
 through ``dispatch.kernel_path`` like every other kernel's, so ``PAGEDSERVE_KERNELS=ref`` gives
 MKL alone.
@@ -20,10 +20,11 @@ from pagedserve.kernels.dispatch import kernel_path
 
 @cache
 def _numba_gemm() -> ModuleType:
-    """dense_linear_numba, imported on the first CPU call (numba is not loaded on a GPU)."""
-    from pagedserve.kernels import dense_linear_numba
+    """The decode GEMM (cpu/dense_linear.py), imported on the first CPU call (numba is not
+    loaded on a GPU)."""
+    from pagedserve.kernels.cpu import dense_linear
 
-    return dense_linear_numba
+    return dense_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

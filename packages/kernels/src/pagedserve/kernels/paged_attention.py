@@ -279,22 +279,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-    plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
     and short chunks with SDPA for long prefill chunks; the reference when asked for.
-    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer. ``plans``:
-    a dict that lives for one step (one batch layout), where the numba path keeps the work
-    plan it derives from the layout for the step's other layers; the others ignore it."""
+    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     path = kernel_path(query, has_numba=True)
     if path == "triton":
         return paged_attention_triton(*args, **extra)
     if path == "numba":
-        from pagedserve.kernels.paged_attention_numba import paged_attention_cpu
+        from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu
 
-        return paged_attention_cpu(*args, **extra, plans=plans)
+        return paged_attention_cpu(*args, **extra)
     return paged_attention_ref(*args, **extra)

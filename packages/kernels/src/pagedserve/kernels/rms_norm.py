@@ -97,7 +97,7 @@ def rms_norm(
     if path == "triton":
         return rms_norm_triton(x, weight, eps, residual)
     if path == "numba":
-        from pagedserve.kernels import layer_ops_numba as ops
+        from pagedserve.kernels.cpu import layer_ops as ops
 
         if ops.supports(x, weight, *(() if residual is None else (residual,))):
             return ops.rms_norm_numba(x, weight, eps, residual)

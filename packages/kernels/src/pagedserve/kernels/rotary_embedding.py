@@ -135,7 +135,7 @@ def rotary_embedding(
     if path == "triton":
         return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox)
     if path == "numba":
-        from pagedserve.kernels import layer_ops_numba as ops
+        from pagedserve.kernels.cpu import layer_ops as ops
 
         if ops.supports(query, key, cos_sin_cache):
             _check(positions, query, key, cos_sin_cache)

@@ -58,7 +58,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if path == "triton":
         return silu_and_mul_triton(x)
     if path == "numba":
-        from pagedserve.kernels import layer_ops_numba as ops  # numba: on CPU only
+        from pagedserve.kernels.cpu import layer_ops as ops  # numba: on CPU only
 
         if ops.supports(x):
             return ops.silu_and_mul_numba(x)

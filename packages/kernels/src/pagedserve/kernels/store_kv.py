@@ -108,7 +108,7 @@ def store_kv(
     if path == "triton":
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     elif path == "numba":
-        from pagedserve.kernels import layer_ops_numba as ops
+        from pagedserve.kernels.cpu import layer_ops as ops
 
         if ops.supports(key, value) and ops.supports_caches(k_cache, v_cache):
             _check(key, value, k_cache, v_cache, slot_mapping)

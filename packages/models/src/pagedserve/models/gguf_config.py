@@ -30,10 +30,6 @@ GGUF_ARCHITECTURES = {
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
-def is_gguf_file(model: str | Path) -> bool:
-    return str(model).endswith(".gguf")
-
-
 def open_gguf(path: str | Path):
     """A ``gguf.GGUFReader`` over the file (memory-mapped: nothing is read until a tensor is).
 

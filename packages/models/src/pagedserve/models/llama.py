@@ -16,7 +16,6 @@ from pagedserve.models.config import ModelConfig
 from pagedserve.models.interface import KVCache
 from pagedserve.models.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedserve.models.layers.fused_cpu_layer import fused_decoder_layer
 from pagedserve.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -128,18 +127,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         # a dense MLP, or what the model's mlp_factory builds for this layer (MoE blocks)
         self.mlp = LlamaMLP(config, par) if mlp_factory is None else mlp_factory(layer_idx)
-        self.dense_mlp = type(self.mlp) is LlamaMLP  # what the fused CPU layer can stand in for
-        self.fused_cpu = None  # its weights for the fused CPU layer, gathered at first use
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
-        # A small CPU step: the whole layer in one numba call, the same bits (fused_cpu_layer.py)
-        fused = fused_decoder_layer(self, positions, hidden, residual, kv_cache, meta)
-        if fused is not None:
-            return fused
-        return self.forward_modules(positions, hidden, residual, kv_cache, meta)
-
-    def forward_modules(self, positions, hidden, residual, kv_cache: KVCache, meta):
-        """The layer module by module: every device, dtype and batch."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:

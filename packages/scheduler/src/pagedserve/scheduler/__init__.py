@@ -2,13 +2,9 @@
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.scheduler.scheduler import (
-    ScheduledRequest,
-    Scheduler,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from pagedserve.scheduler.scheduler import Scheduler
 
 __all__ = [
     "Request",

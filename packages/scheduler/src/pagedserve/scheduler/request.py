@@ -37,39 +37,42 @@ class TokenIds(Sequence[int]):
     """A request's prompt then output tokens as one read-only sequence, without copying them.
 
     The scheduler and the block manager read every running request's tokens at every step;
-    concatenating the two lists each time would copy whole sequences per step.
+    concatenating the two lists each time would copy whole sequences per step. The view reads
+    the request's lists at each access, so one view per request serves its whole life.
     """
 
-    __slots__ = ("_prompt", "_output")
+    __slots__ = ("_request",)
 
-    def __init__(self, prompt: list[int], output: list[int]) -> None:
-        self._prompt, self._output = prompt, output
+    def __init__(self, request: Request) -> None:
+        self._request = request
 
     def __len__(self) -> int:
-        return len(self._prompt) + len(self._output)
+        request = self._request
+        return len(request.prompt_token_ids) + len(request.output_token_ids)
 
     @overload
     def __getitem__(self, index: int) -> int: ...
     @overload
     def __getitem__(self, index: slice) -> list[int]: ...
     def __getitem__(self, index):
-        n = len(self._prompt)
+        prompt, output = self._request.prompt_token_ids, self._request.output_token_ids
+        n = len(prompt)
         if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
+            start, stop, step = index.indices(n + len(output))
             if step != 1:
                 return list(self)[index]
             if stop <= n:
-                return self._prompt[start:stop]
+                return prompt[start:stop]
             if start >= n:
-                return self._output[start - n : stop - n]
-            return self._prompt[start:] + self._output[: stop - n]
+                return output[start - n : stop - n]
+            return prompt[start:] + output[: stop - n]
         if index < 0:
-            index += len(self)
-        return self._prompt[index] if index < n else self._output[index - n]
+            index += n + len(output)
+        return prompt[index] if index < n else output[index - n]
 
     def __iter__(self):
-        yield from self._prompt
-        yield from self._output
+        yield from self._request.prompt_token_ids
+        yield from self._request.output_token_ids
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -134,11 +137,11 @@ class Request(Generic[PayloadT]):
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    # prompt then output tokens, as a view (slice it for a list)
+    all_token_ids: TokenIds = field(init=False, repr=False, compare=False)
 
-    @property
-    def all_token_ids(self) -> TokenIds:
-        """Prompt then output tokens, as a view (slice it for a list)."""
-        return TokenIds(self.prompt_token_ids, self.output_token_ids)
+    def __post_init__(self) -> None:
+        self.all_token_ids = TokenIds(self)
 
     @property
     def num_tokens(self) -> int:

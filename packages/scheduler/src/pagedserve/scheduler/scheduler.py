@@ -18,25 +18,31 @@ Invariants, after every call:
 - Every request in ``requests`` is either in ``running`` or in ``waiting``; a finished or aborted
   request is in neither and holds no block.
 
+``update`` takes the step's sampled tokens back: it appends them, meets the stop rules, rolls
+a speculative decode back past its rejected proposals, and frees what finished.
+
 The scheduler decides; it does not compute. It never imports torch.
+
+Why one file: scheduling and updating read and change the same state (``running``, the block
+manager, each request's computed count) at every step, so they are one class, of some 400
+lines, rather than two halves joined by inheritance.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler.admission import check_fits, check_not_overloaded
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from pagedserve.scheduler.output import SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
-from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.scheduler.update import StepUpdate
+from pagedserve.scheduler.request import _FINISHED_VALUES, Request, RequestStatus
 
 
-class Scheduler(StepUpdate):
+class Scheduler:
     """Continuous batching under one token budget, with chunked prefill, preemption and
     admission control."""
 
@@ -51,9 +57,7 @@ class Scheduler(StepUpdate):
         self._num_steps = 0
         self._total_scheduled_tokens = 0
         self._last_step = (0, 0)  # scheduled tokens, scheduled sequences
-        # The decode fast paths of schedule and update (on; tests turn them off to hold them
-        # equal to the general paths).
-        self.decode_fast_path = True
+        self._finished: list[Request] = []  # since the last step: reported in its output
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -198,16 +202,61 @@ class Scheduler(StepUpdate):
         new request would only take the blocks that the preempted one needs to return.
         """
         output = SchedulerOutput()
-        budget, num_spec = self._schedule_running(output, self.config.max_num_batched_tokens)
+        output.finished, self._finished = self._finished, []
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             budget = self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
-        num_tokens = self.config.max_num_batched_tokens - budget
-        output.finish(num_tokens, num_spec)
+        num_tokens = output.num_scheduled_tokens
         self._last_step = (num_tokens, output.num_scheduled_seqs)
         self._num_steps += 1
         self._total_scheduled_tokens += num_tokens
         return output
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, and finish requests that stop.
+
+        ``sampled_token_ids`` maps request id -> its new tokens, for the requests whose chunk
+        reached their last known token: one token, or for a speculative decode its accepted
+        proposals and then the target's own token. Each token meets the stop rules (EOS, stop
+        ids after ``min_tokens``, ``max_tokens``) in order, so a stop inside a run ends the
+        output there. A request finished between ``schedule`` and here (an abort, a stop
+        string) is skipped. Returns the requests that got new tokens, finished ones included;
+        those have already freed their blocks.
+        """
+        updated: list[Request] = []
+        stopped = False
+        spec, finished = output.spec_token_ids, _FINISHED_VALUES
+        for request, num_new in zip(output.requests, output.num_new_tokens):
+            if request.status._value_ in finished:  # request.is_finished, without the call
+                continue
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            tokens = sampled_token_ids.get(request.request_id)
+            output_ids = request.output_token_ids
+            if tokens is None or num_computed < len(request.prompt_token_ids) + len(output_ids):
+                continue  # a prefill chunk short of the last known token: nothing sampled
+            updated.append(request)
+            for token in tokens:
+                output_ids.append(token)
+                stop = request.check_stop()
+                if stop is not None:
+                    self._finish(request, stop)
+                    stopped = True
+                    break
+            else:
+                if spec and request.request_id in spec:
+                    self._roll_back(request, len(spec[request.request_id]) - (len(tokens) - 1))
+        if stopped:
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
+    def _roll_back(self, request: Request, num_rejected: int) -> None:
+        """After a verify step: the rejected proposals' keys and values are garbage, so the
+        request is rewound past them and the blocks that only they used go back to the pool."""
+        self.rewind(request.request_id, num_rejected)
+        self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -220,94 +269,71 @@ class Scheduler(StepUpdate):
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, int]:
-        """Each running request's next chunk, in order, preempting from the tail as needed.
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Each running request's next chunk, in order, preempting from the tail as needed;
+        returns the budget left.
 
-        Runs of decodes take the fast path (``_schedule_decodes``); the first request it cannot
-        take goes through the general path (``_schedule_chunk``), and so on. Returns the budget
-        left and the proposals scheduled for verification.
-        """
+        Nearly every running request of a busy server is a decode (its one last known token, no
+        proposals) whose token lands in its own last block, so the loop asks ``allocate_slots``
+        for it first, in O(1) and without chunking rules; any other request, and a decode the
+        pool cannot serve at once, takes ``_schedule_chunk`` (which may preempt)."""
         max_seqs, running = self.config.max_num_seqs, self.running
-        index = num_spec = 0
-        while index < len(running) and budget > 0 and output.num_scheduled_seqs < max_seqs:
-            if self.decode_fast_path:
-                stop = index + min(budget, max_seqs - output.num_scheduled_seqs)
-                num_decodes = self._schedule_decodes(output, index, stop)
-                index, budget = index + num_decodes, budget - num_decodes
-                if index >= len(running) or not budget or output.num_scheduled_seqs >= max_seqs:
-                    break
-            item = self._schedule_chunk(running[index], budget, output)
-            if item is None:
-                break  # the request was the last one running, and preempted itself
-            budget -= item.num_new_tokens
-            num_spec += len(item.spec_token_ids)
-            index += 1
-        return budget, num_spec
-
-    def _schedule_decodes(self, output: SchedulerOutput, start: int, stop: int) -> int:
-        """The decode fast path over ``running[start:stop]``: how many requests in a row, from
-        ``start``, it scheduled (each one token, so ``stop`` keeps them within the budget and
-        the sequence cap).
-
-        A request whose next chunk is its one last token, with no proposals, needs no chunking
-        rules; one whose token lands in its own last block (``kv.decode_in_place``) or starts or
-        fills a block (``kv.allocate_decode_slot``) needs no general allocation and cannot cause
-        a preemption. The first other request stops the run (``_schedule_chunk`` takes it).
-        The items go to ``output.decodes``, with their tokens (``scheduled`` lists them too).
-        """
-        kv, decodes = self.kv, output.decodes
-        in_place, allocate = kv.decode_in_place, kv.allocate_decode_slot
-        requests, req_ids, computed = decodes.requests, decodes.req_ids, decodes.num_computed_tokens
-        token_ids, block_ids = decodes.token_ids, decodes.block_ids
-        count = 0
-        for request in self.running[start:stop]:
+        allocate, block_ids = self.kv.allocate_slots, self.kv.block_ids
+        requests, starts = output.requests, output.num_computed_tokens
+        counts, tables = output.num_new_tokens, output.block_ids
+        index = 0
+        while index < len(running) and budget > 0 and len(requests) < max_seqs:
+            request = running[index]
             num_computed = request.num_computed_tokens
-            prompt_ids, output_ids = request.prompt_token_ids, request.output_token_ids
-            if request.spec_token_ids or num_computed + 1 != len(prompt_ids) + len(output_ids):
-                break
-            request_id = request.request_id
-            ids = in_place(request_id, num_computed)
-            if ids is None:
-                ids = allocate(
-                    request_id,
+            if (
+                not request.spec_token_ids
+                and num_computed + 1
+                == len(request.prompt_token_ids) + len(request.output_token_ids)
+                and allocate(
+                    request.request_id,
                     request.all_token_ids,
                     num_computed,
+                    1,
+                    (),
                     request.cache_salt,
                     request.lora_int_id,
                 )
-                if ids is None:
-                    break
-            requests.append(request)
-            req_ids.append(request_id)
-            computed.append(num_computed)
-            token_ids.append(output_ids[-1] if output_ids else prompt_ids[-1])
-            block_ids.append(ids)
-            count += 1
-        return count
+            ):  # output.add(request, num_computed, 1, ...), written out
+                requests.append(request)
+                starts.append(num_computed)
+                counts.append(1)
+                tables.append(block_ids(request.request_id))
+                output.num_scheduled_tokens += 1
+                num_new = 1
+            else:
+                num_new = self._schedule_chunk(request, budget, output)
+                if not num_new:
+                    break  # the request was the last one running, and preempted itself
+            budget -= num_new
+            index += 1
+        return budget
 
-    def _schedule_chunk(
-        self, request: Request, budget: int, output: SchedulerOutput
-    ) -> ScheduledRequest | None:
-        """The general path for one running request: its next chunk (a decode takes its one
-        token and any proposals, as far as the budget goes; a prefill the chunking rules),
-        allocated, preempting from the tail as needed. None when ``request`` itself had to go."""
+    def _schedule_chunk(self, request: Request, budget: int, output: SchedulerOutput) -> int:
+        """One running request's next chunk (a decode takes its one token and any proposals,
+        as far as the budget goes; a prefill the chunking rules), allocated, preempting from
+        the tail as needed. Returns its token count: 0 when ``request`` itself had to go."""
         num_computed = request.num_computed_tokens
-        spec: list[int] = []
+        spec = request.spec_token_ids
         if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
-            num_new = 1  # what _num_new_tokens gives a decode under any budget left (> 0)
-            if request.spec_token_ids:  # verify the proposals too, as far as the budget goes
-                spec, request.spec_token_ids = request.spec_token_ids[: budget - 1], []
+            num_new = 1  # a decode: what _num_new_tokens gives it under any budget left (> 0)
+            if spec:  # verify the proposals too, as far as the budget goes
+                spec, request.spec_token_ids = spec[: budget - 1], []
                 num_new += len(spec)
+                if not self._allocate(request, num_computed, num_new):
+                    spec, num_new = [], 1  # proposals never cost another request its place
         else:
             num_new = self._num_new_tokens(request, num_computed, budget)
-        if spec and not self._allocate(request, num_computed, num_new):
-            spec, num_new = [], 1  # proposals never cost another request its place
         if not spec and not self._allocate_or_preempt(request, num_new, output):
-            return None
-        block_ids = self.kv.block_ids(request.request_id)
-        item = ScheduledRequest(request, num_computed, num_new, block_ids, spec)
-        output.scheduled.append(item)
-        return item
+            return 0
+        output.add(request, num_computed, num_new, self.kv.block_ids(request.request_id))
+        if spec:
+            output.spec_token_ids[request.request_id] = spec
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Get ``request`` the slots for its chunk, preempting from the tail of ``running`` until
@@ -368,11 +394,7 @@ class Scheduler(StepUpdate):
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self._add_running(request)
-            output.scheduled.append(
-                ScheduledRequest(
-                    request, num_cached, num_new, self.kv.block_ids(request.request_id)
-                )
-            )
+            output.add(request, num_cached, num_new, self.kv.block_ids(request.request_id))
             budget -= num_new
         return budget
 
@@ -397,3 +419,4 @@ class Scheduler(StepUpdate):
         request.status = status
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+        self._finished.append(request)

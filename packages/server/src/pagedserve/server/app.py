@@ -1,4 +1,4 @@
-"""The Starlette application: routes, body parsing, the gate middleware, metrics, lifespan.
+"""The Starlette application: routes, the gate middleware, metrics, lifespan.
 
 ``build_app(engine, config)`` takes an ``AsyncLLM`` (any ``EngineClient``) and returns an
 ASGI app; it runs under uvicorn (``pagedserve serve``) or in-process (httpx.ASGITransport,
@@ -6,6 +6,7 @@ Starlette's TestClient). Routes:
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
+    GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     POST|GET /v1/files, GET|DELETE /v1/files/{id}, GET /v1/files/{id}/content  (OpenAI's Files)
@@ -22,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -36,13 +38,7 @@ from starlette.staticfiles import StaticFiles
 
 from pagedserve.engine import EngineClient, EngineDeadError
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.errors import (
-    EXCEPTION_HANDLERS,
-    APIError,
-    from_validation_error,
-    read_body,
-    read_json,
-)
+from pagedserve.server.errors import EXCEPTION_HANDLERS, APIError
 from pagedserve.server.metrics import EngineMetrics
 from pagedserve.server.middleware import (
     GateMiddleware,
@@ -61,7 +57,9 @@ from pagedserve.server.protocol import (
     ModelList,
     VersionResponse,
 )
+from pagedserve.server.protocol_messages import CountTokensRequest, MessagesRequest
 from pagedserve.server.protocol_responses import ResponsesRequest
+from pagedserve.server.request_bodies import read_body, read_json, state_of, validated
 from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_batches import ROUTES as BATCH_ROUTES
 from pagedserve.server.serving_batches import BatchService
@@ -73,9 +71,14 @@ from pagedserve.server.serving_lora import (
     load_startup_adapters,
     unload_lora_adapter,
 )
-from pagedserve.server.serving_responses import create_response
-from pagedserve.server.serving_tokenize import detokenize, tokenize, tokenizer_info
-from pagedserve.server.state import ServedModels, ServerState, now_s, state_of
+from pagedserve.server.serving_messages import count_tokens, create_message
+from pagedserve.server.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
+)
+from pagedserve.server.serving_tokenization import detokenize, tokenize, tokenizer_info
+from pagedserve.server.state import ServedModels, ServerState, now_s
 
 logger = logging.getLogger("pagedserve.server")
 METRICS_REFRESH_S = 10.0
@@ -86,6 +89,7 @@ GENERATION_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/chat/completions/batch",
         "/v1/responses",
+        "/v1/messages",
         "/invocations",
     }
 )
@@ -94,24 +98,16 @@ GENERATION_PATHS = frozenset(
 # ---- routes ------------------------------------------------------------------------------------
 
 
-async def completions(request: Request) -> Response:
-    body = await read_body(request, CompletionRequest)
-    return await create_completion(request, state_of(request, body.model), body)
+def body_route(model: type[BaseModel], create) -> Callable[[Request], Awaitable[Response]]:
+    """The route that reads its body as ``model`` and answers it with
+    ``create(request, state, body)``, on the served model the body names."""
 
+    async def route(request: Request) -> Response:
+        body = await read_body(request, model)
+        return await create(request, state_of(request, body.model), body)
 
-async def chat_completions(request: Request) -> Response:
-    body = await read_body(request, ChatCompletionRequest)
-    return await create_chat_completion(request, state_of(request, body.model), body)
-
-
-async def responses(request: Request) -> Response:
-    body = await read_body(request, ResponsesRequest)
-    return await create_response(request, state_of(request, body.model), body)
-
-
-async def batch_chat_completions(request: Request) -> Response:
-    body = await read_body(request, BatchChatCompletionRequest)
-    return await create_batch_chat_completion(request, state_of(request, body.model), body)
+    route.__name__ = create.__name__
+    return route
 
 
 async def invocations(request: Request) -> Response:
@@ -128,10 +124,7 @@ async def invocations(request: Request) -> Response:
             "['ChatCompletionRequest', 'CompletionRequest'] (a body with 'messages' or 'prompt')",
             400,
         )
-    try:
-        body = kind.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
+    body = validated(data, kind)
     return await create(request, state_of(request, body.model), body)
 
 
@@ -139,6 +132,14 @@ async def server_load(request: Request) -> Response:
     """vLLM's GET /load: the generation requests being served (0 unless
     --enable-server-load-tracking counts them)."""
     return JSONResponse(LoadResponse(server_load=request.app.state.server_load.count).model_dump())
+
+
+async def get_response(request: Request) -> Response:
+    return await retrieve_response(request, state_of(request))
+
+
+async def remove_response(request: Request) -> Response:
+    return await delete_response(request, state_of(request))
 
 
 def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
@@ -240,10 +241,25 @@ async def docs(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/responses", responses, methods=["POST"]),
-    Route("/v1/chat/completions/batch", batch_chat_completions, methods=["POST"]),
+    Route("/v1/completions", body_route(CompletionRequest, create_completion), methods=["POST"]),
+    Route(
+        "/v1/chat/completions",
+        body_route(ChatCompletionRequest, create_chat_completion),
+        methods=["POST"],
+    ),
+    Route(
+        "/v1/chat/completions/batch",
+        body_route(BatchChatCompletionRequest, create_batch_chat_completion),
+        methods=["POST"],
+    ),
+    Route("/v1/responses", body_route(ResponsesRequest, create_response), methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", remove_response, methods=["DELETE"]),
+    # Anthropic's Messages API (its errors in Anthropic's shape: errors.py)
+    Route("/v1/messages", body_route(MessagesRequest, create_message), methods=["POST"]),
+    Route(
+        "/v1/messages/count_tokens", body_route(CountTokensRequest, count_tokens), methods=["POST"]
+    ),
     Route("/invocations", invocations, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
@@ -366,9 +382,8 @@ def assemble_app(
 
 def open_paths(config: ServerConfig) -> frozenset[str]:
     """Routes served without the API key: /health (and SageMaker's /ping), the API's schema
-    and docs and the
-    playground page (their static files too; the page's own calls carry the key), and /metrics
-    unless configured otherwise."""
+    and docs and the playground page (their static files too; the page's own calls carry the
+    key), and /metrics unless configured otherwise."""
     paths = {"/", "/health", "/ping", "/openapi.json", "/docs"}
     if not config.metrics_require_api_key:
         paths.add("/metrics")

@@ -13,6 +13,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from pagedserve.engine.config import option
+from pagedserve.server.reasoning import REASONING_PARSERS
+from pagedserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 MIB = 1024 * 1024
 METRICS_PREFIXES = ("pagedserve", "vllm")  # --metrics-prefix: ours, or vLLM's own names
@@ -80,7 +82,24 @@ class ServerConfig:
         None, "a chat template (a Jinja file, or the template itself) instead of the model's"
     )
     tool_call_parser: str = option(
-        "hermes", "how tool calls are read from a reply under tool_choice auto: hermes, llama3_json"
+        "auto",
+        "how tool calls are read from a reply under tool_choice auto: auto (the format the chat "
+        "template writes calls in; hermes for a template without tools), hermes, llama3_json, "
+        "mistral, pythonic, llama4_pythonic, qwen3_coder, deepseek_v3, deepseek_v31, granite, "
+        "internlm, glm45",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "split a reasoning model's thinking from its answer (reasoning_content): deepseek_r1, "
+        "qwen3, think",
+    )
+    responses_store: str | None = option(
+        None,
+        "the SQLite file that keeps /v1/responses with store (default: "
+        "$PAGEDSERVE_HOME/responses.sqlite3; 'off' stores nothing)",
+    )
+    responses_store_max: int = option(
+        10000, "most responses kept in the store; the oldest are dropped beyond it"
     )
     enable_force_include_usage: bool = option(
         False,
@@ -140,10 +159,18 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in ("hermes", "llama3_json"):
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            names = ", ".join(["auto", *TOOL_CALL_PARSERS])
             raise ValueError(
-                f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}"
+                f"tool_call_parser must be one of {names}, got {self.tool_call_parser!r}"
             )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            names = ", ".join(REASONING_PARSERS)
+            raise ValueError(
+                f"reasoning_parser must be one of {names}, got {self.reasoning_parser!r}"
+            )
+        if self.responses_store_max < 1:
+            raise ValueError(f"responses_store_max must be >= 1, got {self.responses_store_max}")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(
                 f"metrics_prefix must be one of {METRICS_PREFIXES}, got {self.metrics_prefix!r}"

@@ -4,6 +4,12 @@ Every error body is ``{"error": {"message", "type", "param", "code"}}`` so that 
 clients raise their typed exceptions (BadRequestError, AuthenticationError, NotFoundError,
 RateLimitError...). ``param`` names the request field at fault when there is one.
 
+Under /v1/messages (Anthropic's Messages API) the same errors take Anthropic's shape instead,
+``{"type": "error", "error": {"type", "message"}}``, with Anthropic's type names
+(``invalid_request_error``, ``authentication_error``, ``not_found_error``, ``overloaded_error``,
+``api_error``...), so that the anthropic client raises its typed exceptions: ``APIError.response``
+takes the request's path and picks the shape.
+
 Mapping: invalid parameters (pydantic, and the engine's ``InvalidRequestError``, raised by
 SamplingParams and by the engine's checks against the model) -> 400; bad key -> 401; unknown
 model or route -> 404; body too large -> 413; headers too large -> 431; queue full
@@ -18,7 +24,7 @@ import logging
 import re
 from http import HTTPStatus
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -69,8 +75,33 @@ class APIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status_code, "invalid_request_error")
+        if self.status_code >= 500 and self.status_code not in _ANTHROPIC_TYPES:
+            kind = "api_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as a response, in Anthropic's shape under /v1/messages, else OpenAI's."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -150,26 +181,6 @@ def from_engine_error(
     return internal_error()
 
 
-async def read_json(request: Request) -> dict:
-    """The body as a JSON object (415 for another content type, 400 for bad UTF-8 or JSON)."""
-    content_type = request.headers.get("content-type", "application/json")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(f"the body must be application/json, got {content_type!r}", 415)
-    data = parse_json_body(await request.body())
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", 400)
-    return data
-
-
-async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body validated as ``model``; every failure is a 4xx in OpenAI's shape."""
-    data = await read_json(request)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
-
 # A \uD800-\uDFFF escape: the only way a JSON text can hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -226,7 +237,7 @@ def _refuse_lone_surrogates(data: object) -> None:
 
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -236,7 +247,8 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
         message = f"no route {request.method} {request.url.path}"
     else:
         message = exc.detail or HTTPStatus(exc.status_code).phrase
-    return APIError(message, exc.status_code, headers=dict(exc.headers or {})).response()
+    error = APIError(message, exc.status_code, headers=dict(exc.headers or {}))
+    return error.response(request.url.path)
 
 
 async def handle_client_disconnect(request: Request, exc: Exception) -> Response:

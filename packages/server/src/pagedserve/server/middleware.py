@@ -10,8 +10,9 @@ known to be allowed:
    ``/health/../v1/models`` cannot reach a protected route unauthenticated, because they are
    either routed as ``/v1/models`` (and checked as such) or not routed at all;
 3. with an API key, every path but the open ones (``/health``, ``/metrics`` unless configured
-   otherwise, the API's schema and docs) needs ``Authorization: Bearer <key>``, compared in
-   constant time (``hmac.compare_digest`` on the bytes) -> 401 otherwise;
+   otherwise, the API's schema and docs) needs ``Authorization: Bearer <key>`` or, as
+   Anthropic's clients send it, ``x-api-key: <key>``, compared in constant time
+   (``hmac.compare_digest`` on the bytes) -> 401 otherwise;
 4. a declared ``Content-Length`` over ``max_body_bytes`` -> 413 at once; a chunked body is
    counted as it is read and fails with 413 when it passes the cap. The paths of
    ``upload_limits`` (POST /v1/files) have caps of their own (``--max-file-bytes``).
@@ -94,7 +95,7 @@ class GateMiddleware:
         try:
             scope = self._check(scope)
         except APIError as error:
-            await error.response()(scope, receive, send)
+            await error.response(normalize_path(scope["path"]))(scope, receive, send)
             return
         await self.app(scope, self._counting_receive(receive, self._limit(scope)), send)
 
@@ -112,8 +113,8 @@ class GateMiddleware:
         path = normalize_path(scope["path"])
         scope = dict(scope, path=path, raw_path=quote(path).encode())
         if self.api_key is not None and not self._is_open(path):
-            token = bearer_token(scope)
-            if token is None or not hmac.compare_digest(token, self.api_key):
+            tokens = [bearer_token(scope), _header(scope, b"x-api-key")]
+            if not any(t is not None and hmac.compare_digest(t, self.api_key) for t in tokens):
                 raise APIError(
                     "a valid API key is required: send 'Authorization: Bearer <key>'",
                     401,
@@ -181,7 +182,7 @@ class InternalErrorMiddleware:
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise
-            await internal_error().response()(scope, receive, send)
+            await internal_error().response(scope.get("path", ""))(scope, receive, send)
 
 
 class RequestIdMiddleware:

@@ -21,6 +21,7 @@ from pydantic.json_schema import models_json_schema
 
 from pagedserve.server import protocol as p
 from pagedserve.server import protocol_batches as b
+from pagedserve.server import protocol_messages as m
 from pagedserve.server import protocol_responses as r
 from pagedserve.server import serving_lora as lora
 
@@ -58,6 +59,13 @@ OPERATIONS = [
     ),
     Operation(
         "post",
+        "/v1/chat/completions/batch",
+        "vLLM's batched chat: a list of conversations, one choice answering each",
+        (p.BatchChatCompletionRequest,),
+        p.ChatCompletionResponse,
+    ),
+    Operation(
+        "post",
         "/v1/responses",
         "OpenAI's Responses API: text, messages and tool results in; a message and tool calls out",
         (r.ResponsesRequest,),
@@ -65,11 +73,32 @@ OPERATIONS = [
         streams=True,
     ),
     Operation(
+        "get",
+        "/v1/responses/{response_id}",
+        "A stored response (404 when none has the id)",
+        response=r.ResponseObject,
+    ),
+    Operation(
+        "delete",
+        "/v1/responses/{response_id}",
+        "Delete a stored response",
+        response=r.ResponseDeleted,
+    ),
+    Operation(
         "post",
-        "/v1/chat/completions/batch",
-        "vLLM's batched chat: a list of conversations, one choice answering each",
-        (p.BatchChatCompletionRequest,),
-        p.ChatCompletionResponse,
+        "/v1/messages",
+        "Anthropic's Messages API: system, messages and tools in; text, thinking and tool_use "
+        "blocks out (errors in Anthropic's shape)",
+        (m.MessagesRequest,),
+        m.MessageResponse,
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/messages/count_tokens",
+        "The tokens of a Messages request's prompt",
+        (m.CountTokensRequest,),
+        m.CountTokensResponse,
     ),
     Operation(
         "post",

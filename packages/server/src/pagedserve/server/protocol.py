@@ -3,8 +3,12 @@
 The models check types and shapes (a prompt is a string, a list of strings, token ids or lists of
 token ids; a message has a role and text content). The server's caps (``n``, stop strings) are
 checked by request_params.py; sampling ranges by ``SamplingParams``; what depends on the model
-(token ids inside the vocabulary, the prompt within ``max_model_len``) by the engine. Unknown fields are accepted and ignored, as OpenAI's own clients send
-fields that an engine may not know (``user``, ``service_tier``...).
+(token ids inside the vocabulary, the prompt within ``max_model_len``) by the engine.
+
+Every field vLLM documents on these requests is declared here, and each is either read by its
+route or refused with a 400 naming it (field_coverage.py keeps the account, and a test holds it
+to the models). Fields neither OpenAI's nor vLLM's are accepted and ignored, as OpenAI's own
+clients send fields that an engine may not know (``service_tier``, ``metadata``...).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from pagedserve.server.protocol_vllm import VLLMSamplingFields
 from pagedserve.server.structured_protocol import (
     DeltaToolCall,
     StructuredOutputFields,
@@ -27,23 +32,14 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def _absent(value) -> bool:
+    """A field's ``exclude_if``: left out of the body when it has no value."""
+    return value is None
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
-
-
-class VLLMSamplingFields(OpenAIBaseModel):
-    """vLLM's request fields beyond OpenAI's, shared by both generation routes (the server's
-    handling of them is in vllm_fields.py)."""
-
-    prompt_logprobs: StrictInt | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool | None = (
-        None  # None: the server's --return-tokens-as-token-ids
-    )
 
 
 class SamplingRequest(StructuredOutputFields, VLLMSamplingFields):
@@ -83,6 +79,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = None
     suffix: str | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -101,6 +99,10 @@ class ChatMessage(OpenAIBaseModel):
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
+    # an assistant turn's thinking, sent back as history (vLLM takes both names); a template
+    # that shows earlier thinking reads it as ``reasoning_content``
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -122,7 +124,25 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True
     echo: bool = False  # vLLM: the reply starts with the last message, when it is the assistant's
+    # refused (field_coverage.py)
+    add_special_tokens: bool = False
+    chat_template: StrictStr | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[StrictStr] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
@@ -169,10 +189,17 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens, those spent thinking (--reasoning-parser)
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=_absent
+    )
 
 
 class CompletionLogprobs(OpenAIBaseModel):
@@ -220,17 +247,11 @@ class CompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
 
 
-def _absent_when_none(value) -> bool:
-    return value is None
-
-
 # vLLM's extensions in a streamed chunk: left out when they have no value (on every chunk but
 # the one that carries them), as vLLM sends them; a client that extends a list from a present
 # key must never find null there.
-StreamedTokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent_when_none)]
-StreamedPromptLogprobs = Annotated[
-    PromptLogprobs | None, Field(default=None, exclude_if=_absent_when_none)
-]
+StreamedTokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent)]
+StreamedPromptLogprobs = Annotated[PromptLogprobs | None, Field(default=None, exclude_if=_absent)]
 
 
 class CompletionStreamChoice(CompletionChoice):
@@ -260,8 +281,13 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 
 
 class AssistantMessage(OpenAIBaseModel):
+    """The reply; with a reasoning parser, its thinking in ``reasoning_content`` and in vLLM's
+    newer ``reasoning`` (both, for clients of either; left out when there is none)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)
+    reasoning: str | None = Field(default=None, exclude_if=_absent)
     # left out of the body when there is none, as OpenAI does
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
@@ -290,6 +316,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)
+    reasoning: str | None = Field(default=None, exclude_if=_absent)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 

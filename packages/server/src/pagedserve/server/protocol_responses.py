@@ -1,13 +1,14 @@
 """The bodies of OpenAI's Responses API (POST /v1/responses), as pydantic models.
 
 Only what pagedserve serves: text in (a string, or a list of messages whose content is text,
-and of ``function_call`` / ``function_call_output`` items that carry a tool round trip), out
-one assistant message with one ``output_text`` part and/or ``function_call`` items, the
-sampling knobs ``max_output_tokens``, ``temperature``, ``top_p``, and function ``tools``
-(flat: ``{"type": "function", "name", "parameters"}``; what they mean is tools.py's). ``tools``
-stays a list of objects here so that another tool type is a 400 naming it (serving_responses).
-Nothing is stored (``store`` is answered
-false, as vLLM does without its store), so ``previous_response_id`` cannot be followed.
+of ``function_call`` / ``function_call_output`` items that carry a tool round trip, and of
+``reasoning`` items that give an earlier turn's thinking back), out a ``reasoning`` item (with a
+reasoning parser), one assistant message with one ``output_text`` part and/or ``function_call``
+items; the sampling knobs ``max_output_tokens``, ``temperature``, ``top_p``, ``reasoning.effort``,
+and function ``tools`` (flat: ``{"type": "function", "name", "parameters"}``; what they mean is
+tools.py's). ``tools`` stays a list of objects here so that another tool type is a 400 naming it
+(serving_responses). ``store`` (true unless sent false, when the server has a store) keeps the
+response for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
 """
 
 from __future__ import annotations
@@ -68,15 +69,39 @@ class FunctionCallOutputInput(OpenAIBaseModel):
         return "".join(part.text for part in self.output)
 
 
+class ReasoningTextPart(OpenAIBaseModel):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
+class ReasoningInput(OpenAIBaseModel):
+    """An earlier turn's thinking, given back as history (it goes to the assistant turn that
+    follows it, for a chat template that shows earlier thinking)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        """The thinking: its text, else the summary OpenAI's own reasoning items carry."""
+        if self.content:
+            return "".join(part.text for part in self.content)
+        return "\n\n".join(str(part.get("text", "")) for part in self.summary)
+
+
 def _input_kind(item: Any) -> str:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
-    return kind if kind in ("function_call", "function_call_output") else "message"
+    return kind if kind in ("function_call", "function_call_output", "reasoning") else "message"
 
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[FunctionCallInput, Tag("function_call")]
-    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")]
+    | Annotated[ReasoningInput, Tag("reasoning")],
     Discriminator(_input_kind),
 ]
 
@@ -92,6 +117,13 @@ class TextFormat(OpenAIBaseModel):
 
 class TextConfig(OpenAIBaseModel):
     format: TextFormat | None = None
+
+
+class ReasoningConfig(OpenAIBaseModel):
+    """``effort`` as chat's ``reasoning_effort`` (the template's; "none" turns thinking off)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(OpenAIBaseModel):
@@ -110,6 +142,10 @@ class ResponsesRequest(OpenAIBaseModel):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
+    # refused (field_coverage.py)
+    background: bool | None = None
+    include: list[StrictStr] | None = None
 
 
 class OutputText(OpenAIBaseModel):
@@ -125,6 +161,16 @@ class OutputMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class OutputReasoning(OpenAIBaseModel):
+    """The reply's thinking (with ``--reasoning-parser``): its text in one part."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningTextPart]
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class OutputFunctionCall(OpenAIBaseModel):
@@ -154,6 +200,12 @@ class ResponseUsage(OpenAIBaseModel):
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
 
 
+class ResponseDeleted(OpenAIBaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
 class IncompleteDetails(OpenAIBaseModel):
     reason: Literal["max_output_tokens"]
 
@@ -164,7 +216,9 @@ class ResponseObject(OpenAIBaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[
+        Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]
+    ]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
@@ -173,6 +227,7 @@ class ResponseObject(OpenAIBaseModel):
     temperature: float | None = None
     top_p: float | None = None
     metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
     store: bool = False
     parallel_tool_calls: bool = True
     tool_choice: str | FunctionToolChoice = "none"

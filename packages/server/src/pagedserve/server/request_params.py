@@ -14,8 +14,9 @@ from __future__ import annotations
 from pagedserve.engine import RequestOutputKind, SamplingParams
 from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import bad_request, from_invalid_request
+from pagedserve.server.field_coverage import refuse_unsupported
 from pagedserve.server.protocol import SamplingRequest
-from pagedserve.server.state import ServerState, model_not_found
+from pagedserve.server.state import ServerState, model_not_found, new_id
 from pagedserve.server.vllm_fields import (
     check_stream_options,
     extra_sampling_kwargs,
@@ -36,6 +37,7 @@ def check_caps(state: ServerState, body: SamplingRequest) -> None:
     ``prompt_logprobs: -1`` resolved to the vocabulary's size)."""
     cfg = state.config
     check_model(state, body.model)
+    refuse_unsupported(body)
     check_stream_options(body)
     whole_vocabulary(body, "prompt_logprobs", state.engine.model_config.vocab_size)
     if not 1 <= body.n <= cfg.max_n:
@@ -66,6 +68,21 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return parsed
 
 
+def truncated_prompt(body: SamplingRequest, prompt_ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last k tokens (``truncation_side`` "left",
+    the default) or the first k ("right")."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return prompt_ids
+    return prompt_ids[:k] if body.truncation_side == "right" else prompt_ids[-k:]
+
+
+def response_id(prefix: str, body: SamplingRequest) -> str:
+    """The response's id: vLLM's ``<prefix>-<request_id>`` when the client gave one (the
+    engine's own request ids stay unique: streams.py adds the prompt index)."""
+    return f"{prefix}-{body.request_id}" if body.request_id else new_id(prefix)
+
+
 def output_kind_of(body: SamplingRequest) -> RequestOutputKind:
     """What the route needs of the engine's outputs (as vLLM's server asks): a stream sends
     deltas (DELTA), a plain response only reads the final output (FINAL_ONLY). A streamed beam
@@ -87,6 +104,7 @@ def build_sampling_params(
     defaults: dict | None = None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    keep_special_tokens: bool = False,
 ) -> SamplingParams:
     """The SamplingParams of each prompt's engine request (with the request's ``n``).
 
@@ -94,6 +112,7 @@ def build_sampling_params(
     engine's ``model_config.generation_defaults.sampling``), else SamplingParams' default.
     ``max_tokens=None`` with no default asks for as many tokens as ``max_model_len`` leaves.
     ``structured_outputs``: the request's constraint (structured.py reads it from the body).
+    ``keep_special_tokens``: the reply must keep them (a tool parser's markers are special).
     """
     defaults = defaults or {}
 
@@ -123,7 +142,8 @@ def build_sampling_params(
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             logit_bias=parse_logit_bias(body.logit_bias),
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=body.skip_special_tokens and not keep_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             structured_outputs=structured_outputs,
             output_kind=output_kind_of(body),
             **kwargs,

@@ -41,6 +41,7 @@ ANSWER_OPTIONS = (
     "served_model_name",
     "chat_template",
     "tool_call_parser",
+    "reasoning_parser",
     "return_tokens_as_token_ids",
     "max_body_bytes",
     "max_n",
@@ -48,6 +49,8 @@ ANSWER_OPTIONS = (
     "max_stop",
     "max_stop_length",
     "lora_modules",
+    "responses_store",
+    "responses_store_max",
     "otlp_traces_endpoint",
 )
 

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from pagedserve.server.batch_runner import LineRunner, SequenceBudget, served_post_paths
 from pagedserve.server.batch_store import BatchStore, StoreLockedError
 from pagedserve.server.batch_worker import BatchNotCancellable, BatchWorker
-from pagedserve.server.errors import APIError, bad_request, read_body
+from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.protocol_batches import (
     BatchList,
     BatchObject,
@@ -39,11 +39,13 @@ from pagedserve.server.protocol_batches import (
     FileDeleted,
     FileList,
     FileObject,
+    FileUpload,
 )
+from pagedserve.server.request_bodies import read_body
 from pagedserve.server.state import ServerState, now_s
 
 logger = logging.getLogger("pagedserve.server")
-FILE_FIELDS = frozenset({"file", "purpose"})
+FILE_FIELDS = frozenset(FileUpload.model_fields)  # the form parts POST /v1/files reads
 
 
 def default_store_folder() -> Path:

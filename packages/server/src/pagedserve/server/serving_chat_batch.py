@@ -15,14 +15,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedserve.engine import RequestOutput
+from pagedserve.server.chat_prompt import plan_prompt
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionTokensDetails,
     UsageInfo,
 )
-from pagedserve.server.serving_chat import ChatView, plan_prompt
+from pagedserve.server.request_params import response_id
+from pagedserve.server.serving_chat import ChatView
 from pagedserve.server.sse import answer
 from pagedserve.server.state import ServerState, new_id
 from pagedserve.server.streams import EngineStreams, PromptRequest
@@ -65,25 +68,40 @@ async def create_batch_chat_completion(
     conversations = [conversation_request(body, messages) for messages in body.messages]
     plans = [plan_prompt(state, conversation) for conversation in conversations]
     prompts = [PromptRequest(i, p.prompt_token_ids, p.params) for i, (p, _, _) in enumerate(plans)]
-    request_id = new_id("chatcmpl")
     aliases = plans[0][1]
-    streams = EngineStreams(state, request_id, prompts, body.priority, aliases, body.model)
+    streams = EngineStreams(state, new_id("chatcmpl"), prompts, body.priority, aliases, body.model)
+    answer_id = response_id("chatcmpl", body)
     views = [
-        ChatView(state, conversation, request_id, prompt.prompt_token_ids, tools)
-        for conversation, prompt, (_, _, tools) in zip(conversations, prompts, plans, strict=True)
+        ChatView(state, conversation, answer_id, prompt.prompt_token_ids, plan)
+        for conversation, prompt, (_, _, plan) in zip(conversations, prompts, plans, strict=True)
     ]
 
     def response(finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
         answers = [view.response(finals[i]) for i, view in enumerate(views)]
         choices = [a.choices[0].model_copy(update={"index": i}) for i, a in enumerate(answers)]
-        prompt = sum(a.usage.prompt_tokens for a in answers)
-        completion = sum(a.usage.completion_tokens for a in answers)
-        usage = UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
+        usage = summed_usage([a.usage for a in answers])
         first = answers[0]
         return ChatCompletionResponse(
             id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
         )
 
     return await answer(request, streams, views[0].stream, response, stream=False)
+
+
+def summed_usage(usages: list[UsageInfo]) -> UsageInfo:
+    """The batch's usage: the conversations' summed (their thinking tokens too, when a
+    reasoning parser counts them)."""
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    details = [u.completion_tokens_details for u in usages if u.completion_tokens_details]
+    thinking = (
+        CompletionTokensDetails(reasoning_tokens=sum(d.reasoning_tokens for d in details))
+        if details
+        else None
+    )
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        completion_tokens_details=thinking,
+    )

@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from pagedserve.engine import RequestOutput
 from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.field_coverage import check_thinking_budget
 from pagedserve.server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs
 from pagedserve.server.protocol import (
     CompletionChoice,
@@ -19,7 +20,12 @@ from pagedserve.server.protocol import (
     CompletionStreamChoice,
     UsageInfo,
 )
-from pagedserve.server.request_params import build_sampling_params, check_caps
+from pagedserve.server.request_params import (
+    build_sampling_params,
+    check_caps,
+    response_id,
+    truncated_prompt,
+)
 from pagedserve.server.sse import (
     SSE_DONE,
     answer,
@@ -57,7 +63,8 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[tuple[str | 
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append((item, tokenizer.encode(item)))
+            ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
+            prompts.append((item, ids))
         else:
             prompts.append((None, list(item)))
     return prompts
@@ -79,12 +86,11 @@ def plan_prompts(state: ServerState, body: CompletionRequest) -> list[PromptRequ
     was_sent = "max_tokens" in body.model_fields_set
     defaults = state.engine.model_config.generation_defaults.sampling
     default = defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)  # generation_config's first
-    prompts = prompts_of(state, body)
-    if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens of each
-        prompts = [(text, ids[-body.truncate_prompt_tokens :]) for text, ids in prompts]
+    prompts = [(text, truncated_prompt(body, ids)) for text, ids in prompts_of(state, body)]
     plans = []
     for p, (text, ids) in enumerate(prompts):
         max_tokens = default_max_tokens(body.max_tokens, was_sent, len(ids), max_model_len, default)
+        check_thinking_budget(body.thinking_token_budget, max_tokens, "thinking_token_budget")
         params = build_sampling_params(
             body,
             max_tokens=max_tokens,
@@ -103,10 +109,9 @@ async def create_completion(
 ) -> Response:
     state.check_admitting()
     prompts = plan_prompts(state, body)
-    request_id = new_id("cmpl")
     aliases = structured_output_aliases(body)
-    streams = EngineStreams(state, request_id, prompts, body.priority, aliases, body.model)
-    view = _CompletionView(state, body, request_id, prompts)
+    streams = EngineStreams(state, new_id("cmpl"), prompts, body.priority, aliases, body.model)
+    view = _CompletionView(state, body, response_id("cmpl", body), prompts)
     return await answer(request, streams, view.stream, view.response, body.stream)
 
 

@@ -1,46 +1,56 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat path.
+"""POST /v1/responses: OpenAI's Responses API over the chat path; GET and DELETE of stored ones.
 
-The input (a string, or messages) and ``instructions`` (a system message first) become a chat
+The input (a string, or items) and ``instructions`` (a system message first) become a chat
 conversation; planning, the chat template, the caps and the engine are the chat route's. The
-answer is one assistant message with one ``output_text`` part; a response cut by
-``max_output_tokens`` is ``incomplete``. Streamed, it is OpenAI's typed events, each an SSE
-``event:`` line and its JSON, numbered by ``sequence_number``: response.created,
-response.in_progress, response.output_item.added, response.content_part.added,
-response.output_text.delta (one per new text), response.output_text.done,
-response.content_part.done, response.output_item.done, response.completed.
+reply comes back as output items (responses_output.py): its thinking as a ``reasoning`` item
+(with ``--reasoning-parser``), its text as a message with one ``output_text`` part, its tool
+calls as ``function_call`` items. A response cut by ``max_output_tokens`` is ``incomplete``.
+Streamed, it is OpenAI's typed events, each an SSE ``event:`` line and its JSON: response.created,
+response.in_progress, each item's events as the reply writes it, then response.completed (or
+.incomplete).
 
 Function tools are the chat route's (tools.py): the flat Responses tools and tool_choice become
 chat's, ``function_call`` / ``function_call_output`` input items become assistant tool_calls and
-``tool`` messages, and the calls found in the reply are ``function_call`` output items. A named
-call streams its arguments as ``response.function_call_arguments.delta`` while they are written;
-under "auto"/"required" the reply is parsed whole at its end and its items are sent then.
+``tool`` messages.
+
+Stored responses (responses_store.py): unless ``store`` is false, a finished response is kept
+with its conversation (the input, without ``instructions``, then the output as chat messages).
+``previous_response_id`` puts that conversation before the new input, so a follow-up sends only
+its new turn; its prompt then starts with the whole earlier prompt and reply, whose KV blocks the
+prefix cache still holds, so only the new turn is computed (``pagedserve:prefix_cache_hits``
+counts them). ``instructions`` are not carried over, as in OpenAI's API.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import RequestOutput
-from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.chat_prompt import plan_prompt
+from pagedserve.server.errors import APIError, bad_request, from_validation_error
+from pagedserve.server.field_coverage import refuse_unsupported
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.server.protocol_responses import (
     FunctionCallInput,
     FunctionCallOutputInput,
     FunctionToolChoice,
     IncompleteDetails,
-    OutputFunctionCall,
-    OutputMessage,
-    OutputText,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ReasoningInput,
+    ResponseDeleted,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
 )
-from pagedserve.server.serving_chat import plan_prompt
+from pagedserve.server.reply import ReplyPlan
+from pagedserve.server.responses_output import OutputItems
+from pagedserve.server.responses_store import StoredResponse
 from pagedserve.server.sse import answer
 from pagedserve.server.state import ServerState, new_id, now_s
 from pagedserve.server.streams import EngineStreams, PromptRequest, StreamProgress
@@ -52,27 +62,29 @@ from pagedserve.server.structured_protocol import (
     NamedToolChoice,
     ToolCall,
 )
-from pagedserve.server.tools import ToolCallPlan, new_tool_call_id
 
 # The chat route's names -> the Responses API's, so that a 400 names the field sent.
 RESPONSES_ALIASES = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
-def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The same conversation as a chat request (what the Responses API does not have, refused)."""
-    if body.previous_response_id is not None:
-        raise bad_request(
-            "previous_response_id needs stored responses; this server stores none (send the "
-            "conversation in input)",
-            "previous_response_id",
-        )
+def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """The request's own input as chat messages (no instructions, no earlier conversation)."""
+    if isinstance(body.input, str):
+        return [ChatMessage(role="user", content=body.input)]
+    return chat_messages(body.input)
+
+
+def as_chat_request(
+    body: ResponsesRequest, history: list[ChatMessage] | None = None
+) -> ChatCompletionRequest:
+    """The same conversation as a chat request: ``instructions`` as the system message, the
+    stored ``history`` of ``previous_response_id``, then the input."""
     messages = []
     if body.instructions:
         messages.append(ChatMessage(role="system", content=body.instructions))
-    if isinstance(body.input, str):
-        messages.append(ChatMessage(role="user", content=body.input))
-    else:
-        messages += chat_messages(body.input)
+    messages += [*(history or []), *input_messages(body)]
+    if not any(m.role != "system" for m in messages):
+        raise bad_request("input holds no message to answer", "input")
     fields = {
         "model": body.model,
         "messages": messages,
@@ -83,19 +95,33 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "tools": chat_tools(body.tools) if body.tools else None,
         "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }
     sent = {
         k: v for k, v in fields.items() if k in ("model", "messages", "stream") or v is not None
     }
-    return ChatCompletionRequest(**sent)
+    try:
+        return ChatCompletionRequest(**sent)
+    except ValidationError as error:  # what the input holds that chat cannot take
+        raise from_validation_error(error) from error
 
 
 def chat_messages(items: list) -> list[ChatMessage]:
     """Input items as chat messages: ``function_call`` items join the assistant turn before
     them (its text, or the calls before them: one turn's ``tool_calls``), a
-    ``function_call_output`` is a ``tool`` message."""
+    ``function_call_output`` is a ``tool`` message, a ``reasoning`` item's text is the thinking
+    of the assistant turn after it."""
     messages: list[ChatMessage] = []
-    for item in items:
+    thinking: str | None = None
+    for index, item in enumerate(items):
+        if isinstance(item, ReasoningInput):
+            if item.encrypted_content:
+                raise bad_request(
+                    "encrypted reasoning is another service's: send its text, or leave it out",
+                    f"input.{index}.encrypted_content",
+                )
+            thinking = (thinking or "") + item.text()
+            continue
         if isinstance(item, FunctionCallInput):
             call = ToolCall(
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
@@ -111,6 +137,8 @@ def chat_messages(items: list) -> list[ChatMessage]:
             )
         else:
             messages.append(ChatMessage(role=item.role, content=item.text()))
+        if thinking is not None and messages[-1].role == "assistant":
+            messages[-1].reasoning_content, thinking = thinking, None
     return messages
 
 
@@ -153,30 +181,72 @@ def renamed(error: APIError) -> APIError:
     return error
 
 
+def will_store(state: ServerState, body: ResponsesRequest) -> bool:
+    """``store`` defaults to true where the server has a store (false where it has none)."""
+    if body.store and state.responses_store is None:
+        raise bad_request("store: this server keeps no responses (--responses-store off)", "store")
+    return body.store is not False and state.responses_store is not None
+
+
+async def history_of(state: ServerState, body: ResponsesRequest) -> list[ChatMessage]:
+    """The conversation ``previous_response_id`` ends (a 404 when no stored response has it)."""
+    if body.previous_response_id is None:
+        return []
+    stored = await stored_response(state, body.previous_response_id, "previous_response_id")
+    return [ChatMessage.model_validate(message) for message in stored.conversation]
+
+
+async def stored_response(state: ServerState, response_id: str, param: str | None = None):
+    store = state.responses_store
+    stored = None if store is None else await store.get(response_id)
+    if stored is None:
+        raise APIError(f"Response with id {response_id!r} not found.", 404, param=param)
+    return stored
+
+
 async def create_response(request: Request, state: ServerState, body: ResponsesRequest):
     state.check_admitting()
+    refuse_unsupported(body)
+    store = will_store(state, body)
+    history = await history_of(state, body)
     try:
-        prompt, aliases, tools = plan_prompt(state, as_chat_request(body))
+        prompt, aliases, plan = plan_prompt(state, as_chat_request(body, history))
     except APIError as error:
         raise renamed(error) from error
     aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input"}
-    view = _ResponsesView(state, body, prompt, tools)
+    view = _ResponsesView(state, body, prompt, plan, [*history, *input_messages(body)], store)
     streams = EngineStreams(state, view.id, [prompt], 0, aliases, body.model)
-    return await answer(
-        request, streams, view.stream, lambda finals: view.response(finals[0]), body.stream
-    )
+    return await answer(request, streams, view.stream, view.final_response, body.stream)
+
+
+async def retrieve_response(request: Request, state: ServerState) -> Response:
+    stored = await stored_response(state, request.path_params["response_id"])
+    return JSONResponse(stored.response)
+
+
+async def delete_response(request: Request, state: ServerState) -> Response:
+    response_id = request.path_params["response_id"]
+    store = state.responses_store
+    if store is None or not await store.delete(response_id):
+        raise APIError(f"Response with id {response_id!r} not found.", 404)
+    return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
 
 class _ResponsesView:
     def __init__(
-        self, state: ServerState, body: ResponsesRequest, prompt: PromptRequest, tools: ToolCallPlan
+        self,
+        state: ServerState,
+        body: ResponsesRequest,
+        prompt: PromptRequest,
+        plan: ReplyPlan,
+        conversation: list[ChatMessage],
+        store: bool,
     ):
-        self.state, self.body, self.prompt, self.tools = state, body, prompt, tools
+        self.state, self.body, self.prompt, self.plan = state, body, prompt, plan
+        self.conversation, self.store = conversation, store
         self.id = new_id("resp")
-        self.message_id = new_id("msg")
-        self.call_ids: list[str] = []  # the n-th call's id, the same in every event and the end
         self.created = now_s()
-        self.sequence = 0
+        self.output = OutputItems()
 
     def response(self, final: RequestOutput | None) -> ResponseObject:
         """The response object: in progress (no output yet), or finished from ``final``."""
@@ -190,6 +260,8 @@ class _ResponsesView:
             temperature=body.temperature,
             top_p=body.top_p,
             metadata=body.metadata,
+            previous_response_id=body.previous_response_id,
+            store=self.store,
             tools=body.tools or [],
             tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
             parallel_tool_calls=body.parallel_tool_calls is not False,
@@ -198,134 +270,83 @@ class _ResponsesView:
             return ResponseObject(status="in_progress", output=[], **common)
         completion = final.outputs[0]
         cut = completion.finish_reason == "length"
-        status = "incomplete" if cut else "completed"
         num_prompt, num_output = len(self.prompt.prompt_token_ids), len(completion.token_ids)
+        thinking = self.plan.reasoning_tokens(
+            completion.token_ids, self.state.engine.tokenizer.decode
+        )
         return ResponseObject(
-            status=status,
-            output=self.output_items(completion.text, status),
+            status="incomplete" if cut else "completed",
+            output=self.output.items,
             usage=ResponseUsage(
                 input_tokens=num_prompt,
                 output_tokens=num_output,
                 total_tokens=num_prompt + num_output,
+                input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens or 0),
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=thinking),
             ),
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
             **common,
         )
 
-    def output_items(self, text: str, status: str) -> list[OutputMessage | OutputFunctionCall]:
-        """The reply as output items: its text as a message (none when it is only calls), then
-        one ``function_call`` item per call (tools.py finds them, as for chat)."""
-        content, calls = self.tools.tool_calls(text)
-        items: list[OutputMessage | OutputFunctionCall] = []
-        if content is not None and (content or not calls):
-            items.append(self.message(content, status))
-        for index, call in enumerate(calls):
-            items.append(self.function_call(index, call.function.name, call.function.arguments))
-            items[-1].status = status
-        return items
-
-    def message(self, text: str | None, status: str) -> OutputMessage:
-        content = [] if text is None else [OutputText(text=text)]
-        return OutputMessage(id=self.message_id, status=status, content=content)
-
-    def function_call(self, index: int, name: str, arguments: str) -> OutputFunctionCall:
-        while len(self.call_ids) <= index:
-            self.call_ids.append(new_tool_call_id())
-        call_id = self.call_ids[index]
-        return OutputFunctionCall(
-            id="fc_" + call_id.removeprefix("call_"),
-            call_id=call_id,
-            name=name,
-            arguments=arguments,
-            status="in_progress",
-        )
-
-    def event(self, kind: str, **fields) -> str:
-        payload = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
-
-    def live_item(self) -> dict | None:
-        """The item whose text streams as it is written: the message of a reply without tools,
-        the one call of a named tool_choice. Else (tools "auto"/"required") the reply is parsed
-        whole at its end, as chat does, and its items come then."""
-        if not self.tools.active:
-            return self.message(None, "in_progress").model_dump()
-        if self.tools.mode == "named":
-            return self.function_call(0, self.tools.named, "").model_dump()
-        return None
-
-    def opened(self, item: dict, index: int) -> list[str]:
-        added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
-            added["content"] = []
-        events = [self.event("response.output_item.added", output_index=index, item=added)]
-        if item["type"] == "message":
-            part = OutputText(text="").model_dump()
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events.append(self.event("response.content_part.added", part=part, **where))
+    def _read(self, reader, text: str, final: RequestOutput | None) -> list[str]:
+        """The events of the reply's next ``text`` (with ``final``, its end and closing)."""
+        delta = reader.feed(text)
+        if final is not None:
+            delta += reader.finish()
+        delta.reasoning = self.plan.shown_reasoning(delta.reasoning)
+        events = self.output.feed(delta)
+        if final is not None:
+            cut = final.outputs[0].finish_reason == "length"
+            events += self.output.close("incomplete" if cut else "completed")
         return events
 
-    def delta(self, item: dict, index: int, text: str) -> str:
-        if item["type"] == "message":
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            return self.event("response.output_text.delta", delta=text, logprobs=[], **where)
-        return self.event(
-            "response.function_call_arguments.delta",
-            delta=text,
-            item_id=item["id"],
-            output_index=index,
-        )
+    async def final_response(self, finals: dict[int, RequestOutput]) -> ResponseObject:
+        final = finals[0]
+        self._read(self.plan.reader(), final.outputs[0].text, final)
+        return await self._stored(self.response(final))
 
-    def closed(self, item: dict, index: int) -> list[str]:
-        events = []
-        if item["type"] == "message":
-            part = item["content"][0]
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            text = part["text"]
-            events.append(self.event("response.output_text.done", text=text, logprobs=[], **where))
-            events.append(self.event("response.content_part.done", part=part, **where))
-        else:
-            events.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    arguments=item["arguments"],
-                    item_id=item["id"],
-                    output_index=index,
-                )
-            )
-        events.append(self.event("response.output_item.done", output_index=index, item=item))
-        return events
+    async def _stored(self, response: ResponseObject) -> ResponseObject:
+        if self.store:
+            conversation = [*self.conversation, *chat_messages_of(self.output.items)]
+            dumped = [m.model_dump(exclude_none=True) for m in conversation]
+            stored = StoredResponse(response.model_dump(), dumped)
+            await self.state.responses_store.put(response.id, stored)
+        return response
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
+        events = self.output
         started = self.response(None).model_dump()
-        yield self.event("response.created", response=started)
-        yield self.event("response.in_progress", response=started)
-        live = self.live_item()
-        for event in self.opened(live, 0) if live else []:
-            yield event
-        progress, final = StreamProgress(delta=streams.delta), None
+        yield events.event("response.created", response=started)
+        yield events.event("response.in_progress", response=started)
+        progress, reader, final = StreamProgress(delta=streams.delta), self.plan.reader(), None
         try:
             async for _, output in streams:
                 delta = progress.advance(0, output.outputs[0])
-                if live is not None and delta is not None and delta.text:
-                    yield self.delta(live, 0, delta.text)
-                final = progress.cumulative_output(output)
+                final = progress.cumulative_output(output) if output.finished else None
+                if delta is not None:
+                    for event in self._read(reader, delta.text, final):
+                        yield event
         except APIError as error:
-            yield self.event(
+            yield events.event(
                 "error", code=error.code or error.type, message=error.message, param=error.param
             )
             return
-        done = self.response(final).model_dump()
-        for index, item in enumerate(done["output"]):
-            if live is None or index > 0:
-                for event in self.opened(item, index):
-                    yield event
-                text = (
-                    item["content"][0]["text"] if item["type"] == "message" else item["arguments"]
-                )
-                if text:
-                    yield self.delta(item, index, text)
-            for event in self.closed(item, index):
-                yield event
-        yield self.event(f"response.{done['status']}", response=done)
+        done = (await self._stored(self.response(final))).model_dump()
+        yield events.event(f"response.{done['status']}", response=done)
+
+
+def chat_messages_of(items: list[dict[str, Any]]) -> list[ChatMessage]:
+    """A response's output items as the assistant turn they are in chat (for the store)."""
+    message = ChatMessage(role="assistant", content=None)
+    for item in items:
+        if item["type"] == "reasoning":
+            message.reasoning_content = item["content"][0]["text"]
+        elif item["type"] == "message":
+            message.content = item["content"][0]["text"]
+        else:
+            call = ToolCall(
+                id=item["call_id"],
+                function=FunctionCall(name=item["name"], arguments=item["arguments"]),
+            )
+            message.tool_calls = [*(message.tool_calls or []), call]
+    return [message]

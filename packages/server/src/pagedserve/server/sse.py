@@ -5,6 +5,7 @@ its engine requests however it ends, and waiting on work unless the client disco
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -83,8 +84,9 @@ async def answer(
     stream: bool,
 ) -> Response:
     """A generation route's reply once its requests are submitted: the ``chunks`` as SSE when
-    ``stream``, else one JSON ``body`` built from every final output (index -> output). A client
-    that leaves before either is a 499, and its requests are aborted."""
+    ``stream``, else one JSON ``body`` built from every final output (index -> output; ``body``
+    may be a coroutine function). A client that leaves before either is a 499, and its requests
+    are aborted."""
     try:
         await unless_disconnected(request, streams.admitted())
         if stream:
@@ -93,4 +95,7 @@ async def answer(
     except ClientDisconnected:
         streams.cancel()
         return Response(status_code=499)
-    return JSONResponse(body(finals).model_dump())
+    result = body(finals)
+    if inspect.isawaitable(result):
+        result = await result
+    return JSONResponse(result.model_dump())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pagedserve.engine import EngineClient, LoRARequest, SamplingParams
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
+from pagedserve.server.responses_store import ResponseStore
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry: only with --otlp-traces-endpoint
     from pagedserve.server.tracing import RequestTracer
@@ -32,6 +33,12 @@ class ServerState:
     observe_request_params: Callable[[SamplingParams], None] | None = None
     tracer: RequestTracer | None = None  # with --otlp-traces-endpoint
     _last_lora_id: int = 0
+    responses_store: ResponseStore | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.responses_store = ResponseStore.from_config(
+            self.config.responses_store, self.config.responses_store_max
+        )
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """An adapter under ``name`` with an id no other adapter of this server ever had (a
@@ -59,12 +66,6 @@ class ServerState:
     async def abort_all(self) -> None:
         for request_id in list(self.in_flight):
             await self.engine.abort(request_id)
-
-
-def state_of(request, model: str | None = None) -> ServerState:
-    """The state of the served model a request (a Starlette Request) names (the first model
-    when it names none)."""
-    return request.app.state.models.state_for(model)
 
 
 def new_id(prefix: str) -> str:

@@ -63,6 +63,12 @@ def structured_outputs_of(body: StructuredOutputFields) -> StructuredOutputsPara
         raise from_invalid_request(e, {e.param: field}) from e
 
 
+def constraint_field(body: StructuredOutputFields) -> str | None:
+    """The field the request's one output constraint came in (None: it has none)."""
+    found = _requested(body)
+    return found[0][0] if found else None
+
+
 def structured_output_aliases(body: StructuredOutputFields) -> dict[str, str]:
     """The engine's ``structured_outputs.<kind>`` -> the field the client sent."""
     found = _requested(body)

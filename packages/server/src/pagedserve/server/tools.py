@@ -2,14 +2,17 @@
 
 - ``tool_choice`` "none" (or no tools): a plain chat; the tools are not shown to the model.
 - "auto" (the default with tools): the tools are rendered into the prompt, the model answers
-  freely, and ``--tool-call-parser`` (tool_parsers.py) finds calls in its reply.
+  freely, and ``--tool-call-parser`` (tool_parsers/) finds calls in its reply.
 - "required" and a named function: the reply is held by the grammar engine to the calls'
   JSON: a named call's arguments follow its ``parameters`` schema; "required" writes a JSON
-  array of ``{"name", "arguments"}`` (one element when ``parallel_tool_calls`` is false).
+  array of ``{"name", "arguments"}`` (one element when ``parallel_tool_calls`` is false). The
+  array has no length bound (as vLLM's schema for it): it ends where the model closes it, and a
+  list cut by ``max_tokens`` keeps its complete calls (tool_parsers/forced.py).
 - "auto" with a ``strict: true`` tool: the reply stays free text, but once the parser's call
   opening is written the grammar engine holds the call to a given tool's name and, for a strict
   tool, its ``parameters`` schema (xgrammar's triggered tags); with ``parallel_tool_calls``
-  false the reply ends after its first call.
+  false the reply ends after its first call. A parser whose arguments are not one JSON object
+  (pythonic, qwen3_coder, glm45) cannot hold a strict tool: such a request is a 400.
 
 Tools are rendered by the chat template when it takes them (its source mentions ``tools``).
 The documented default for a template without tool support (SmolLM2's): a system message that
@@ -28,7 +31,14 @@ from typing import Any
 from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import bad_request
 from pagedserve.server.structured_protocol import FunctionCall, NamedToolChoice, ToolCall
-from pagedserve.server.tool_parsers import CALL_FRAMES, TOOL_CALL_PARSERS
+from pagedserve.server.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    NamedCallParser,
+    ParsedCall,
+    RequiredCallsParser,
+    ToolCallParser,
+    detect_tool_parser,
+)
 
 DEFAULT_TOOL_SYSTEM_PROMPT = (
     "You are a function-calling assistant. You may call one or more of these functions:\n"
@@ -87,11 +97,17 @@ class ToolCallPlan:
         strict tool's arguments to its schema, another's to any JSON object)."""
         if not any(fn.get("strict") for fn in by_name.values()):
             return None
-        frame = CALL_FRAMES[self.parser]
+        frame = TOOL_CALL_PARSERS[self.parser].frame
+        if frame is None:
+            raise bad_request(
+                f"a strict tool needs a tool-call parser whose arguments are one JSON object; "
+                f"{self.parser!r} writes them otherwise (drop strict, or serve another parser)",
+                "tools",
+            )
         tags = [
             {
                 "type": "tag",
-                "begin": frame.begin.format(name=json.dumps(name)),
+                "begin": frame.begin.format(name=json.dumps(name), raw_name=name),
                 "content": {
                     "type": "json_schema",
                     "json_schema": _parameters(fn) if fn.get("strict") else {"type": "object"},
@@ -106,28 +122,32 @@ class ToolCallPlan:
             structural_tag={"type": "structural_tag", "format": triggered}
         )
 
-    def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The reply as (content, tool calls)."""
+    @property
+    def skip_special_tokens(self) -> bool:
+        """False when the parser's markers are special tokens, which the reply must keep."""
+        return not (self.mode == "auto" and not TOOL_CALL_PARSERS[self.parser].skip_special_tokens)
+
+    def reader(self) -> ToolCallParser | NamedCallParser | None:
+        """A fresh reader of one reply's answer (None: the answer is all content)."""
         if self.mode == "named":
-            return None, [_tool_call(self.named, text)]
+            return NamedCallParser(self.named)
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:  # cut short by max_tokens
-                return text, []
-            return None, [_tool_call(c["name"], json.dumps(c["arguments"])) for c in calls]
+            return RequiredCallsParser(self.tools)
         if self.mode == "auto":
-            content, parsed = TOOL_CALL_PARSERS[self.parser](text)
-            return content, [_tool_call(name, arguments) for name, arguments in parsed]
-        return text, []
+            return TOOL_CALL_PARSERS[self.parser](self.tools)
+        return None
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
-def _tool_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=new_tool_call_id(), function=FunctionCall(name=name, arguments=arguments))
+def as_tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
+    """Parsed calls as OpenAI's ``tool_calls``, each with a new id."""
+    return [
+        ToolCall(id=new_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
 
 
 def _hermes_call(function: dict[str, Any]) -> str:
@@ -158,9 +178,24 @@ def plan_tools(body, parser: str) -> ToolCallPlan:
     return ToolCallPlan(mode, dumped, parser, None, body.parallel_tool_calls)
 
 
-def template_supports_tools(tokenizer, template: str | None) -> bool:
+def template_source(tokenizer, template: str | None) -> str:
+    """The chat template a request renders with: ``--chat-template``, else the model's."""
     source = template or getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in source
+    return source if isinstance(source, str) else json.dumps(source)
+
+
+def template_supports_tools(tokenizer, template: str | None) -> bool:
+    return "tools" in template_source(tokenizer, template)
+
+
+def resolve_tool_parser(name: str, tokenizer, template: str | None) -> str:
+    """``--tool-call-parser``'s value; ``auto``: the format the chat template writes calls in
+    (hermes, the format of the default tool prompt, for a template without tools)."""
+    if name != "auto":
+        return name
+    if not template_supports_tools(tokenizer, template):
+        return detect_tool_parser(None)
+    return detect_tool_parser(template_source(tokenizer, template))
 
 
 def conversation_with_tools(

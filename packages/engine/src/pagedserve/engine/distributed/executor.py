@@ -1,10 +1,10 @@
 """TensorParallelExecutor: rank 0 of a tensor-parallel group, in the engine's own process.
 
-The engine talks to it as it talks to a ``ModelRunner`` (``execute``, ``num_blocks``,
-``device``): rank 0 keeps the scheduler and the sampler, flattens each step, broadcasts the
-batch to the workers (``step_channel``) and runs its own shard of the forward alongside them;
-the row-parallel all-reduces and the LM head's gather join the shards inside the model. Only
-rank 0 uses the logits.
+The engine talks to it as it talks to a ``ModelRunner`` (``execute``, ``input_batch``,
+``num_blocks``, ``device``): rank 0 keeps the scheduler and the sampling state, flattens each
+step, broadcasts the batch to the workers (``step_channel``) and runs its own shard of the
+forward alongside them; the row-parallel all-reduces and the LM head's gather join the shards
+inside the model. Only rank 0 samples.
 
 Workers are ``python -m pagedserve.engine.distributed.worker`` processes, started here, one per
 rank 1..tp_size-1, on this machine (rendezvous on 127.0.0.1 at a free port unless MASTER_ADDR
@@ -40,7 +40,9 @@ from pagedserve.engine.distributed.group import (
 )
 from pagedserve.engine.distributed.step_channel import Step, StepSender
 from pagedserve.engine.errors import TensorParallelError
+from pagedserve.engine.input_batch import InputBatch
 from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.models import ModelConfig, ParallelContext
 from pagedserve.models.loader import MODEL_CLASSES
 from pagedserve.scheduler import SchedulerOutput
@@ -153,6 +155,7 @@ class TensorParallelExecutor:
         cache_config: CacheConfig,
         tp_size: int,
         extra_block_bytes: int = 0,
+        drafter=None,
     ):
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
@@ -175,6 +178,7 @@ class TensorParallelExecutor:
                 cache_config,
                 self.group.parallel_context(),
                 extra_block_bytes=extra_block_bytes,
+                drafter=drafter,
             )
             self.group.finish_startup()
         except Exception as e:
@@ -201,9 +205,17 @@ class TensorParallelExecutor:
     def device(self) -> torch.device:
         return self.driver.device
 
-    def execute(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        """One step on every rank; float32 logits ``[num_sampled, vocab]`` and their ids."""
-        model_input = self.driver.prepare_input(output)
+    @property
+    def input_batch(self) -> InputBatch:
+        return self.driver.input_batch
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank, sampled on rank 0."""
+        prepared = self.driver.begin_step(output)
+        if prepared is None:  # nothing runnable: the workers have nothing to do
+            return ModelRunnerOutput()
+        model_input, layout = prepared
         with self._lock:
             if self._failed is not None:
                 raise TensorParallelError(f"the tensor-parallel group failed: {self._failed}")
@@ -215,7 +227,7 @@ class TensorParallelExecutor:
                 self._fail("running a step", e)
                 raise self._failed from e
             self._last_sent = time.monotonic()
-        return logits, model_input.sample_request_ids
+        return self.driver.sample(layout, logits)
 
     def shutdown(self) -> None:
         """Stop the workers (a stop message, then a kill after a grace period) and the group."""

@@ -4,7 +4,7 @@ Rank 0 schedules and flattens the step (``ModelRunner.prepare_input``); the work
 flat batch and run the same forward on their shard. One step is three broadcasts:
 
 1. on the control group, a small pickled message: the command (``step``, ``keep_alive`` or
-   ``stop``), the non-tensor fields (``sample_request_ids`` ...), and each tensor's name, dtype and
+   ``stop``), the non-tensor fields (the padded batch size ...), and each tensor's name, dtype and
    shape;
 2. on the step group, the tensors themselves, packed into one flat buffer per dtype (two
    buffers today: int64 token ids, positions, slots; int32 block tables, lengths), on the

@@ -41,7 +41,8 @@ class LoRAManager:
         self.lora_model = LoRAModel(model, model_config, config.max_loras, config.max_lora_rank)
         self.registered: dict[int, LoRARequest] = {}
         self._removing: dict[int, LoRARequest] = {}
-        self._host: OrderedDict[int, LoRAAdapterWeights] = OrderedDict()
+        # adapters whose weights are kept in host memory, least recently used first
+        self.host: OrderedDict[int, LoRAAdapterWeights] = OrderedDict()
         self._slots: list[int | None] = [None] * config.max_loras
         self._slot_order: list[int] = list(range(config.max_loras))  # least recently used first
 
@@ -92,7 +93,7 @@ class LoRAManager:
         live_ids = {r.lora_int_id for r in live_requests}
         for lora_int_id in [i for i in self._removing if i not in live_ids]:
             del self._removing[lora_int_id]
-            self._host.pop(lora_int_id, None)
+            self.host.pop(lora_int_id, None)
             if lora_int_id in self._slots:
                 slot = self._slots.index(lora_int_id)
                 self._slots[slot] = None
@@ -117,19 +118,19 @@ class LoRAManager:
     # ---- memory tiers --------------------------------------------------------------------
 
     def _keep_in_host(self, lora_int_id: int, weights: LoRAAdapterWeights) -> None:
-        self._host[lora_int_id] = weights
-        self._host.move_to_end(lora_int_id)
-        while len(self._host) > self.config.cpu_capacity:
-            self._host.popitem(last=False)
+        self.host[lora_int_id] = weights
+        self.host.move_to_end(lora_int_id)
+        while len(self.host) > self.config.cpu_capacity:
+            self.host.popitem(last=False)
 
     def _host_weights(self, lora_int_id: int) -> LoRAAdapterWeights:
-        weights = self._host.get(lora_int_id)
+        weights = self.host.get(lora_int_id)
         if weights is None:  # dropped from host memory: read its folder again
             request = self.registered.get(lora_int_id) or self._removing[lora_int_id]
             weights = self.read(request)
             self._keep_in_host(lora_int_id, weights)
         else:
-            self._host.move_to_end(lora_int_id)
+            self.host.move_to_end(lora_int_id)
         return weights
 
     def _slot_for(self, lora_int_id: int, in_step: set[int]) -> int:

@@ -37,12 +37,17 @@ import logging
 import torch
 
 from pagedserve.blockmgr.slot_mapping import build_paged_batch
+from pagedserve.engine.input_batch import (
+    InputBatch,
+    SamplingState,
+    attention_metadata,
+    token_slice,
+)
 from pagedserve.engine.kv_cache import allocate_kv_caches, bytes_per_block, kv_cache_torch_dtype
-from pagedserve.engine.model_runner import _attention_metadata, _token_slice
-from pagedserve.engine.sampler import BatchSettings
+from pagedserve.engine.sampler import SamplingMetadata, exponential_noise, sampling_columns
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from pagedserve.kernels import copy_blocks, paged_attention_warmup
-from pagedserve.kernels.sampling import GREEDY_TEMPERATURE, sample_tokens, sampling_probs
+from pagedserve.kernels.sampling import sample_tokens, sampling_probs
 from pagedserve.models import ModelConfig, load_model, load_tokenizer
 from pagedserve.models.config import ModelLoadError
 from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
@@ -147,17 +152,21 @@ class DraftModelProposer:
         return [PLACEHOLDER_TOKEN_ID] * min(self.k, room)
 
     @torch.inference_mode()
-    def propose(self, scheduled: SchedulerOutput) -> None:
+    def propose(self, scheduled: SchedulerOutput, input_batch: InputBatch) -> None:
         """Write this step's tokens into the draft's cache and fill every speculative decode's
-        placeholders with draft tokens (``ScheduledRequest.spec_token_ids``)."""
+        placeholders with draft tokens (``SchedulerOutput.spec_token_ids``), drawn with each
+        sequence's sampling state (``input_batch``)."""
         self.draft_probs = {}
         if scheduled.blocks_to_copy:
             pairs = torch.tensor(scheduled.blocks_to_copy, dtype=torch.long, device=self.device)
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
-        items = [item for item in scheduled.scheduled if item.spec_token_ids]
-        logits = self._catch_up(scheduled.scheduled, items)
+        every = scheduled.scheduled
+        items = [item for item in every if item.spec_token_ids]
+        logits = self._catch_up(every, items)
         if items:
-            self._draft(items, logits)
+            states = [input_batch.states[item.request.request_id] for item in items]
+            for item, tokens in zip(items, self._draft(items, states, logits), strict=True):
+                scheduled.spec_token_ids[item.request.request_id] = tokens
 
     def _forward(
         self, items: list[ScheduledRequest], tokens: list[int], starts: list[int], counts: list[int]
@@ -170,7 +179,7 @@ class DraftModelProposer:
             torch.tensor(tokens, dtype=torch.long, device=dev),
             torch.from_numpy(batch.positions).to(dev),
             self.kv_caches,
-            _attention_metadata(batch, dev),
+            attention_metadata(batch, dev),
         )
 
     def _catch_up(
@@ -182,7 +191,7 @@ class DraftModelProposer:
         for item in scheduled:
             start = item.num_computed_tokens
             count = 1 if item.spec_token_ids else item.num_new_tokens
-            tokens.extend(_token_slice(item.request, start, count))
+            tokens.extend(token_slice(item.request, start, count))
             starts.append(start)
             counts.append(count)
             if item.spec_token_ids:
@@ -193,18 +202,21 @@ class DraftModelProposer:
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
-    def _draft(self, items: list[ScheduledRequest], logits: torch.Tensor) -> None:
-        """Steps 2 and 3: draw draft token j + 1 from the logits after token j, feed it back."""
+    def _draft(
+        self, items: list[ScheduledRequest], states: list[SamplingState], logits: torch.Tensor
+    ) -> list[list[int]]:
+        """Steps 2 and 3: draw draft token j + 1 from the logits after token j, feed it back;
+        each item's draft tokens."""
         wanted = [len(item.spec_token_ids) for item in items]
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         active = list(range(len(items)))  # items still drafting, in order
         for j in range(max(wanted)):
-            states = [items[i].request.payload for i in active]
-            tokens, q = draw_draft_tokens(logits, states)
+            active_states = [states[i] for i in active]
+            tokens, q = draw_draft_tokens(logits, active_states)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
-                if q is not None and states[row].params.temperature >= GREEDY_TEMPERATURE:
+                if q is not None and not active_states[row].greedy:
                     probs[i].append(q[row])
             feed = active  # every active item feeds its new token: its KV is needed
             active = [i for i in active if wanted[i] > j + 1]
@@ -218,25 +230,23 @@ class DraftModelProposer:
                 [row for row, i in enumerate(feed) if wanted[i] > j + 1], device=self.device
             )
             logits = self.model.compute_logits(hidden[keep])
-        for item, tokens, rows in zip(items, drafts, probs, strict=True):
-            item.spec_token_ids = tokens
+        for item, rows in zip(items, probs, strict=True):
             if rows:
                 self.draft_probs[item.request.request_id] = torch.stack(rows)
+        return drafts
 
 
-def draw_draft_tokens(logits: torch.Tensor, states: list) -> tuple[list[int], torch.Tensor | None]:
-    """Draft tokens for rows of ``logits`` under each sequence state's sampling params and
-    generator: the argmax for greedy rows; for sampling rows a draw from ``sampling_probs``
-    (the exponential race, noise from the request's generator). Returns the tokens and the
+def draw_draft_tokens(
+    logits: torch.Tensor, states: list[SamplingState]
+) -> tuple[list[int], torch.Tensor | None]:
+    """Draft tokens for rows of ``logits`` under each sequence's sampling params and generator:
+    the argmax for greedy rows; for sampling rows a draw from ``sampling_probs`` (the
+    exponential race, noise from the request's generator). Returns the tokens and the
     distributions they were drawn from (None when every row is greedy: q is one-hot)."""
-    settings = BatchSettings([state.params for state in states])
-    if settings.all_greedy:
+    meta = SamplingMetadata(states)
+    if meta.all_greedy:
         return logits.argmax(dim=-1).tolist(), None
-    columns = settings.columns(("temperature", "top_k", "top_p", "min_p"), logits.device)
-    temperature, top_k, top_p, min_p = columns
-    noise = torch.ones_like(logits)
-    for row, state in enumerate(states):
-        if not settings.greedy[row]:
-            noise[row].exponential_(generator=state.generator)
-    tokens = sample_tokens(logits, temperature, top_k.int(), top_p, min_p, noise)
-    return tokens.tolist(), sampling_probs(logits, temperature, top_k.int(), top_p, min_p)
+    temperature, top_k, top_p, min_p = sampling_columns(meta, logits.device)
+    noise = exponential_noise(logits, meta.generators, meta.greedy)
+    tokens = sample_tokens(logits, temperature, top_k, top_p, min_p, noise)
+    return tokens.tolist(), sampling_probs(logits, temperature, top_k, top_p, min_p)

@@ -10,7 +10,7 @@ distribution" is one-hot (the proposer is sure of its guess), which the rejectio
 ``propose_ngram`` is the fast path: for every earlier position e it measures, in one
 vectorised pass per suffix offset (at most ``prompt_lookup_max`` passes, never one per token),
 how many tokens ending at e match the sequence's suffix; the longest match wins, the earliest
-among equals. ``propose_ngram_spec`` is the literal rule, for the tests.
+among equals. ``propose_ngram_literal`` is the literal rule, for the tests.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def propose_ngram(
     return token_ids[end + 1 : end + 1 + num_tokens]
 
 
-def propose_ngram_spec(
+def propose_ngram_literal(
     token_ids: Sequence[int], num_tokens: int, lookup_min: int, lookup_max: int
 ) -> list[int]:
     """The rule, literally: longest n first, earliest occurrence, the tokens that followed it."""

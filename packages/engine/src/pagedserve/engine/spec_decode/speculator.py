@@ -3,11 +3,12 @@
 After each step the ``Speculator`` proposes up to k tokens for every running sequence that is
 decoding (``Request.spec_token_ids``); the scheduler gives such a sequence 1 + k tokens in its
 next step (the token budget counts them, the block manager allocates their slots) and the
-model runner scores every proposed position in the same forward. ``verification_batch`` then
-collects those rows for ``VerificationBatch.verify`` (verify.py), and ``scheduler.update``
-appends what was accepted, rewinds past what was not and frees the blocks only rejected tokens
-used. A draft model (draft_model.py) proposes inside the next step instead: after a step only
-placeholders are set, and ``prepare_step`` fills them before the target's forward.
+model runner scores every proposed position in the same forward and verifies them
+(``VerificationBatch``, verify.py), and ``scheduler.update`` appends what was accepted, rewinds
+past what was not and frees the blocks only rejected tokens used. A draft model
+(draft_model.py) proposes inside the next step instead: after a step only placeholders are
+set, and the runner has the draft fill them at the start of the step, before the target's
+forward.
 
 A proposal never runs past what the sequence may still emit: with r tokens left under
 ``max_tokens``, at most r - 1 are proposed (the step adds one token of the target's own), so
@@ -16,14 +17,11 @@ the verify step never writes a KV slot beyond what admission reserved.
 
 from __future__ import annotations
 
-import torch
-
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
 from pagedserve.engine.spec_decode.ngram import NgramProposer
-from pagedserve.engine.spec_decode.verify import VerificationBatch, VerifyCounts
 from pagedserve.models import ModelConfig
-from pagedserve.scheduler import Request, SchedulerOutput
+from pagedserve.scheduler import Request
 
 
 class Speculator:
@@ -31,8 +29,8 @@ class Speculator:
 
     With the n-gram proposer the proposals are made after each step, on the host. With a
     draft model (draft_model.py) only the number of proposals is decided then (placeholders
-    the scheduler budgets and allocates slots for); ``prepare_step`` runs the draft model at
-    the start of the next step, once those slots exist, and fills them in.
+    the scheduler budgets and allocates slots for); the model runner runs the draft model at
+    the start of the next step, once those slots exist, and it fills them in.
     """
 
     def __init__(
@@ -62,12 +60,6 @@ class Speculator:
         if self.draft is not None:
             self.draft.allocate_kv_caches(num_blocks, block_size)
 
-    def prepare_step(self, scheduled: SchedulerOutput) -> None:
-        """Before the target's forward: the draft model writes the step's tokens into its
-        cache and fills the placeholders with its proposals (nothing to do for n-gram)."""
-        if self.draft is not None:
-            self.draft.propose(scheduled)
-
     def propose(self, running: list[Request]) -> None:
         """Proposals for every running sequence whose next step is a decode. A sequence under
         a structured-output grammar gets none: its proposals would be verified without the
@@ -86,24 +78,3 @@ class Speculator:
                 request.spec_token_ids = propose(
                     request.prompt_token_ids, request.output_token_ids, room
                 )
-
-    def verification_batch(
-        self, scheduled: SchedulerOutput, logits: torch.Tensor, num_spec_rows: int
-    ) -> tuple[VerificationBatch, dict[str, tuple[list[int], list[int]]]]:
-        """The batch, and per speculative request its proposals and proposal rows (the last
-        ``num_spec_rows`` rows of ``logits``, in scheduled order: model_runner.execute)."""
-        row = len(logits) - num_spec_rows
-        proposals = {}
-        for item in scheduled.scheduled:
-            drafts = item.spec_token_ids
-            if drafts:
-                proposals[item.request.request_id] = (
-                    list(drafts),
-                    list(range(row, row + len(drafts))),
-                )
-                row += len(drafts)
-        draft_probs = self.draft.draft_probs if self.draft is not None else {}
-        return VerificationBatch(logits, draft_probs), proposals
-
-
-__all__ = ["Speculator", "VerificationBatch", "VerifyCounts"]

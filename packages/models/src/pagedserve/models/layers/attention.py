@@ -24,20 +24,12 @@ class AttentionMetadata:
     slot_mapping [T]: cache slot of each new token (-1: do not store).
     block_tables [B, max_blocks] int32; seq_lens [B] int32: cached tokens incl. the new ones;
     query_start_loc [B+1] int32: where each sequence's new tokens start in the flat batch.
-
-    ``kernel_plans`` (not a field: never sent to other ranks, never compared) is the step's
-    memo for what a kernel derives from this layout alone, the same for every layer (the numba
-    attention's work plan): the first layer builds it, the others reuse it. So the tensors
-    must not change while the object is in use: each step builds its own metadata.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-
-    def __post_init__(self) -> None:
-        self.kernel_plans: dict = {}
 
 
 class PagedAttention(nn.Module):
@@ -87,6 +79,5 @@ class PagedAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
-            plans=meta.kernel_plans,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

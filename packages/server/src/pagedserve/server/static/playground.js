@@ -1,5 +1,8 @@
 // The playground: a chat over /v1/chat/completions, streamed, with live figures from the answer
 // (time to first token, tokens/s) and from /metrics (running and waiting requests, KV cache).
+// A reasoning model's thinking (reasoning_content, with --reasoning-parser) streams into a
+// collapsed "Thinking" section above the answer; tool calls (with tools given as JSON in the
+// settings) are shown under it, each call's name and arguments as they arrive.
 // Plain DOM and fetch: the page must work offline, served by the package alone.
 "use strict";
 
@@ -20,6 +23,64 @@ function addTurn(role, text) {
   node.textContent = text;
   $("conversation").append(node);
   return node;
+}
+
+// An assistant turn: its thinking (created collapsed on the first thought), its answer, and
+// its tool calls, each filled in as the stream delivers them.
+class AssistantTurn {
+  constructor() {
+    this.node = addTurn("assistant", "");
+    this.answer = document.createElement("div");
+    this.answer.className = "answer";
+    this.node.append(this.answer);
+    this.thinking = null;
+    this.calls = [];
+  }
+
+  think(text) {
+    if (!this.thinking) {
+      const details = document.createElement("details");
+      details.className = "reasoning";
+      const summary = document.createElement("summary");
+      summary.textContent = "Thinking";
+      this.thinking = document.createElement("div");
+      this.thinking.className = "reasoning-text";
+      details.append(summary, this.thinking);
+      this.node.prepend(details);
+    }
+    this.thinking.textContent += text;
+  }
+
+  say(text) { this.answer.textContent += text; }
+
+  call(delta) {
+    let call = this.calls[delta.index];
+    if (!call) {
+      const node = document.createElement("pre");
+      node.className = "tool-call";
+      this.node.append(node);
+      call = this.calls[delta.index] = {id: delta.id, name: "", arguments: "", node};
+    }
+    const fn = delta.function || {};
+    if (fn.name) call.name = fn.name;
+    if (fn.arguments) call.arguments += fn.arguments;
+    call.node.textContent = `${call.name}(${call.arguments})`;
+  }
+
+  // The turn as the conversation history sends it back (the thinking is not sent back).
+  message() {
+    const message = {role: "assistant", content: this.answer.textContent};
+    if (this.calls.length) {
+      message.tool_calls = this.calls.map((c) => (
+        {id: c.id, type: "function", function: {name: c.name, arguments: c.arguments}}));
+    }
+    return message;
+  }
+
+  fail(message) {
+    this.node.classList.add("error");
+    this.say((this.answer.textContent ? "\n" : "") + "[" + message + "]");
+  }
 }
 
 async function loadModels() {
@@ -59,7 +120,7 @@ function requestBody() {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({role: "system", content: system});
-  return {
+  const body = {
     model: $("model").value || undefined,
     messages: messages.concat(history),
     temperature: parseFloat($("temperature").value),
@@ -68,6 +129,12 @@ function requestBody() {
     stream: true,
     stream_options: {include_usage: true},
   };
+  const tools = $("tools").value.trim();
+  if (tools) {  // a list of OpenAI function tools
+    body.tools = JSON.parse(tools);
+    body.tool_choice = $("tool-choice").value;
+  }
+  return body;
 }
 
 async function send(event) {
@@ -77,7 +144,7 @@ async function send(event) {
   $("message").value = "";
   history.push({role: "user", content: text});
   addTurn("user", text);
-  const turn = addTurn("assistant", "");
+  const turn = new AssistantTurn();
   controller = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
@@ -93,28 +160,30 @@ async function send(event) {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
       for (const choice of chunk.choices || []) {
-        const piece = choice.delta && choice.delta.content;
-        if (!piece) continue;
+        const delta = choice.delta || {};
+        const thought = delta.reasoning_content || delta.reasoning;
+        if (!thought && !delta.content && !delta.tool_calls) continue;
         if (first === null) {
           first = performance.now();
           $("ttft").textContent = ((first - start) / 1000).toFixed(3) + " s";
         }
-        turn.textContent += piece;
+        if (thought) turn.think(thought);
+        if (delta.content) turn.say(delta.content);
+        for (const call of delta.tool_calls || []) turn.call(call);
         tokens += 1;
       }
       const seconds = first === null ? 0 : (performance.now() - first) / 1000;
       if (seconds > 0) $("tokens-per-s").textContent = (tokens / seconds).toFixed(1);
     });
-    history.push({role: "assistant", content: turn.textContent});
+    history.push(turn.message());
     $("status").textContent = `${tokens} tokens in ${((performance.now() - start) / 1000).toFixed(2)} s`;
   } catch (error) {
-    turn.classList.add("error");
-    turn.textContent += (turn.textContent ? "\n" : "") + "[" + error.message + "]";
+    turn.fail(error.message);
   } finally {
     controller = null;
     $("send").disabled = false;
     $("stop").disabled = true;
-    turn.dataset.done = "true";
+    turn.node.dataset.done = "true";
   }
 }
 

@@ -1,0 +1,142 @@
+"""CPUModelRunner: the model runner a CPU gets, picked once when the engine loads.
+
+A CPU server's steps are mostly small: a decode batch of a few rows, where each kernel takes
+microseconds and a Llama layer makes some twelve calls through ``nn.Module``, dispatch and
+tensor/numpy wrappers. At one row that Python was ~3 ms of a ~21 ms step. So for a step of at
+most ``MAX_FUSED_ROWS`` rows this runner runs the model's decoder layers itself, each plain
+Llama-family layer as one numba call (kernels/cpu/decoder_layer.py) that calls the very kernels
+the modules call on the numba path, in the same order, with the same choices: the same bits,
+so a step may switch paths (16 rows fused, 17 not) without changing a token. Every other
+layer, and every other step, runs the model's own modules.
+
+What it can stand in for is decided once, here, at load (the model is final by then: loaded,
+quantized and LoRA-wrapped): a layer whose linear layers hold one fp32 weight each (no
+quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
+the qkv projection only (Qwen2) and no score soft cap. The fused kernel reads numpy views of
+the layer's own tensors, so a weight changed in place is seen; a parameter replaced by
+another object is not (nothing in pagedserve does that after load).
+
+The step's attention work plan (kernels/cpu/paged_attention_plan.py: tiles, KV splits, the
+parallel choice) depends on the batch's layout and the layer's window only, so the runner
+builds it once per step and window and hands it to each fused layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.engine.model_runner import ModelInput, ModelRunner
+from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
+from pagedserve.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
+
+
+class CPUModelRunner(ModelRunner):
+    """A ``ModelRunner`` whose small steps run fusable decoder layers as one numba call each."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused_layers = fused_layer_weights(self.model)
+
+    def forward(self, model_input: ModelInput) -> torch.Tensor:
+        hidden_states = self._forward_fused(model_input) if self.fused_layers else None
+        if hidden_states is None:
+            return super().forward(model_input)
+        return hidden_states
+
+    def _forward_fused(self, model_input: ModelInput) -> torch.Tensor | None:
+        """``LlamaModel.forward`` with the fusable layers as one call each; None when the step
+        cannot take it (too many rows, a sequence too long for the numba attention, a cache
+        dtype it does not store, kernels forced to another path)."""
+        input_ids = model_input.input_ids
+        if input_ids.shape[0] > MAX_FUSED_ROWS or kernel_path(input_ids, True) != "numba":
+            return None
+        from pagedserve.kernels.cpu import decoder_layer
+        from pagedserve.kernels.cpu.paged_attention import NUMBA_MAX_Q_LEN
+        from pagedserve.kernels.cpu.paged_attention_plan import step_plan
+
+        meta, positions = model_input.attn_metadata, model_input.positions
+        decoder: LlamaModel = self.model.model
+        plans = {}
+        for weights in self.fused_layers:
+            if weights is not None and weights.window not in plans:
+                plans[weights.window] = step_plan(
+                    meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                    NUMBA_MAX_Q_LEN, None, weights.window,
+                )  # fmt: skip
+        hidden = decoder.embed_tokens(input_ids)
+        if not all(decoder_layer.supports(hidden, self.kv_caches[0], p) for p in plans.values()):
+            return None
+        residual = None
+        for layer, weights, kv_cache in zip(
+            decoder.layers, self.fused_layers, self.kv_caches, strict=True
+        ):
+            if weights is None:
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            else:
+                hidden, residual = decoder_layer.decoder_layer_numba(
+                    hidden, residual, weights, positions, kv_cache, meta.slot_mapping,
+                    plans[weights.window],
+                )  # fmt: skip
+        hidden, _ = decoder.norm(hidden, residual)
+        return hidden
+
+
+def fused_layer_weights(model: nn.Module) -> list | None:
+    """Per decoder layer, what the fused kernel reads (``DecoderLayerWeights``) or None where
+    it cannot stand in for the layer; None when no layer of the model can be fused."""
+    decoder = getattr(model, "model", None)
+    if type(decoder) is not LlamaModel:
+        return None
+    weights = [_layer_weights(layer) for layer in decoder.layers]
+    return weights if any(w is not None for w in weights) else None
+
+
+def _layer_weights(layer: nn.Module):
+    if type(layer) is not LlamaDecoderLayer:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if (
+        type(mlp) is not LlamaMLP
+        or attn.q_norm is not None
+        or attn.attn.logits_soft_cap is not None
+    ):
+        return None
+    linears = (
+        _dense_weight(attn.qkv_proj, bias_allowed=True),
+        _dense_weight(attn.o_proj),
+        _dense_weight(mlp.gate_up_proj),
+        _dense_weight(mlp.down_proj),
+    )
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    cos_sin = attn.rotary_emb.cos_sin_cache
+    tensors = (*(n.weight for n in norms), cos_sin, attn.qkv_proj.bias)
+    if any(w is None for w in linears) or any(
+        t is not None and (t.dtype is not torch.float32 or not t.is_cpu) for t in tensors
+    ):
+        return None
+    from pagedserve.kernels.cpu.decoder_layer import DecoderLayerWeights
+
+    return DecoderLayerWeights.of(
+        tuple((n.weight, n.eps) for n in norms),
+        linears,
+        attn.qkv_proj.bias,
+        (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+        (cos_sin, attn.rotary_emb.is_neox),
+        (attn.attn.scale, attn.attn.sliding_window, None),
+    )
+
+
+def _dense_weight(linear: nn.Module, bias_allowed: bool = False) -> torch.Tensor | None:
+    """The layer's fp32 weight when it is a plain single-rank linear layer, else None."""
+    if type(linear.linear_method) is not UnquantizedLinearMethod or linear.tp_size != 1:
+        return None
+    if linear.bias is not None and not bias_allowed:
+        return None
+    weight = linear.weight
+    if weight.dtype is not torch.float32 or not weight.is_contiguous() or not weight.is_cpu:
+        return None
+    return weight

@@ -1,0 +1,221 @@
+"""A Llama decoder layer over a decode step's few rows on CPU, in one numba call.
+
+At a batch-1 decode on a 2-core CPU the layer's own work is the weights' read (the GEMMs run at
+the memory's speed: cpu/dense_linear.py) plus microseconds of small ops; the rest is Python.
+The layer as modules is ~12 kernel calls (two RMSNorms, four GEMMs, rotary, the KV store, the
+attention, SiLU), each through an ``nn.Module``, the dispatch, a wrapper that turns tensors into
+numpy arrays and back, plus the splits and views between them: ~100 us a layer, ~3 ms of a
+~21 ms step over SmolLM2's 30 layers, where llama.cpp's whole token takes ~18-20 ms. Here the
+same kernels run from one compiled function, so the layer costs one call's dispatch:
+
+    h, r  = rms_norm(x + residual)                      (layer_ops_numba._rms_norm_kernel)
+    q,k,v = split(h @ W_qkv.T + b_qkv)                  (dense_linear_numba kernels)
+    q, k  = rotary(q, k);  cache[slots] = k, v          (layer_ops_numba)
+    a     = paged_attention(q, cache, the step's plan)  (paged_attention_numba kernels)
+    h, r  = rms_norm(a @ W_o.T + r)
+    out   = (silu(h @ W_gate.T) * (h @ W_up.T)) @ W_down.T
+
+**The same bits as the layer run module by module** on the numba path: every op is the very
+kernel the modules call, on the same values, with the same choices (a GEMM's weight shared over
+the threads from ``PARALLEL_FROM_WEIGHTS`` on, the attention's work items, KV splits and
+parallel flag from the step's plan). Only the glue differs: q, k and v are copied out of the
+fused projection's rows instead of viewed, which moves values, not rounding. So switching a
+step between the two paths (a batch of 17 rows goes module by module, a batch of 16 here)
+changes no output; tests/engine/test_cpu_runner.py holds them equal bit for bit.
+
+Only the layer :func:`supports` takes this path: the caller (the model) checks the rest (fp32
+weights without quantization or LoRA, one rank, no per-head norms). The compiled function
+carries the code of every kernel it calls: numba_cache.py stamps the disk cache with all the
+package's numba files, so an edit to any of them recompiles this one too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.dense_linear import MAX_ROWS, dense_linear_compiled
+from pagedserve.kernels.cpu.half import cache_as_numpy
+from pagedserve.kernels.cpu.layer_ops import (
+    CACHE_DTYPES,
+    _rms_norm_kernel,
+    _rotate,
+    _silu_and_mul_kernel,
+    _store_kv_kernel,
+    supports_caches,
+)
+from pagedserve.kernels.cpu.paged_attention import launch_attention
+from pagedserve.kernels.cpu.paged_attention_plan import StepPlan
+from pagedserve.kernels.cpu.threads import follow_torch_threads
+
+
+@numba.njit(cache=True)
+def _qkv_heads(qkv, n_heads, n_kv_heads, head_dim):
+    """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: contiguous copies of the fused projection."""
+    t, q_size, kv_size = qkv.shape[0], n_heads * head_dim, n_kv_heads * head_dim
+    q = qkv[:, :q_size].copy().reshape(t, n_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].copy().reshape(t, n_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].copy().reshape(t, n_kv_heads, head_dim)
+    return q, k, v
+
+
+@numba.njit(cache=True)
+def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias, heads,
+                   rotary, cache, attention, threads):  # fmt: skip  # pragma: no cover
+    """One layer (see the module docstring); returns (the MLP's output, the new residual).
+
+    ``norms``: (input, post-attention) RMSNorm weights; ``eps``: theirs; ``weights``: (qkv,
+    o, gate_up, down); ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
+    dim); ``rotary``: (positions, cos/sin cache, neox?); ``cache``: (K cache, V cache, slot
+    mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap)."""
+    w_qkv, w_o, w_gate_up, w_down = weights
+    normed = np.empty_like(hidden)
+    if has_residual:
+        summed = np.empty_like(hidden)
+        _rms_norm_kernel(hidden, residual, norms[0], eps[0], normed, summed, True)
+    else:
+        summed = hidden
+        _rms_norm_kernel(hidden, hidden, norms[0], eps[0], normed, hidden, False)
+    qkv = dense_linear_compiled(normed, w_qkv, threads)
+    if qkv_bias.shape[0]:
+        for t in range(qkv.shape[0]):
+            qkv[t] += qkv_bias
+    q, k, v = _qkv_heads(qkv, heads[0], heads[1], heads[2])
+    positions, cos_sin, is_neox = rotary
+    _rotate(q, positions, cos_sin, is_neox)
+    _rotate(k, positions, cos_sin, is_neox)
+    _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
+    attended = np.empty(q.shape, np.float32)  # every row is some work item's: see supports
+    launch_attention(q, cache[0], cache[1], *attention, attended)
+    projected = dense_linear_compiled(attended.reshape(q.shape[0], -1), w_o, threads)
+    normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
+    _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
+    gate_up = dense_linear_compiled(normed2, w_gate_up, threads)
+    activated = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _silu_and_mul_kernel(gate_up, activated)
+    return dense_linear_compiled(activated, w_down, threads), summed2
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer's weights and constants as the fused kernel reads them: numpy views of the
+    model's own tensors (no copies), converted once (per call they cost ~30 us a layer).
+
+    ``norms``: the input and post-attention RMSNorm weights, ``eps`` theirs; ``linears``: the
+    (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
+    ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
+    sliding window or 0; ``cap``: the scores' soft cap or 0."""
+
+    norms: tuple[np.ndarray, np.ndarray]
+    eps: tuple[np.float32, np.float32]
+    linears: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    qkv_bias: np.ndarray
+    heads: tuple[int, int, int]
+    cos_sin: np.ndarray
+    is_neox: bool
+    scale: np.float32
+    window: int
+    cap: np.float32
+
+    @classmethod
+    def of(
+        cls,
+        norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]],
+        linears: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        qkv_bias: torch.Tensor | None,
+        heads: tuple[int, int, int],
+        rotary: tuple[torch.Tensor, bool],
+        attention: tuple[float, int | None, float | None],
+    ) -> DecoderLayerWeights:
+        """From the modules' tensors: ``rotary`` (cos/sin cache, neox?), ``attention``
+        (scale, sliding window or None, soft cap or None)."""
+        (norm_in, eps_in), (norm_post, eps_post) = norms
+        scale, window, cap = attention
+        return cls(
+            (norm_in.detach().numpy(), norm_post.detach().numpy()),
+            (np.float32(eps_in), np.float32(eps_post)),
+            tuple(w.detach().numpy() for w in linears),
+            _NO_BIAS if qkv_bias is None else qkv_bias.detach().numpy(),
+            tuple(int(n) for n in heads),
+            rotary[0].numpy(),
+            bool(rotary[1]),
+            np.float32(scale),
+            window or 0,
+            np.float32(cap or 0.0),
+        )
+
+
+def supports(
+    hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: StepPlan
+) -> bool:
+    """Whether a step can take this path: fp32 CPU rows (at most the decode GEMM's
+    ``MAX_ROWS``), contiguous fp32, fp16 or bf16 caches, and every sequence in the attention
+    plan's work items (none long enough for SDPA's prefill)."""
+    return (
+        hidden.dtype is torch.float32
+        and hidden.is_cpu
+        and 0 < hidden.shape[0] <= MAX_ROWS
+        and supports_caches(*kv_cache)
+        and not plan.long_seqs
+    )
+
+
+def decoder_layer_numba(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    layer: DecoderLayerWeights,
+    positions: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    plan: StepPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer on ``hidden [T, hidden]`` (contiguous fp32; see :func:`supports`); returns
+    ``(out, residual)`` as ``LlamaDecoderLayer.forward`` does. ``plan``: the step's attention
+    plan for this layer's window (paged_attention_plan.step_plan)."""
+    x = hidden.numpy()
+    out, summed = _decoder_layer(
+        x, x if residual is None else residual.numpy(), residual is not None, layer.norms,
+        layer.eps, layer.linears, layer.qkv_bias, layer.heads,
+        (_int64(positions), layer.cos_sin, layer.is_neox),
+        (cache_as_numpy(kv_cache[0]), cache_as_numpy(kv_cache[1]), _int64(slot_mapping)),
+        (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap),
+        follow_torch_threads(),
+    )  # fmt: skip
+    return torch.from_numpy(out), torch.from_numpy(summed)
+
+
+_NO_BIAS = np.empty(0, np.float32)
+
+
+def _int64(t: torch.Tensor) -> np.ndarray:
+    """Positions and slots as int64 numpy (the engine's dtype): one compiled signature."""
+    return t.numpy() if t.dtype is torch.int64 else t.to(torch.int64).numpy()
+
+
+def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    """Compile (or load from numba's disk cache) the fused layer now, not in the first request:
+    one signature per cache dtype (fp32 rows, int64 positions and slots) on a one-token layer.
+    The GEMMs' and the attention's serial and parallel kernels sit behind its branches and
+    compile with it."""
+    from pagedserve.kernels.cpu.paged_attention_plan import step_plan
+
+    hidden, head_dim = 8, 4
+    weights = DecoderLayerWeights.of(
+        ((torch.ones(hidden), 1e-6), (torch.ones(hidden), 1e-6)),
+        (torch.zeros(4 * head_dim, hidden), torch.zeros(hidden, 2 * head_dim),
+         torch.zeros(2 * hidden, hidden), torch.zeros(hidden, hidden)),
+        None, (2, 1, head_dim), (torch.zeros(4, head_dim), True), (1.0, None, None),
+    )  # fmt: skip
+    one = torch.zeros(1, dtype=torch.int64)
+    plan = step_plan(
+        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )  # fmt: skip
+    for dtype in cache_dtypes:
+        if dtype in CACHE_DTYPES:
+            cache = tuple(torch.zeros(2, 4, 1, head_dim, dtype=dtype) for _ in range(2))
+            decoder_layer_numba(torch.zeros(1, hidden), None, weights, one, cache, one, plan)

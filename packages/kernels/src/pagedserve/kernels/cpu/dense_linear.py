@@ -1,0 +1,145 @@
+"""``x @ W.T`` for a decode step's few rows on CPU, compiled with numba: the weight streamed once,
+at the memory's speed, and each row's result independent of how many rows came with it.
+
+A decode step is memory-bound: at batch 1 to 16 its linear layers do 2-32 FLOPs per weight
+they read, so reading the weights is the floor (SmolLM2-135M: ~425 MB over its 30 layers and
+~113 MB of lm_head per step, in fp32). On the 2-core AMD EPYC this project runs on, two threads
+read memory at ~31 GB/s (a ``torch.sum`` over those weights), but MKL's sgemv behind
+``F.linear`` streams them at ~12.5 GB/s at one row and does worse at 2 to 16 rows, where its
+sgemm packs the weight first. This kernel dots one weight row at a time against the rows of
+``x``, four rows in one loop (one weight load feeds four FMAs), so at one row it reads the weight
+once, in order, as a single stream: reading several weight rows side by side (an earlier
+version took eight at once) cost ~20 % of the memory's speed here. Blocks of sixteen output
+features are shared out over the threads with ``prange`` (a weight under 1 MiB in the calling
+thread: see ``PARALLEL_FROM_WEIGHTS``); inside a block the groups of four rows take turns over
+its weight rows, which stay in L2. On SmolLM2's step (layers and lm_head, two threads) that is
+the floor at one row (19.6 ms against 20.2 ms for a ``torch.sum`` over the same weights; 2.4x
+MKL) and 1.8x MKL at 16 rows (docs/cpu.md, "Decode GEMMs").
+
+**Batch invariance.** Each output element is one dot product whose summation order is fixed
+by one loop over the input features (reassociated into SIMD lanes by LLVM), and every output
+element comes out of that same loop, ``_dot_four_rows``: a batch whose row count is not a
+multiple of four repeats its last row to fill the last group rather than running a narrower
+loop, whose lanes LLVM would split differently. The same inlined loop serves the parallel and
+the serial kernel. So a row's result is the same bits whether it is computed alone or among
+fifteen others, on one thread or two. That matters to the engine: the same prompt may be
+computed in batches of different sizes (a prefix-cache hit shortens a prefill, speculative
+decoding verifies several rows), and two runs of one workload must agree bit for bit. (An
+earlier small-batch kernel that ran one loop for pairs of rows and another for a lone row was
+taken out for breaking exactly that; kernels/test_dense_linear_numba.py checks the property.) Above
+``MAX_ROWS`` MKL takes over, as it did for every batch before this kernel.
+
+Same contract as ``F.linear(x, weight)`` for fp32 CPU tensors, without bias (``linear`` adds
+it). Sums are reassociated, so results differ from MKL's by float rounding: no less accurate
+than MKL against a float64 product (the test's measure).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.threads import follow_torch_threads
+
+# Decode batches up to here take this kernel; above it MKL's packed GEMM has enough rows to
+# reuse each weight from cache (SmolLM2's shapes at 32 rows: 1.35x MKL on 2 threads, 0.98x on 1).
+MAX_ROWS = 16
+# A weight smaller than this (1 MiB of fp32) runs in the calling thread: reading it takes tens
+# of microseconds, and a parallel region costs microseconds when the other core is idle but up
+# to a scheduler tick when it is busy (a tiny model's step was 20x slower on a loaded machine).
+PARALLEL_FROM_WEIGHTS = 1 << 18
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
+_ROWS = 4  # rows of x dotted with one weight row in one loop (the last group repeats its last row)
+_BLOCK = 16  # output features per task shared out over the threads
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _dot_four_rows(x, w, out, g, o):  # pragma: no cover - compiled
+    """``out[g:g + 4, o] = x[g:g + 4] @ w[o]``: one weight row against four rows of ``x`` in one
+    loop, whatever the batch. Past the last row of ``x`` the group repeats that row (computed
+    again, written again with the same bits), so every output element, in a batch of one or of
+    sixteen, comes out of this same loop with the same summation order."""
+    last = x.shape[0] - 1
+    r0, r1, r2, r3 = g, min(g + 1, last), min(g + 2, last), min(g + 3, last)
+    x0, x1, x2, x3 = x[r0], x[r1], x[r2], x[r3]
+    wo = w[o]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for j in range(x.shape[1]):
+        v = wo[j]
+        a0 += x0[j] * v
+        a1 += x1[j] * v
+        a2 += x2[j] * v
+        a3 += x3[j] * v
+    out[r3, o], out[r2, o], out[r1, o], out[r0, o] = a3, a2, a1, a0
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _features(x, w, out, first, stop):  # pragma: no cover - compiled
+    """Output features ``first:stop`` for every row: the rows four at a time, the features of a
+    group one weight row after another (a block's 16 weight rows, 37-98 KB, stay in L2 while the
+    groups take turns; at one row each weight row is read once, in order)."""
+    for g in range(0, x.shape[0], _ROWS):
+        for o in range(first, stop):
+            _dot_four_rows(x, w, out, g, o)
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
+    blocks = w.shape[0] // _BLOCK
+    for block in numba.prange(blocks):
+        _features(x, w, out, block * _BLOCK, block * _BLOCK + _BLOCK)
+    _features(x, w, out, blocks * _BLOCK, w.shape[0])
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def dense_linear_serial(x, w, out):  # pragma: no cover - compiled
+    _features(x, w, out, 0, w.shape[0])
+
+
+@numba.njit(cache=True)
+def dense_linear_compiled(x, w, threads):  # pragma: no cover - compiled
+    """``x @ w.T`` into a new array: the weight shared out over the threads from
+    ``PARALLEL_FROM_WEIGHTS`` on, else in this thread. Compiled, so that the fused decoder layer
+    (cpu/decoder_layer.py) makes the same choice as :func:`dense_linear_numba`."""
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
+        dense_linear_parallel(x, w, out)
+    else:
+        dense_linear_serial(x, w, out)
+    return out
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``F.linear(x, weight)`` can take this kernel: fp32 CPU tensors, at most
+    ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight. (Cheap
+    checks, cheapest first: ``linear`` asks at every layer of every step.)"""
+    return (
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+        and 0 < x.numel() <= MAX_ROWS * weight.shape[1]
+        and x.shape[-1] == weight.shape[1]
+        and weight.is_contiguous()
+    )
+
+
+def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows and ``weight
+    [N, K]`` (see :func:`supports`); returns ``[..., N]``."""
+    n, k = weight.shape
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    result = torch.from_numpy(
+        dense_linear_compiled(x2.numpy(), weight.numpy(), follow_torch_threads())
+    )
+    return result if x.dim() == 2 else result.view(*x.shape[:-1], n)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the GEMM now, not in the first request: one
+    signature (C-contiguous fp32 arrays); the parallel and serial kernels compile with it."""
+    x, w = np.zeros((2, 8), np.float32), np.zeros((2 * _BLOCK + 1, 8), np.float32)
+    dense_linear_compiled(x, w, 1)
