@@ -30,8 +30,9 @@ def st_engine(tiny_path):
     asyncio.run(engine.shutdown())
 
 
-def test_no_server_error_from_schema_generated_requests(st_engine):
-    app = build_app(st_engine, ServerConfig(enable_tokenizer_info_endpoint=True), TINY_MODEL_NAME)
+def test_no_server_error_from_schema_generated_requests(st_engine, tmp_path):
+    config = ServerConfig(enable_tokenizer_info_endpoint=True, batch_store=str(tmp_path))
+    app = build_app(st_engine, config, TINY_MODEL_NAME)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
     document = openapi_document("test")

@@ -9,8 +9,13 @@ Starlette's TestClient). Routes:
     GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
+    POST|GET /v1/files, GET|DELETE /v1/files/{id}, GET /v1/files/{id}/content  (OpenAI's Files)
+    POST|GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel  (OpenAI's Batch)
     GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
     GET /openapi.json  GET /docs  GET /  /static/...
+
+With ``--otlp-traces-endpoint``, the tracing middleware and tracer (tracing.py, which imports
+OpenTelemetry) join the app; without it, nothing of OpenTelemetry is imported.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ from pagedserve.server.protocol_messages import CountTokensRequest, MessagesRequ
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_bodies import read_body, read_json, state_of, validated
 from pagedserve.server.request_params import check_model
+from pagedserve.server.serving_batches import ROUTES as BATCH_ROUTES
+from pagedserve.server.serving_batches import BatchService
 from pagedserve.server.serving_chat import create_chat_completion
 from pagedserve.server.serving_chat_batch import create_batch_chat_completion
 from pagedserve.server.serving_completion import create_completion
@@ -261,6 +268,7 @@ ROUTES = [
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+    *BATCH_ROUTES,
     Route("/health", health, methods=["GET"]),
     Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check
     Route("/load", server_load, methods=["GET"]),
@@ -288,19 +296,30 @@ def build_app(
     config = config or ServerConfig()
     name = model_name or config.served_model_name or str(engine.model_config.model)
     state = ServerState(engine=engine, config=config, model_name=name, created=now_s())
+    tracing = []
+    if config.otlp_traces_endpoint:
+        from pagedserve.server.tracing import RequestTracer, TraceContextMiddleware
+
+        state.tracer = RequestTracer(config.otlp_traces_endpoint)
+        tracing.append(Middleware(TraceContextMiddleware))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await load_startup_adapters(state)  # a bad --lora-modules adapter stops the start
+        await app.state.batches.start()  # a restart resumes the batches it was running
         refresher = asyncio.create_task(_refresh_metrics(app.state.metrics))
         try:
             yield
         finally:
             refresher.cancel()
+            await app.state.batches.stop()
             await engine.shutdown()
+            if state.tracer is not None:
+                state.tracer.shutdown()
 
-    app = assemble_app(ServedModels([state]), config, lifespan)
+    app = assemble_app(ServedModels([state]), config, lifespan, inner_middleware=tracing)
     app.state.server = state
+    app.state.batches = BatchService(app, state)
     metrics = EngineMetrics(
         engine, name, in_flight=lambda: len(state.in_flight), prefix=config.metrics_prefix + ":"
     )
@@ -310,12 +329,17 @@ def build_app(
 
 
 def assemble_app(
-    models: ServedModels, config: ServerConfig, lifespan, routes: list | None = None
+    models: ServedModels,
+    config: ServerConfig,
+    lifespan,
+    routes: list | None = None,
+    inner_middleware: list[Middleware] | None = None,
 ) -> Starlette:
     """The Starlette app over ``models`` with the server's middleware (CORS, the gate, internal
-    errors, request ids) and error shapes: ``build_app`` gives it one engine, the cluster's
-    ingress a set of remote ones and its own /health and /metrics (``routes`` first: the first
-    match wins). The caller sets ``app.state.metrics`` (anything with ``render() -> bytes``)."""
+    errors, request ids, then ``inner_middleware``) and error shapes: ``build_app`` gives it one
+    engine, the cluster's ingress a set of remote ones and its own /health and /metrics
+    (``routes`` first: the first match wins). The caller sets ``app.state.metrics`` (anything
+    with ``render() -> bytes``) and, to serve the Batch API, ``app.state.batches``."""
     load = ServerLoad()
     app = Starlette(
         routes=[*(routes or []), *ROUTES],
@@ -333,6 +357,7 @@ def assemble_app(
                 api_key=config.api_key,
                 max_body_bytes=config.max_body_bytes,
                 max_header_bytes=config.max_header_bytes,
+                upload_limits={"/v1/files": config.max_file_bytes},
                 open_paths=open_paths(config),
                 open_prefixes=("/static/",),
             ),
@@ -344,6 +369,7 @@ def assemble_app(
             ),
             Middleware(InternalErrorMiddleware),
             Middleware(RequestIdMiddleware, enabled=config.enable_request_id_headers),
+            *(inner_middleware or []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
@@ -356,9 +382,8 @@ def assemble_app(
 
 def open_paths(config: ServerConfig) -> frozenset[str]:
     """Routes served without the API key: /health (and SageMaker's /ping), the API's schema
-    and docs and the
-    playground page (their static files too; the page's own calls carry the key), and /metrics
-    unless configured otherwise."""
+    and docs and the playground page (their static files too; the page's own calls carry the
+    key), and /metrics unless configured otherwise."""
     paths = {"/", "/health", "/ping", "/openapi.json", "/docs"}
     if not config.metrics_require_api_key:
         paths.add("/metrics")

@@ -2,6 +2,7 @@
 
     pagedserve serve [MODEL_PATH] [--host H] [--port P] [--api-key KEY] ...   the OpenAI-compatible server
     pagedserve generate [--model PATH] [--chat] "prompt" ... | --file F     offline generation, timed
+    pagedserve run-batch -i IN.jsonl -o OUT.jsonl [MODEL_PATH] ...          OpenAI batch files, offline
 
 With no model, the default model (SmolLM2-135M-Instruct) is prepared if needed and used. Every
 engine option is a --kebab-case flag with the same name as its EngineArgs field, and the server
@@ -13,6 +14,7 @@ a message that names it (vllm_flags.py).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -34,6 +36,7 @@ from pagedserve.engine import (
     ensure_default_model,
 )
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.run_batch import ANSWER_OPTIONS, run_batch
 from pagedserve.server.vllm_flags import SHORT_FORMS, add_vllm_flags
 
 _SIZE_UNITS = {
@@ -154,6 +157,24 @@ def resolve_model(path: str | None) -> tuple[str, str | None]:
     return str(ensure_default_model()), DEFAULT_MODEL_NAME
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """The model, as ``MODEL_PATH`` or ``--model`` (vLLM's spellings both)."""
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        help="Hugging Face model folder (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--model", dest="model_option", default=None, help="same as MODEL_PATH")
+
+
+def model_argument(args: argparse.Namespace) -> str | None:
+    """The model of ``add_model_argument``'s flags (None: the default model)."""
+    if args.model_path and args.model_option and args.model_path != args.model_option:
+        raise UsageError("give the model once (MODEL_PATH or --model)")
+    return args.model_path or args.model_option
+
+
 def reported(command: str, run: Callable[[], int]) -> int:
     """Run a command; a user's error (a bad path, option or device) is one line, not a
     traceback. ``ValueError`` covers ModelLoadError and the configs' own checks."""
@@ -246,13 +267,7 @@ def add_serve_parser(sub) -> None:
             "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version)."
         ),
     )
-    serve.add_argument(
-        "model_path",
-        nargs="?",
-        default=None,
-        help="Hugging Face model folder (default: SmolLM2-135M-Instruct)",
-    )
-    serve.add_argument("--model", dest="model_option", default=None, help="same as MODEL_PATH")
+    add_model_argument(serve)
     api_key = os.environ.get("PAGEDSERVE_API_KEY")
     server = add_config_args(serve.add_argument_group("server"), ServerConfig, api_key=api_key)
     engine = add_config_args(
@@ -268,15 +283,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()  # uvicorn's trace
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if args.model_path and args.model_option and args.model_path != args.model_option:
-        print("pagedserve serve: give the model once (MODEL_PATH or --model)", file=sys.stderr)
-        return 2
 
     def serve() -> int:
+        model_path = model_argument(args)
         config = ServerConfig(**config_kwargs(args, ServerConfig))
         sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
         try:
-            model, default_name = resolve_model(args.model_path or args.model_option)
+            model, default_name = resolve_model(model_path)
             name = config.served_model_name or default_name or model
             engine = AsyncLLM(
                 EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
@@ -287,6 +300,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(engine, config, name, sock=sock)
 
     return reported("serve", serve)
+
+
+# ---- run-batch -------------------------------------------------------------------------------
+
+
+def add_run_batch_parser(sub) -> None:
+    parser = sub.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI batch requests offline (resumable)",
+        description="Answer a file of OpenAI batch requests offline: one output line per input "
+        "line, in OpenAI's batch output format; run again on the same output to resume "
+        "(docs/offline_jobs.md).",
+    )
+    parser.add_argument("-i", "--input-file", required=True, help="batch requests (JSONL), or -")
+    parser.add_argument("-o", "--output-file", required=True, help="the answers (JSONL), or -")
+    add_model_argument(parser)
+    # only the server options that shape answers: the others are about listening
+    skip = tuple(f.name for f in fields(ServerConfig) if f.name not in ANSWER_OPTIONS)
+    add_config_args(parser.add_argument_group("server"), ServerConfig, skip=skip)
+    add_config_args(parser.add_argument_group("engine"), EngineArgs, skip=("model",))
+    parser.set_defaults(func=cmd_run_batch)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+
+    def run() -> int:
+        model, default_name = resolve_model(model_argument(args))
+        config = ServerConfig(**{name: getattr(args, name) for name in ANSWER_OPTIONS})
+        engine_args = EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
+        name = config.served_model_name or default_name or model
+        return asyncio.run(run_batch(engine_args, config, name, args.input_file, args.output_file))
+
+    return reported("run-batch", run)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -309,11 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve",
         description="pagedserve: an LLM serving engine with a paged KV cache, prefix caching and "
         "continuous batching, and an OpenAI-compatible server.",
-        epilog="Run 'pagedserve serve --help' or 'pagedserve generate --help' for their options.",
+        epilog="Run 'pagedserve serve --help', 'pagedserve generate --help' or 'pagedserve "
+        "run-batch --help' for their options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,run-batch}")
     add_serve_parser(sub)
     add_generate_parser(sub)
+    add_run_batch_parser(sub)
     add_plugin_parsers(sub)
     return parser
 

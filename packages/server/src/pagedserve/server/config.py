@@ -6,9 +6,11 @@ Each field carries its help text, as EngineArgs's do; the CLI builds its flags f
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from pagedserve.engine.config import option
 from pagedserve.server.reasoning import REASONING_PARSERS
@@ -16,6 +18,8 @@ from pagedserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 MIB = 1024 * 1024
 METRICS_PREFIXES = ("pagedserve", "vllm")  # --metrics-prefix: ours, or vLLM's own names
+# Batch API requests run after every interactive request of a lower priority value
+BATCH_PRIORITY = 2**31 - 1
 
 
 @dataclass
@@ -122,6 +126,30 @@ class ServerConfig:
         "the prefix of the /metrics names: pagedserve, or vllm for vLLM's own names (the "
         "dashboards and autoscalers written for vLLM read vllm:*)",
     )
+    batch_store: str | None = option(
+        None,
+        "the Batch API's folder: its SQLite database and the files (default: "
+        "$PAGEDSERVE_HOME/batches)",
+    )
+    batch_max_seq_share: float = option(
+        0.5,
+        "the most of --max-num-seqs that Batch API requests may hold in the engine at once; the "
+        "rest is kept for interactive requests",
+    )
+    batch_priority: int = option(
+        BATCH_PRIORITY,
+        "the priority Batch API requests run at under --scheduling-policy priority (lower runs "
+        "first; interactive requests default to 0)",
+    )
+    max_file_bytes: int = option(
+        200 * 1000 * 1000, "largest file uploaded to POST /v1/files (413 beyond)", unit="bytes"
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "export one OpenTelemetry span per request over OTLP/HTTP to this URL (a collector's "
+        "http://host:4318, /v1/traces appended when the URL has no path; vLLM's flag). "
+        "Off by default: nothing of OpenTelemetry is imported",
+    )
     lora_modules: tuple[str, ...] = option(
         (),
         "LoRA adapters to serve, each name=path or vLLM's JSON "
@@ -156,12 +184,19 @@ class ServerConfig:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
+        if self.otlp_traces_endpoint is not None:
+            self.otlp_traces_endpoint = otlp_traces_url(self.otlp_traces_endpoint)
         version = self.show_hidden_metrics_for_version
         if version is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", version):
             raise ValueError(
                 f"show_hidden_metrics_for_version must be a version such as 0.10, got {version!r}"
             )
-        for name in ("max_body_bytes", "max_header_bytes", "max_n", "max_prompts", "max_stop"):
+        if not 0 < self.batch_max_seq_share <= 1:
+            raise ValueError(
+                f"batch_max_seq_share must be in (0, 1], got {self.batch_max_seq_share}"
+            )
+        names = ("max_body_bytes", "max_header_bytes", "max_file_bytes", "max_n", "max_prompts")
+        for name in (*names, "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -179,3 +214,25 @@ def parse_lora_module(text: str) -> str:
     if not sep or not name.strip() or not path.strip():
         raise ValueError(f"a LoRA module is name=path, got {text!r}")
     return f"{name.strip()}={path.strip()}"
+
+
+def otlp_traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP URL spans are posted to: ``endpoint``, with the standard /v1/traces path
+    when it has none (a collector's address, as for OTEL_EXPORTER_OTLP_ENDPOINT). The protocol
+    variables of OpenTelemetry, if set, must say OTLP/HTTP too (vLLM's default is gRPC)."""
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = os.environ.get(variable)
+        if protocol and protocol != "http/protobuf":
+            raise ValueError(
+                f"{variable}={protocol}: pagedserve exports traces over OTLP/HTTP "
+                "(http/protobuf) only; point --otlp-traces-endpoint at the collector's HTTP port"
+            )
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(
+            f"otlp_traces_endpoint must be an http:// or https:// URL (traces go over OTLP/HTTP, "
+            f"not gRPC), got {endpoint!r}"
+        )
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/v1/traces")
+    return urlunsplit(parts)

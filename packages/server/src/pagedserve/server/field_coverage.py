@@ -25,6 +25,7 @@ import typing
 from pydantic import BaseModel
 
 from pagedserve.server import protocol as p
+from pagedserve.server import protocol_batches as b
 from pagedserve.server import protocol_messages as m
 from pagedserve.server import protocol_responses as r
 from pagedserve.server.errors import bad_request
@@ -40,6 +41,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     p.DetokenizeRequest,
     m.MessagesRequest,
     m.CountTokensRequest,
+    b.CreateBatchRequest,
+    b.FileUpload,
 )
 
 _ENGINE = "needs engine support that pagedserve does not have yet"
@@ -183,6 +186,10 @@ HANDLED: dict[str, frozenset[str]] = {
     "OutputConfig": frozenset({"effort", "format"}),
     "JsonOutputFormat": frozenset({"type", "json_schema"}),
     "Metadata": frozenset({"user_id"}),
+    # OpenAI's Batch API: the body refuses unknown fields (extra="forbid"), and POST /v1/files
+    # refuses a form part other than these two by name (serving_batches.py)
+    "CreateBatchRequest": frozenset({"input_file_id", "endpoint", "completion_window", "metadata"}),
+    "FileUpload": frozenset({"file", "purpose"}),
 }
 
 

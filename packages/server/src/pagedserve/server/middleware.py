@@ -14,7 +14,8 @@ known to be allowed:
    Anthropic's clients send it, ``x-api-key: <key>``, compared in constant time
    (``hmac.compare_digest`` on the bytes) -> 401 otherwise;
 4. a declared ``Content-Length`` over ``max_body_bytes`` -> 413 at once; a chunked body is
-   counted as it is read and fails with 413 when it passes the cap.
+   counted as it is read and fails with 413 when it passes the cap. The paths of
+   ``upload_limits`` (POST /v1/files) have caps of their own (``--max-file-bytes``).
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ class GateMiddleware:
         max_header_bytes: int,
         open_paths: frozenset[str] = UNPROTECTED_PATHS,
         open_prefixes: tuple[str, ...] = OPEN_PREFIXES,
+        upload_limits: dict[str, int] | None = None,
     ) -> None:
         self.app = app
+        self.upload_limits = upload_limits or {}
         self.api_key = api_key.encode() if api_key else None
         self.open_paths = open_paths
         self.open_prefixes = open_prefixes
@@ -94,7 +97,11 @@ class GateMiddleware:
         except APIError as error:
             await error.response(normalize_path(scope["path"]))(scope, receive, send)
             return
-        await self.app(scope, self._counting_receive(receive), send)
+        await self.app(scope, self._counting_receive(receive, self._limit(scope)), send)
+
+    def _limit(self, scope: Scope) -> int:
+        """The body cap of a request (on its normalised path)."""
+        return self.upload_limits.get(scope["path"], self.max_body_bytes)
 
     def _check(self, scope: Scope) -> Scope:
         header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
@@ -118,19 +125,17 @@ class GateMiddleware:
         if length is not None:
             if not length.isdigit():
                 raise APIError("Content-Length must be a non-negative integer", 400)
-            if int(length) > self.max_body_bytes:
-                raise self._too_large(int(length))
+            if int(length) > self._limit(scope):
+                raise self._too_large(int(length), self._limit(scope))
         return scope
 
     def _is_open(self, path: str) -> bool:
         return path in self.open_paths or any(path.startswith(p) for p in self.open_prefixes)
 
-    def _too_large(self, size: int) -> APIError:
-        return APIError(
-            f"the request body is {size} bytes or more; the limit is {self.max_body_bytes}", 413
-        )
+    def _too_large(self, size: int, limit: int) -> APIError:
+        return APIError(f"the request body is {size} bytes or more; the limit is {limit}", 413)
 
-    def _counting_receive(self, receive: Receive) -> Receive:
+    def _counting_receive(self, receive: Receive, limit: int) -> Receive:
         received = 0
 
         async def counted() -> Message:
@@ -138,8 +143,8 @@ class GateMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise self._too_large(received)
+                if received > limit:
+                    raise self._too_large(received, limit)
             return message
 
         return counted

@@ -13,12 +13,14 @@ server without a key would be "authentication declared but not enforced".
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedserve.server import protocol as p
+from pagedserve.server import protocol_batches as b
 from pagedserve.server import protocol_messages as m
 from pagedserve.server import protocol_responses as r
 from pagedserve.server import serving_lora as lora
@@ -35,6 +37,7 @@ class Operation:
     response: type[BaseModel] | None = None
     media_type: str = "application/json"
     streams: bool = False  # also answers text/event-stream with "stream": true
+    request_media_type: str = "application/json"
 
 
 OPERATIONS = [
@@ -104,6 +107,40 @@ OPERATIONS = [
         "its own route answers it",
         (p.ChatCompletionRequest, p.CompletionRequest),
         streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/files",
+        "Upload a JSONL file of batch requests (OpenAI's Files API, purpose batch)",
+        (b.FileUpload,),
+        b.FileObject,
+        request_media_type="multipart/form-data",
+    ),
+    Operation("get", "/v1/files", "The stored files, newest first", response=b.FileList),
+    Operation("get", "/v1/files/{file_id}", "One file", response=b.FileObject),
+    Operation("delete", "/v1/files/{file_id}", "Delete a file", response=b.FileDeleted),
+    Operation(
+        "get",
+        "/v1/files/{file_id}/content",
+        "A file's bytes (a batch's input, output or error JSONL)",
+        media_type="application/octet-stream",
+    ),
+    Operation(
+        "post",
+        "/v1/batches",
+        "Run a file of requests in the background, on the capacity interactive requests leave",
+        (b.CreateBatchRequest,),
+        b.BatchObject,
+    ),
+    Operation("get", "/v1/batches", "The batches, newest first", response=b.BatchList),
+    Operation(
+        "get", "/v1/batches/{batch_id}", "One batch and its progress", response=b.BatchObject
+    ),
+    Operation(
+        "post",
+        "/v1/batches/{batch_id}/cancel",
+        "Cancel a batch: the answers so far are kept",
+        response=b.BatchObject,
     ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),
@@ -178,7 +215,7 @@ def _operation(op: Operation, refs: dict, secured: bool) -> dict:
         schema = members[0] if len(members) == 1 else {"oneOf": members}
         body["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": schema}},
+            "content": {op.request_media_type: {"schema": schema}},
         }
     content: dict = {}
     if op.response is not None:
@@ -195,11 +232,12 @@ def _operation(op: Operation, refs: dict, secured: bool) -> dict:
         "4XX": {"description": "A refused request (OpenAI's error shape)", **error},
         "5XX": {"description": "Unavailable (503) or an internal error (500)", **error},
     }
-    for name in ("model_id", "response_id"):
-        if "{" + name + "}" in op.path:
-            body["parameters"] = [
-                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-            ]
+    names = re.findall(r"\{(\w+)\}", op.path)
+    if names:
+        body["parameters"] = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in names
+        ]
     if secured:
         body["security"] = [{"bearer": []}]
         body["responses"]["401"] = {"description": "No valid API key", **error}

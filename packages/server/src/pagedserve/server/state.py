@@ -7,11 +7,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.engine import EngineClient, LoRARequest, SamplingParams
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 from pagedserve.server.responses_store import ResponseStore
+
+if TYPE_CHECKING:  # tracing imports OpenTelemetry: only with --otlp-traces-endpoint
+    from pagedserve.server.tracing import RequestTracer
 
 
 @dataclass
@@ -27,6 +31,7 @@ class ServerState:
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)  # by served name
     # told each request the engine admits (EngineMetrics.observe_request_params), when set
     observe_request_params: Callable[[SamplingParams], None] | None = None
+    tracer: RequestTracer | None = None  # with --otlp-traces-endpoint
     _last_lora_id: int = 0
     responses_store: ResponseStore | None = field(init=False, default=None)
 

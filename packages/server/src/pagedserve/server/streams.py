@@ -64,6 +64,7 @@ class EngineStreams:
         loop = asyncio.get_running_loop()
         lora = state.lora_request_for(model)  # the adapter, if ``model`` names one
         extra = {} if lora is None else {"lora_request": lora}
+        tracer, served_name = state.tracer, state.served_name(model)
         for prompt in prompts:
             engine_id = f"{request_id}-{prompt.index}"
             state.in_flight[engine_id] = None  # at once, so a drain never misses a request
@@ -77,14 +78,20 @@ class EngineStreams:
                 priority,
                 **extra,
             )
-            pump = asyncio.create_task(self._pump(prompt, generator, first))
+            trace = None
+            if tracer is not None:  # --otlp-traces-endpoint: one span per engine request
+                num_prompt_tokens = len(prompt.prompt_token_ids)
+                trace = tracer.start(engine_id, prompt.params, served_name, num_prompt_tokens)
+            pump = asyncio.create_task(self._pump(prompt, generator, first, trace))
             # Out of in_flight only once the pump is done (its abort, if any, is submitted).
             pump.add_done_callback(lambda _, key=engine_id: state.in_flight.pop(key, None))
             self._pumps.append(pump)
 
-    async def _pump(self, prompt: PromptRequest, generator, first: asyncio.Future) -> None:
+    async def _pump(self, prompt: PromptRequest, generator, first: asyncio.Future, trace) -> None:
         try:
             async for output in generator:
+                if trace is not None:
+                    trace.observe(output)
                 if not first.done():
                     first.set_result(None)
                     if self.state.observe_request_params is not None:

@@ -147,3 +147,42 @@ def blocks_held(engine: AsyncLLM) -> int:
     """KV blocks held by some sequence (cached-but-free prefix blocks count as free)."""
     manager = engine.engine.kv_cache_manager
     return manager.num_blocks - manager.num_free_blocks
+
+
+# ---- batch files -------------------------------------------------------------------------------
+
+FINAL_BATCH_STATUSES = ("completed", "failed", "expired", "cancelled")
+
+
+def batch_line(custom_id: str, url: str, body: dict) -> str:
+    """One line of an OpenAI batch file."""
+    import json
+
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def greedy_requests(count: int, model: str, max_tokens: int) -> list[str]:
+    """``count`` batch lines of greedy requests (custom_id ``r<i>``), a completion and a chat
+    request in turn."""
+    lines = []
+    for i in range(count):
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": f"Tell me about item {i}"}]
+            lines.append(batch_line(f"r{i}", "/v1/chat/completions", body))
+        else:
+            lines.append(batch_line(f"r{i}", "/v1/completions", {**body, "prompt": f"Item {i} is"}))
+    return lines
+
+
+def wait_for_batch(client, batch_id: str, timeout: float = 120.0, until=FINAL_BATCH_STATUSES):
+    """Poll ``client.batches.retrieve`` (the openai client) until the batch's status is one of
+    ``until``; the batch."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in until:
+            return batch
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch {batch_id} is still {batch.status}: {batch}")
+        time.sleep(0.1)

@@ -265,8 +265,9 @@ REFUSED: dict[str, str] = {
         "--compilation-config",
         "--additional-config",
         "--kv-events-config",
-        "--collect-detailed-traces",
     ),
+    "--collect-detailed-traces": "pagedserve's spans (--otlp-traces-endpoint) are one per "
+    "request; it times no model or worker modules inside them",
     "--swap-space": "pagedserve preempts by recomputation (as vLLM's V1 engine) and has no "
     "CPU swap space",
     "--cpu-offload-gb": "pagedserve keeps the weights on the device",
@@ -282,7 +283,6 @@ REFUSED: dict[str, str] = {
         "--lora-dtype",
         "--fully-sharded-loras",
     ),
-    "--otlp-traces-endpoint": "pagedserve exports no traces; /metrics has the latencies",
     **_refusing(
         "pagedserve's scheduler caps a prompt's tokens per step with "
         "--long-prefill-token-threshold; it has no partial-prefill counts",
