@@ -56,10 +56,11 @@ class Stream:
 
 @pytest.mark.slow
 def test_full_queue_answers_503_at_once_and_recovers(tiny_checkpoint):
-    path = tiny_checkpoint("llama")
-    args = ("--served-model-name", NAME, "--max-model-len", "512", "--max-num-seqs", "1")
+    # Long enough (seconds of decoding) that the refusal is answered while it streams.
+    path = tiny_checkpoint("llama", max_position_embeddings=4096)
+    args = ("--served-model-name", NAME, "--max-model-len", "4096", "--max-num-seqs", "1")
     with live_server(path, *args, "--max-num-waiting", "1") as server:
-        running = Stream(server, max_tokens=400)
+        running = Stream(server, max_tokens=2000)
         assert running.first_event.wait(60)  # admitted and streaming: the one running slot
         assert running.status == 200, running.events
         waiting = Stream(server, max_tokens=8, prompt="Queued")  # the one waiting slot

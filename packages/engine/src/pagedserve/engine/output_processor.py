@@ -35,6 +35,7 @@ from pagedserve.scheduler import (
 )
 
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
@@ -120,6 +121,7 @@ class OutputProcessor:
         touched: dict[SequenceGroup, None] = {}  # the groups of several sequences
         logprobs, scheduler = output.logprobs, self.scheduler
         latencies = tokens.inter_token_latencies
+        num_decodes = 0  # the common decodes, counted once at the end
         for request in updated:
             state = request.payload
             group = state.group
@@ -134,13 +136,23 @@ class OutputProcessor:
             elif now > last:
                 latencies.append(now - last)
             metrics.last_token_time = now
-            if state.sampling.beam:  # its group makes its text from the token ids
+            generated = request.output_token_ids
+            if (
+                state.plain
+                and state.num_processed == len(generated) - 1
+                and request.status is _RUNNING
+            ):  # the common decode: one new token, not its last, no logprobs/grammar/stops
+                state.num_processed += 1
+                state.detokenizer.add_token(generated[-1])
+                num_decodes += 1
+            elif state.sampling.beam:  # its group makes its text from the token ids
                 tokens.num_generation_tokens += 1
                 touched[group] = None
                 continue
-            tokens.num_generation_tokens += state.process_new_tokens(
-                request, logprobs.get(request.request_id) if logprobs else None, scheduler
-            )
+            else:
+                tokens.num_generation_tokens += state.process_new_tokens(
+                    request, logprobs.get(request.request_id) if logprobs else None, scheduler
+                )
             if len(group.sequences) > 1 or group.pending_forks:
                 touched[group] = None
             elif group.output_kind is not _FINAL_ONLY or group.is_finished:  # has_new_output
@@ -154,6 +166,7 @@ class OutputProcessor:
             self._apply_beam_steps(touched)
         if touched:
             outputs += [self._output(group, now) for group in touched if group.has_new_output]
+        tokens.num_generation_tokens += num_decodes
         return outputs, tokens
 
     def abort(self, request_ids: list[str], now: float) -> list[RequestOutput]:

@@ -52,7 +52,7 @@ class SequenceState:
 
     ``num_processed``: output tokens already detokenized and checked. ``text_sent`` /
     ``tokens_sent``: how much of the visible text and of the output tokens the request's DELTA
-    outputs have carried already. ``plain``: no logprobs, no grammar, no stop strings, so a
+    outputs have carried already. ``plain``: no logprobs, grammar, stop strings or beams, so a
     running decode's new token only needs detokenizing.
     """
 
@@ -75,6 +75,7 @@ class SequenceState:
             params.logprobs is None
             and params.structured_outputs is None
             and not params.stop_strings
+            and not params.use_beam_search  # a beam's group makes its text from its token ids
         )
 
     @property
@@ -87,13 +88,10 @@ class SequenceState:
         """After ``scheduler.update`` appended tokens: logprobs, grammar, detokenize, stop
         strings, token by token (``logprobs``: one entry per new token). A stop string ends
         the output at the token that completes it (a speculative run is cut there). Returns
-        how many tokens were processed."""
+        how many tokens were processed. (The output processor detokenizes the common decode
+        itself: a ``plain`` running sequence's one new token.)"""
         output = request.output_token_ids
         first = self.num_processed
-        if self.plain and first == len(output) - 1 and request.status is _RUNNING:
-            self.num_processed += 1  # the common decode: not its last token, nothing to check
-            self.detokenizer.add_token(output[-1])
-            return 1
         for index in range(first, len(output)):
             token = output[index]
             if logprobs is not None and self.logprobs is not None:
