@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -32,7 +33,8 @@ from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import load_tokenizer
 
@@ -41,12 +43,13 @@ from pagedserve.models import load_tokenizer
 class _AddCommand:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prompt: str | None
     priority: int
     arrival_time: float
     done: concurrent.futures.Future
     lora_request: LoRARequest | None = None
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -173,7 +176,6 @@ class AsyncLLM:
         stream = _RequestStream(
             asyncio.get_running_loop(), sampling_params.output_kind is RequestOutputKind.DELTA
         )
-        done: concurrent.futures.Future = concurrent.futures.Future()
         command = _AddCommand(
             request_id,
             list(prompt_token_ids),
@@ -181,9 +183,47 @@ class AsyncLLM:
             prompt,
             priority,
             time.monotonic(),
-            done,
+            concurrent.futures.Future(),
             lora_request,
         )
+        # aclosing: a caller that stops iterating closes the inner stream at once (its abort)
+        async with contextlib.aclosing(self._stream(request_id, stream, command)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def encode(
+        self,
+        prompt_token_ids: list[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        token_type_ids: list[int] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request's one output (vLLM's ``AsyncLLM.encode``): an embedding, class
+        probabilities or a score, as ``pooling_params`` and the model say. Refusals raise
+        from the first ``__anext__``, as ``generate``'s."""
+        stream = _RequestStream(asyncio.get_running_loop())
+        command = _AddCommand(
+            request_id,
+            list(prompt_token_ids),
+            pooling_params,
+            prompt,
+            priority,
+            time.monotonic(),
+            concurrent.futures.Future(),
+            token_type_ids=token_type_ids,
+        )
+        # aclosing: a caller that stops iterating closes the inner stream at once (its abort)
+        async with contextlib.aclosing(self._stream(request_id, stream, command)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _stream(
+        self, request_id: str, stream: _RequestStream, command: _AddCommand
+    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """Submit ``command`` and yield its request's outputs until the finished one."""
+        done = command.done
         self._register_and_submit(request_id, stream, command)
         finished = False
         try:
@@ -325,6 +365,7 @@ class AsyncLLM:
                 arrival_time=command.arrival_time,
                 priority=command.priority,
                 lora_request=command.lora_request,
+                token_type_ids=command.token_type_ids,
             )
         except Exception as error:  # a rejected request, not an engine failure
             command.done.set_exception(error)

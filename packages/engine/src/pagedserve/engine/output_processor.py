@@ -12,6 +12,9 @@ The engine's request groups live here (sequence_group.py, beam_search.py). Each 
    request's prompt logprobs; an ``n > 1`` request's other sequences started with the tokens
    the runner drew for them; beam groups' forks and drops applied; then one ``RequestOutput``
    per request with news, as its ``output_kind`` asks (none for an unfinished FINAL_ONLY one).
+
+A pooling model's step carries pooled outputs instead of tokens (``pooler_output``): each
+finished pooling request's group (pooling.py) takes its result and makes its one output.
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ class OutputProcessor:
     ) -> tuple[list[RequestOutput], StepTokens]:
         """After the update: every updated sequence's tokens, forks and beams, then outputs."""
         tokens = StepTokens()
+        if output.pooler_output:  # a pooling model's step: its finished requests' results
+            return self._pooled_outputs(output, tokens, now), tokens
         if output.prompt_logprobs:
             self._record_prompt_logprobs(output)
         touched: dict[SequenceGroup, None] = {}
@@ -156,6 +161,22 @@ class OutputProcessor:
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _pooled_outputs(
+        self, output: ModelRunnerOutput, tokens: StepTokens, now: float
+    ) -> list[RequestOutput]:
+        """Each pooling request whose last chunk ran: its result, its one output (a pooling
+        model's steps hold pooling requests only)."""
+        touched: dict[SequenceGroup, None] = {}
+        for request_id, data in output.pooler_output.items():
+            group = self.groups.get(request_id)
+            if group is None:  # aborted while its last chunk ran
+                continue
+            group.result = data
+            group.metrics.first_token_time = group.metrics.last_token_time = now
+            tokens.num_prompt_tokens += len(group.prompt_token_ids)
+            touched[group] = None
+        return self._outputs(touched, now)
 
     def _record_prompt_logprobs(self, output: ModelRunnerOutput) -> None:
         """Each request's prompt logprobs of this step (a request that asked is one sequence

@@ -132,3 +132,35 @@ def make_tiny_pooling_checkpoint(
     if arch in ("bert", "xlm_roberta"):
         write_sentence_transformers_files(out_dir, config.hidden_size, pooling)
     return out_dir
+
+
+_WORDS = (
+    "the a model server request block cache token prefix attention batch step query document "
+    "embedding vector search river mountain city music coffee morning quickly slowly bright "
+    "ancient quiet 42 2024 3.14 über café naïve 東京 données réseau fast slow green blue why "
+    "how when paged kernel GPU CPU memory latency throughput sentence meaning similar"
+).split()
+_SHAPES = ("{}.", "{}?", "{}!", "“{}”", "{} — {}.", "{}, {}; {}.", "{}: {}")
+
+
+def sentence_corpus(count: int, seed: int = 0, max_words: int = 60) -> list[str]:
+    """``count`` varied sentences (1 to ``max_words`` words, mostly short as real queries
+    and titles are, some long; punctuation, numbers, accents, CJK), the same for a seed: the
+    workload of the embedding tests and of tools/bench_embeddings.py."""
+    import random
+
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(count):
+        length = min(max_words, max(1, int(rng.lognormvariate(2.3, 0.8))))
+        words = [rng.choice(_WORDS) for _ in range(length)]
+        shape = rng.choice(_SHAPES)
+        parts = shape.count("{}")
+        cuts = (
+            sorted(rng.sample(range(1, length), min(parts - 1, length - 1))) if length > 1 else []
+        )
+        pieces = [" ".join(words[a:b]) for a, b in zip([0, *cuts], [*cuts, length])]
+        pieces += [rng.choice(_WORDS)] * (parts - len(pieces))
+        text = shape.format(*pieces)
+        sentences.append(text[0].upper() + text[1:] if rng.random() < 0.7 else text)
+    return sentences
