@@ -7,6 +7,8 @@ Starlette's TestClient). Routes:
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
     GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
+    POST /v1/embeddings  POST /pooling  POST /classify  POST /score /v1/score
+    POST /rerank /v1/rerank /v2/rerank  (a pooling model's: serving_pooling.py)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     GET /health  GET|POST /ping  GET /load  GET /metrics  GET /version
@@ -65,6 +67,7 @@ from pagedserve.server.serving_lora import (
     unload_lora_adapter,
 )
 from pagedserve.server.serving_messages import count_tokens, create_message
+from pagedserve.server.serving_pooling import ROUTE_BODIES, require_runner
 from pagedserve.server.serving_responses import (
     create_response,
     delete_response,
@@ -91,13 +94,18 @@ GENERATION_PATHS = frozenset(
 # ---- routes ------------------------------------------------------------------------------------
 
 
-def body_route(model: type[BaseModel], create) -> Callable[[Request], Awaitable[Response]]:
+def body_route(
+    model: type[BaseModel], create, runner: str = "generate"
+) -> Callable[[Request], Awaitable[Response]]:
     """The route that reads its body as ``model`` and answers it with
-    ``create(request, state, body)``, on the served model the body names."""
+    ``create(request, state, body)``, on the served model the body names, when that model is
+    of the ``runner`` kind (a generative model, or a pooling one); the other kind is a 400."""
 
     async def route(request: Request) -> Response:
         body = await read_body(request, model)
-        return await create(request, state_of(request, body.model), body)
+        state = state_of(request, body.model)
+        require_runner(state, runner, request.url.path)
+        return await create(request, state, body)
 
     route.__name__ = create.__name__
     return route
@@ -118,7 +126,9 @@ async def invocations(request: Request) -> Response:
             400,
         )
     body = validated(data, kind)
-    return await create(request, state_of(request, body.model), body)
+    state = state_of(request, body.model)
+    require_runner(state, "generate", request.url.path)
+    return await create(request, state, body)
 
 
 async def server_load(request: Request) -> Response:
@@ -254,6 +264,10 @@ ROUTES = [
         "/v1/messages/count_tokens", body_route(CountTokensRequest, count_tokens), methods=["POST"]
     ),
     Route("/invocations", invocations, methods=["POST"]),
+    *(
+        Route(path, body_route(body, create, "pooling"), methods=["POST"])
+        for path, (body, create) in ROUTE_BODIES.items()
+    ),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
