@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import queue
 import threading
 import time
@@ -157,7 +156,7 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
@@ -173,25 +172,14 @@ class AsyncLLM:
         a full queue ``SchedulerOverloadedError``, from the first ``__anext__``, before anything
         is yielded.
         """
-        stream = _RequestStream(
-            asyncio.get_running_loop(), sampling_params.output_kind is RequestOutputKind.DELTA
-        )
+        delta = sampling_params.output_kind is RequestOutputKind.DELTA
         command = _AddCommand(
-            request_id,
-            list(prompt_token_ids),
-            sampling_params,
-            prompt,
-            priority,
-            time.monotonic(),
-            concurrent.futures.Future(),
-            lora_request,
-        )
-        # aclosing: a caller that stops iterating closes the inner stream at once (its abort)
-        async with contextlib.aclosing(self._stream(request_id, stream, command)) as outputs:
-            async for output in outputs:
-                yield output
+            request_id, list(prompt_token_ids), sampling_params, prompt, priority,
+            time.monotonic(), concurrent.futures.Future(), lora_request,
+        )  # fmt: skip
+        return self._stream(command, delta)
 
-    async def encode(
+    def encode(
         self,
         prompt_token_ids: list[int],
         pooling_params: PoolingParams,
@@ -203,27 +191,19 @@ class AsyncLLM:
         """A pooling request's one output (vLLM's ``AsyncLLM.encode``): an embedding, class
         probabilities or a score, as ``pooling_params`` and the model say. Refusals raise
         from the first ``__anext__``, as ``generate``'s."""
-        stream = _RequestStream(asyncio.get_running_loop())
         command = _AddCommand(
-            request_id,
-            list(prompt_token_ids),
-            pooling_params,
-            prompt,
-            priority,
-            time.monotonic(),
-            concurrent.futures.Future(),
-            token_type_ids=token_type_ids,
-        )
-        # aclosing: a caller that stops iterating closes the inner stream at once (its abort)
-        async with contextlib.aclosing(self._stream(request_id, stream, command)) as outputs:
-            async for output in outputs:
-                yield output
+            request_id, list(prompt_token_ids), pooling_params, prompt, priority,
+            time.monotonic(), concurrent.futures.Future(), token_type_ids=token_type_ids,
+        )  # fmt: skip
+        return self._stream(command)
 
     async def _stream(
-        self, request_id: str, stream: _RequestStream, command: _AddCommand
+        self, command: _AddCommand, delta: bool = False
     ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
-        """Submit ``command`` and yield its request's outputs until the finished one."""
-        done = command.done
+        """Submit ``command`` and yield its request's outputs until the finished one
+        (``delta``: they are deltas, merged when the consumer falls behind)."""
+        request_id, done = command.request_id, command.done
+        stream = _RequestStream(asyncio.get_running_loop(), delta)
         self._register_and_submit(request_id, stream, command)
         finished = False
         try:

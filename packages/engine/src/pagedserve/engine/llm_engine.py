@@ -26,13 +26,13 @@ import time
 
 import torch
 
-from pagedserve.blockmgr import KVCacheManager, NoKVCacheManager
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.kv_cache import kv_cache_manager_for
 from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.manager import require_lora
@@ -75,16 +75,9 @@ class LLMEngine:
         )
         if self.speculator is not None:  # a draft model's cache: the same blocks
             self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
-        if self.model_config.is_encoder_only:  # no KV cache: nothing to page
-            self.kv_cache_manager = NoKVCacheManager(self.cache_config.block_size)
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                self.runner.num_blocks,
-                self.cache_config.block_size,
-                self.cache_config.enable_prefix_caching,
-                self.cache_config.watermark,
-                sliding_window=self.model_config.kv_cache_window,
-            )
+        self.kv_cache_manager = kv_cache_manager_for(
+            self.model_config, self.cache_config, self.runner.num_blocks
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
         self.eos_token_ids = self._eos_token_ids()
@@ -144,17 +137,12 @@ class LLMEngine:
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
         request leaves no trace: no group, no seed drawn. ``lora_request`` (None: the base
         model) is registered if it is new, its files read and checked now. ``PoolingParams``
-        make a pooling request (pooling.py; ``token_type_ids``: its tokens' segments), which
-        only a pooling model serves, as only a generative one serves ``SamplingParams``."""
+        make a pooling request (pooling.py; ``token_type_ids``: a pair's segments)."""
         if request_id in self.output_processor.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        pooling_model = self.model_config.runner_type == "pooling"
-        if isinstance(params, PoolingParams) or pooling_model:
-            self._add_pooling_request(
-                request_id, prompt_token_ids, params, prompt, arrival_time, priority,
-                token_type_ids,
-            )  # fmt: skip
-            return
+        if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
+            args = (prompt, arrival_time, priority, token_type_ids)
+            return self._add_pooling_request(request_id, prompt_token_ids, params, *args)
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
         if params.use_beam_search and self.speculator is not None:
             raise InvalidRequestError(
@@ -197,24 +185,12 @@ class LLMEngine:
     def _add_pooling_request(
         self, request_id, prompt_token_ids, params, prompt, arrival_time, priority, token_types
     ) -> None:
-        mc = self.model_config
-        if mc.runner_type != "pooling":
-            raise InvalidRequestError(
-                f"the model {mc.model} generates text; pooling requests (embeddings, scores, "
-                "classes) need a pooling model (--runner pooling)",
-                "model",
-            )
-        if not isinstance(params, PoolingParams):
-            raise InvalidRequestError(
-                f"the model {mc.model} is a pooling model ({mc.pooling_task}): it generates no "
-                "text; send PoolingParams (LLM.embed, LLM.classify, LLM.score)",
-                "model",
-            )
-        check_token_ids(prompt_token_ids, None, mc.vocab_size)
-        now = arrival_time if arrival_time is not None else time.monotonic()
+        """A pooling request (pooling.py): its request, runner state and group registered."""
         request, state, group = pooling_request(
-            request_id, prompt_token_ids, params, mc, self.runner.pooler, prompt=prompt,
-            arrival_time=now, priority=priority, token_type_ids=token_types,
+            request_id, prompt_token_ids, params, self.model_config,
+            getattr(self.runner, "pooler", None),  # a generative runner has none: refused
+            prompt=prompt, priority=priority, token_type_ids=token_types,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )  # fmt: skip
         add_to_scheduler(self.scheduler, request)
         self.runner.input_batch.add_pooling(state)

@@ -49,13 +49,8 @@ from pagedserve.engine.sample_step import LogitsLayout, sample_step
 from pagedserve.engine.sampler import Sampler
 from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
-from pagedserve.models import (
-    AttentionMetadata,
-    EncoderAttentionMetadata,
-    ModelConfig,
-    ParallelContext,
-    load_model,
-)
+from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
+from pagedserve.models.layers.attention import EncoderAttentionMetadata
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import SchedulerOutput
 
@@ -252,8 +247,7 @@ class ModelRunner:
         return gpu_kv_cache_budget(total, cc.gpu_memory_utilization, peak_torch, non_torch)
 
     def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the model computes from the rows a step reads out: logits (a pooling runner:
-        its pooler's outputs). The profiling step runs it, so its memory is counted."""
+        """The rows' logits (a pooling runner: its pooler's outputs); profiling counts it."""
         return self.model.compute_logits(hidden)
 
     # ---- one step ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.input_batch import PoolingState
 from pagedserve.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
 from pagedserve.engine.pooling_params import PoolingParams
+from pagedserve.engine.validation import check_token_ids
 from pagedserve.models import ModelConfig, Pooler, PoolingType
 from pagedserve.scheduler import Request, Scheduler
 
@@ -57,12 +58,29 @@ class PoolingGroup:
         )
 
 
+def check_pooling_request(model_config: ModelConfig, params) -> None:
+    """Only a pooling model serves a pooling request, and it serves nothing else."""
+    mc = model_config
+    if mc.runner_type != "pooling":
+        raise InvalidRequestError(
+            f"the model {mc.model} generates text; pooling requests (embeddings, scores, "
+            "classes) need a pooling model (--runner pooling)",
+            "model",
+        )
+    if not isinstance(params, PoolingParams):
+        raise InvalidRequestError(
+            f"the model {mc.model} is a pooling model ({mc.pooling_task}): it generates no "
+            "text; send PoolingParams (LLM.embed, LLM.classify, LLM.score)",
+            "model",
+        )
+
+
 def pooling_request(
     request_id: str,
     prompt_token_ids: list[int],
     params: PoolingParams,
     model_config: ModelConfig,
-    pooler: Pooler,
+    pooler: Pooler | None,
     *,
     prompt: str | None,
     arrival_time: float,
@@ -71,6 +89,8 @@ def pooling_request(
 ) -> tuple[Request, PoolingState, PoolingGroup]:
     """The scheduler's request, the runner's state and the engine's group of a pooling
     request, or ``InvalidRequestError`` naming the field at fault."""
+    check_pooling_request(model_config, params)
+    check_token_ids(prompt_token_ids, None, model_config.vocab_size)
     params.verify(pooler.task, model_config.hidden_size, model_config.matryoshka_dimensions)
     prompt_ids = params.truncated(list(prompt_token_ids), model_config.max_model_len)
     if token_type_ids is not None:
@@ -99,6 +119,7 @@ def pooling_request(
 
 
 def add_to_scheduler(scheduler: Scheduler, request: Request) -> None:
+    """Queue a pooling request; the scheduler's refusal as the engine's."""
     try:
         scheduler.add_request(request)
     except RequestRejectedError as e:
