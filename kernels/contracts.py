@@ -24,6 +24,8 @@ DEFAULTS = {
     "rotary_embedding": "pagedserve.kernels.rotary_embedding:rotary_embedding_triton",
     "silu_and_mul": "pagedserve.kernels.silu_and_mul:silu_and_mul_triton",
     "gelu_tanh": "pagedserve.kernels.gelu_tanh:gelu_tanh_triton",
+    "gelu": "pagedserve.kernels.gelu:gelu_triton",
+    "encoder_attention": "pagedserve.kernels.encoder_attention:encoder_attention_triton",
     "copy_blocks": "pagedserve.kernels.copy_blocks:copy_blocks_triton",
     "sample_tokens": "pagedserve.kernels.sampling:sample_tokens_triton",
     "apply_penalties": "pagedserve.kernels.penalties:apply_penalties_triton",

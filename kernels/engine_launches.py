@@ -56,7 +56,11 @@ _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
     "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
+    "encoder_attention", "gelu",
 )  # fmt: skip
+# Encoder models (pooling: embeddings, cross-encoders): (name, heads, head_dim, hidden,
+# intermediate). all-MiniLM-L6-v2; BERT-base / bge-base / XLM-RoBERTa-base.
+ENCODER_SHAPES = [("minilm-l6", 12, 32, 384, 1536), ("bert-base", 12, 64, 768, 3072)]
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
 # dtypes and the strides' divisibility, not on the sizes themselves.
@@ -297,6 +301,23 @@ def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
         record(f"{name} {label}")
 
 
+def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
+    """An encoder layer's own launches (a pooling model's: no cache, no rotary): bidirectional
+    attention over a step of whole sequences of several lengths (the tile follows the head
+    dim only), its LayerNorms and its exact GELU."""
+    mods = _wrappers()
+    for name, heads, head_dim, hidden, intermediate in ENCODER_SHAPES:
+        lengths = [7, 40, 1]
+        starts = torch.tensor([0, 7, 47, 48], dtype=torch.int32)
+        qkv = torch.randn(sum(lengths), 3 * heads * head_dim).to(dtype)
+        q, k, v = (t.view(-1, heads, head_dim) for t in qkv.split(heads * head_dim, dim=-1))
+        mods["encoder_attention"].encoder_attention_triton(q, k, v, starts, 40, head_dim**-0.5)
+        x, weight = torch.randn(3, hidden).to(dtype), torch.randn(hidden).to(dtype)
+        mods["layer_norm"].layer_norm_triton(x, weight, weight.clone(), 1e-12)
+        mods["gelu"].gelu_triton(torch.randn(3, intermediate).to(dtype))
+        record(f"{name} {label}")
+
+
 def engine_launches(
     models: list[ModelShape], block_sizes: dict[str, list[int]], record: Callable
 ) -> None:
@@ -322,3 +343,4 @@ def engine_launches(
                 )
     for dtype_name in block_sizes:
         moe_launches(DTYPES[dtype_name], record, dtype_name)
+        encoder_launches(DTYPES[dtype_name], record, dtype_name)

@@ -1,4 +1,4 @@
-"""store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, gelu_tanh: the Triton
+"""store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, gelu_tanh, gelu: the Triton
 kernel (or the implementation given with --impl) against the reference."""
 
 import pytest
@@ -7,6 +7,7 @@ from contracts import implementation
 from suite_grid import DEVICE, DTYPES, pick
 from tolerances import assert_close
 
+from pagedserve.kernels.gelu import gelu_ref
 from pagedserve.kernels.gelu_tanh import gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm_ref
 from pagedserve.kernels.rms_norm import rms_norm_ref
@@ -125,3 +126,12 @@ def test_gelu_tanh(shape, dtype):
     x = randn(*shape, dtype=dtype) * 4
     x[0, :3] = torch.tensor([-30.0, 0.0, 30.0])
     assert_close(implementation("gelu_tanh")(x), gelu_tanh_ref(x))
+
+
+@pytest.mark.contract("gelu")
+@dtypes
+@pytest.mark.parametrize("shape", pick([(5, 100)], [(257, 1536), (4, 3072)]), ids=str)
+def test_gelu(shape, dtype):
+    x = randn(*shape, dtype=dtype) * 4
+    x[0, :3] = torch.tensor([-30.0, 0.0, 30.0])
+    assert_close(implementation("gelu")(x), gelu_ref(x))

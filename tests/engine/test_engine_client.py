@@ -12,7 +12,8 @@ from pagedserve.engine import AsyncLLM, EngineArgs, EngineClient
 
 SERVER_SRC = Path(__file__).parents[2] / "packages/server/src/pagedserve/server"
 METHODS = [
-    "generate", "abort", "check_health", "get_stats", "shutdown", "add_lora", "remove_lora"
+    "generate", "encode", "abort", "check_health", "get_stats", "shutdown", "add_lora",
+    "remove_lora",
 ]  # fmt: skip
 ATTRIBUTES = ["tokenizer", "model_config", "scheduler_config", "lora_enabled"]
 

@@ -1,4 +1,5 @@
-"""Every registered architecture implements ModelForCausalLM, the interface the runner relies on."""
+"""Every registered architecture implements ModelForCausalLM, the interface the runner relies on;
+every pooling architecture (and every generative one converted) ModelForPooling."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import inspect
 import pytest
 import torch
 
-from pagedserve.models import ModelConfig, ModelForCausalLM, load_model
-from pagedserve.models.loader import MODEL_CLASSES
+from pagedserve.models import ModelConfig, ModelForCausalLM, ModelForPooling, load_model
+from pagedserve.models.loader import MODEL_CLASSES, POOLING_FAMILIES
 from pagedserve.models.testing import TINY_ARCHS
+from pagedserve.models.testing_pooling import TINY_POOLING_ARCHS
 
 METHODS = ["forward", "compute_logits", "load_weights"]
 
@@ -18,7 +20,7 @@ def parameter_names(function) -> list[str]:
     return list(inspect.signature(function).parameters)[1:]  # without self
 
 
-@pytest.mark.parametrize("arch", sorted(MODEL_CLASSES))
+@pytest.mark.parametrize("arch", sorted(set(MODEL_CLASSES) - POOLING_FAMILIES))
 @pytest.mark.parametrize("method", METHODS)
 def test_each_registered_class_has_the_interface_signatures(arch, method):
     ours = getattr(ModelForCausalLM, method)
@@ -35,6 +37,29 @@ def test_load_model_returns_a_model_for_causal_lm(tiny_checkpoint, arch):
     logits = model.compute_logits(hidden)
     # float32 whatever the model's dtype: the sampler's precision
     assert logits.dtype == torch.float32 and logits.shape == (3, config.vocab_size)
+
+
+@pytest.mark.parametrize("arch", sorted(POOLING_FAMILIES))
+def test_each_pooling_class_has_the_pooling_interface(arch):
+    cls = MODEL_CLASSES[arch]
+    forward = parameter_names(cls.forward)
+    assert forward[:4] == parameter_names(ModelForPooling.forward)
+    assert forward[4:] == ["token_type_ids"]  # optional: BERT's sentence pairs
+    assert parameter_names(cls.load_weights) == parameter_names(ModelForPooling.load_weights)
+
+
+@pytest.mark.parametrize("arch", TINY_POOLING_ARCHS)
+def test_load_model_returns_a_model_for_pooling(tiny_pooling_checkpoint, arch):
+    model = load_model(ModelConfig(model=tiny_pooling_checkpoint(arch)))
+    assert isinstance(model, ModelForPooling)
+    assert model.pooler.task == ("embed" if arch in ("bert", "xlm_roberta") else "classify")
+
+
+def test_a_converted_decoder_is_a_model_for_pooling(tiny_checkpoint):
+    model = load_model(ModelConfig(model=tiny_checkpoint("llama"), convert="embed"))
+    assert isinstance(model, ModelForPooling) and not hasattr(model, "lm_head")
+    with pytest.raises(TypeError, match="pooling model"):
+        model.compute_logits(torch.zeros(1, 64))
 
 
 def test_an_object_without_load_weights_is_not_a_model():

@@ -232,7 +232,7 @@ RAW_CASES = [
         {"content-type": "application/x-www-form-urlencoded"},
         415,
     ),
-    ("unknown route", "POST", "/v1/embeddings", b"{}", {}, 404),
+    ("unknown route", "POST", "/v1/audio/speech", b"{}", {}, 404),
     ("wrong method", "GET", COMP, b"", {}, 405),
     ("unknown model card", "GET", "/v1/models/gpt-4", b"", {}, 404),
     ("64 KB of headers", "GET", "/v1/models", b"", {"x-junk": "a" * 65536}, 431),

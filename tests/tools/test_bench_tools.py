@@ -113,3 +113,16 @@ def test_host_overhead_tool_outer_timers_time_only_the_step_and_its_sampler(tiny
     assert set(ms) == {"  of which sampler", "step", host, "floor: argmax of the logits"}
     assert 0.0 < ms["  of which sampler"] < ms["step"]
     assert ms[host] == ms["step"] - ms["  of which sampler"]
+
+
+def test_bench_embeddings_runs_on_a_tiny_workload(tiny_pooling_checkpoint, capsys):
+    """The embeddings benchmark's whole path (both sides, the table, the ratio) on a tiny model
+    and a few sentences; its figures are measured by hand, not here."""
+    import bench_embeddings
+
+    path = tiny_pooling_checkpoint("bert")
+    argv = ["--model", path, "--num-sentences", "12", "--warmup", "4", "--threads", "1"]
+    assert bench_embeddings.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sentences/s" in out and "ratio:" in out
+    assert float(out.split("min cosine ")[1]) > 0.9999

@@ -13,6 +13,7 @@ from pagedserve.blockmgr.kv_cache_manager import (
     PrefixCacheStats,
     StalePrefixHitError,
 )
+from pagedserve.blockmgr.no_kv_cache import NoKVCacheManager
 from pagedserve.blockmgr.prefix_hash import extend_block_hashes, hash_block
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "CacheConfig",
     "KVBlock",
     "KVCacheManager",
+    "NoKVCacheManager",
     "PrefixCacheStats",
     "StalePrefixHitError",
     "extend_block_hashes",

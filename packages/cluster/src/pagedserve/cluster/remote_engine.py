@@ -21,7 +21,14 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from pagedserve.cluster.replica import ModelDescription, ReplicaStart, ReplicaStats
 from pagedserve.cluster.routing import ReplicaRequest
-from pagedserve.engine import EngineDeadError, EngineStats, RequestOutput, SamplingParams
+from pagedserve.engine import (
+    EngineDeadError,
+    EngineStats,
+    PoolingParams,
+    PoolingRequestOutput,
+    RequestOutput,
+    SamplingParams,
+)
 
 logger = logging.getLogger("pagedserve.cluster")
 REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -59,9 +66,30 @@ class RemoteEngine:
         prompt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        request = ReplicaRequest(
+        request = self._request(prompt_token_ids, sampling_params, request_id, prompt, priority)
+        async for output in self._stream(request):
+            yield output
+
+    async def encode(
+        self,
+        prompt_token_ids: list[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        token_type_ids: list[int] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's request (an embedding model beside a chat model), routed and
+        retried as ``generate``'s."""
+        request = self._request(prompt_token_ids, pooling_params, request_id, prompt, priority)
+        request.token_type_ids = token_type_ids
+        async for output in self._stream(request):
+            yield output
+
+    def _request(self, prompt_token_ids, params, request_id, prompt, priority) -> ReplicaRequest:
+        return ReplicaRequest(
             list(prompt_token_ids),
-            sampling_params,
+            params,
             request_id,
             prompt,
             priority,
@@ -70,6 +98,10 @@ class RemoteEngine:
             prefix_blocks=self.route.prefix_blocks,
             busy_threshold=self.route.busy_threshold,
         )
+
+    async def _stream(self, request: ReplicaRequest) -> AsyncIterator:
+        """The replica's outputs for ``request`` (see the module docstring for its faults)."""
+        request_id = request.request_id
         while True:
             stream = self.handle.options(stream=True).generate.remote(request)
             replica, started, finished = None, False, False

@@ -86,18 +86,25 @@ class EngineReplica:
         )
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Any]:
-        """``ReplicaStart``, then the request's cumulative RequestOutputs. A caller that goes
-        away cancels this generator, and AsyncLLM aborts the request (its blocks are freed)."""
+        """``ReplicaStart``, then the request's cumulative RequestOutputs (a pooling request's
+        one PoolingRequestOutput). A caller that goes away cancels this generator, and
+        AsyncLLM aborts the request (its blocks are freed)."""
+        from pagedserve.engine import PoolingParams
+
         self.num_requests += 1
+        if isinstance(request.params, PoolingParams):  # a pooling model's one output
+            outputs = self.engine.encode(
+                request.prompt_token_ids, request.params, request.request_id, request.prompt,
+                request.priority, token_type_ids=request.token_type_ids,
+            )  # fmt: skip
+        else:
+            outputs = self.engine.generate(
+                request.prompt_token_ids, request.params, request.request_id, request.prompt,
+                request.priority,
+            )  # fmt: skip
         try:
             yield ReplicaStart(self.replica_id)
-            async for output in self.engine.generate(
-                request.prompt_token_ids,
-                request.params,
-                request.request_id,
-                request.prompt,
-                request.priority,
-            ):
+            async for output in outputs:
                 yield output
         finally:
             self.num_requests -= 1

@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.engine import SamplingParams, extend_block_hashes
+from pagedserve.engine import PoolingParams, SamplingParams, extend_block_hashes
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ReplicaRequest:
     """One engine request on its way to a replica, with what the router needs to place it."""
 
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: a pooling model's request
     request_id: str
     prompt: str | None = None
     priority: int = 0
@@ -39,6 +39,7 @@ class ReplicaRequest:
     prefix_blocks: int = 1
     busy_threshold: int = 4
     tried: set[str] = field(default_factory=set)  # replicas that died under this request
+    token_type_ids: list[int] | None = None  # a pooling request's sentence-pair segments
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int, num_blocks: int) -> bytes | None:

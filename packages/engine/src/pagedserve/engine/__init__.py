@@ -22,7 +22,15 @@ from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats, FinishedRequestStats
-from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import apply_chat_template
 from pagedserve.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -42,6 +50,9 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "LoRARequest",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",

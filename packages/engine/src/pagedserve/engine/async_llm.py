@@ -32,7 +32,8 @@ from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import load_tokenizer
 
@@ -41,12 +42,13 @@ from pagedserve.models import load_tokenizer
 class _AddCommand:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prompt: str | None
     priority: int
     arrival_time: float
     done: concurrent.futures.Future
     lora_request: LoRARequest | None = None
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -154,7 +156,7 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
@@ -170,20 +172,38 @@ class AsyncLLM:
         a full queue ``SchedulerOverloadedError``, from the first ``__anext__``, before anything
         is yielded.
         """
-        stream = _RequestStream(
-            asyncio.get_running_loop(), sampling_params.output_kind is RequestOutputKind.DELTA
-        )
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        delta = sampling_params.output_kind is RequestOutputKind.DELTA
         command = _AddCommand(
-            request_id,
-            list(prompt_token_ids),
-            sampling_params,
-            prompt,
-            priority,
-            time.monotonic(),
-            done,
-            lora_request,
-        )
+            request_id, list(prompt_token_ids), sampling_params, prompt, priority,
+            time.monotonic(), concurrent.futures.Future(), lora_request,
+        )  # fmt: skip
+        return self._stream(command, delta)
+
+    def encode(
+        self,
+        prompt_token_ids: list[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        token_type_ids: list[int] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request's one output (vLLM's ``AsyncLLM.encode``): an embedding, class
+        probabilities or a score, as ``pooling_params`` and the model say. Refusals raise
+        from the first ``__anext__``, as ``generate``'s."""
+        command = _AddCommand(
+            request_id, list(prompt_token_ids), pooling_params, prompt, priority,
+            time.monotonic(), concurrent.futures.Future(), token_type_ids=token_type_ids,
+        )  # fmt: skip
+        return self._stream(command)
+
+    async def _stream(
+        self, command: _AddCommand, delta: bool = False
+    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """Submit ``command`` and yield its request's outputs until the finished one
+        (``delta``: they are deltas, merged when the consumer falls behind)."""
+        request_id, done = command.request_id, command.done
+        stream = _RequestStream(asyncio.get_running_loop(), delta)
         self._register_and_submit(request_id, stream, command)
         finished = False
         try:
@@ -325,6 +345,7 @@ class AsyncLLM:
                 arrival_time=command.arrival_time,
                 priority=command.priority,
                 lora_request=command.lora_request,
+                token_type_ids=command.token_type_ids,
             )
         except Exception as error:  # a rejected request, not an engine failure
             command.done.set_exception(error)

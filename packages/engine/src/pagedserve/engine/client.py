@@ -1,7 +1,8 @@
 """EngineClient: everything the server may ask of the engine, and nothing more.
 
 The OpenAI server talks to one online engine (``AsyncLLM``) through this Protocol, so that what
-the server depends on is written down in one place: streams of outputs per request, abort,
+the server depends on is written down in one place: streams of outputs per request (a pooling
+model's one output per request: ``encode``), abort,
 LoRA adapters in and out, health, metrics, shutdown, the tokenizer for callers, and the two configs whose limits the server
 checks requests against (``model_config.vocab_size``, ``scheduler_config.max_model_len``). A
 test double, or another engine (a remote one, a data-parallel front), serves the same server by
@@ -15,7 +16,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,6 +48,20 @@ class EngineClient(Protocol):
         ``output_kind`` asks); the last has ``finished=True``. A request the engine refuses
         raises from the first ``__anext__``; a caller that stops iterating aborts its request.
         ``lora_request``: the adapter it runs with (None: the base)."""
+        ...
+
+    def encode(
+        self,
+        prompt_token_ids: list[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        token_type_ids: list[int] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's one output for one prompt (an embedding, class probabilities, a
+        score); ``token_type_ids``: a sentence pair's segments. Refusals raise from the first
+        ``__anext__``, as ``generate``'s do."""
         ...
 
     async def add_lora(self, lora_request: LoRARequest) -> None:

@@ -86,6 +86,16 @@ class EngineArgs:
         "auto (the model's generation_config.json sets eos ids and sampling defaults), vllm "
         "(its eos ids only) or a folder holding a generation_config.json",
     )
+    runner: str = option(
+        "auto",
+        "auto, generate or pooling: what the model serves (auto: a pooling architecture such as "
+        "BertModel pools, any other generates)",
+    )
+    convert: str = option(
+        "auto",
+        "auto, none, embed or classify: serve a generative model as an embedder (last-token "
+        "pooling) or a classifier (its score head); implies --runner pooling",
+    )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
     max_logprobs: int = option(
@@ -118,6 +128,18 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
+    def _check_pooling(self) -> None:
+        """What a pooling model cannot run with: it generates nothing to speculate on or to
+        adapt, and it runs on one device."""
+        refused = {
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+        }
+        for name, set_ in refused.items():
+            if set_:
+                raise ValueError(f"{name} is not supported with a pooling model (--runner pooling)")
+
     def create_speculative_config(self) -> SpeculativeConfig | None:
         from pagedserve.engine.spec_decode.config import SpeculativeConfig
 
@@ -144,17 +166,27 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             generation_config=self.generation_config,
+            runner=self.runner,
+            convert=self.convert,
         )
+        if model_config.runner_type == "pooling":
+            self._check_pooling()
         max_len = model_config.max_model_len
-        budget = self.max_num_batched_tokens or (
-            2048 if self.enable_chunked_prefill else max(2048, max_len)
-        )
+        # an encoder reads each prompt whole in one step: never chunked, never a cached prefix
+        encoder = model_config.is_encoder_only
+        chunked = self.enable_chunked_prefill and not encoder
+        budget = self.max_num_batched_tokens or (2048 if chunked else max(2048, max_len))
+        if encoder and budget < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be at least max_model_len ({max_len}) "
+                "for an encoder model: its prompts are read whole, in one step"
+            )
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching and not encoder,
             profile_num_tokens=budget,
             cache_dtype=self.kv_cache_dtype,
         )
@@ -163,7 +195,7 @@ class EngineArgs:
             max_num_batched_tokens=budget,
             max_model_len=max_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             policy=self.scheduling_policy,
             max_num_waiting=self.max_num_waiting,
             max_num_waiting_tokens=self.max_num_waiting_tokens,

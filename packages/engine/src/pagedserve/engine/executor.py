@@ -1,5 +1,5 @@
 """The engine's model executor: one model runner in this process (``CPUModelRunner`` on a CPU,
-``ModelRunner`` elsewhere), or rank 0 of a tensor-parallel group (``TensorParallelExecutor``)
+``ModelRunner`` elsewhere; ``PoolingModelRunner`` for a pooling model), or rank 0 of a tensor-parallel group (``TensorParallelExecutor``)
 behind the same interface, as vLLM picks a single-process or a multiprocess executor from the
 parallel config."""
 
@@ -12,6 +12,7 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_runner import CPUModelRunner
 from pagedserve.engine.distributed import TensorParallelExecutor
 from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.pooling_runner import PoolingModelRunner
 from pagedserve.models import ModelConfig
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ def create_runner(
     share the KV memory budget (on rank 0 only under tensor parallelism); ``drafter``: that
     draft model, which the runner runs at the start of each step."""
     lora_config = args.create_lora_config()
+    if model_config.runner_type == "pooling":  # prefill steps only: no decode graphs
+        return PoolingModelRunner(model_config, cache_config)
     if args.tensor_parallel_size == 1:  # LoRA steps run eagerly: no padded decode graphs
         graphs = args.cuda_graph_config() if lora_config is None else None
         cpu = model_config.torch_device.type == "cpu"

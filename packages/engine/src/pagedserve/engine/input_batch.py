@@ -8,6 +8,9 @@ what each row needs from objects that already exist, and a step of plain rows (g
 processor, no logprobs: most of a busy server) reads nothing per row at all: the batch counts
 how many live sequences need more (``num_special``) and builds per-row metadata only then.
 
+A pooling request (prefill only) registers a ``PoolingState`` instead: its params, its
+token types, and what its pooling has gathered from its chunks so far (pooling_runner.py).
+
 Block tables: every step needs the scheduled sequences' tables as one ``[B, max_blocks]`` int32
 array. Building it afresh walks every block id of every sequence at every step, though a
 decode adds a block only once every ``block_size`` steps. So the array persists between steps,
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from pagedserve.blockmgr.slot_mapping import PagedBatch
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.backend import GrammarMatcher
 from pagedserve.kernels.sampling import GREEDY_TEMPERATURE
@@ -96,11 +100,34 @@ class SamplingState:
         return self.request.output_token_ids
 
 
+@dataclass(eq=False, slots=True)
+class PoolingState:
+    """One pooling request's runner state, registered in the ``InputBatch`` while it lives.
+
+    ``token_type_ids``: each prompt token's segment (a sentence pair's second half is 1), for
+    models that read them (BERT); None: all 0. ``partial``: what its pooling has gathered
+    from the chunks computed so far (the sum of their rows for MEAN, the first row for CLS),
+    so a prompt chunked over several steps pools as if read at once. ``group``: the engine's
+    request (pooling.py), which the runner never reads.
+    """
+
+    request: Request
+    params: PoolingParams
+    token_type_ids: list[int] | None = None
+    partial: torch.Tensor | None = None
+    group: object = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
 class InputBatch:
     """The live sequences' sampling states, by request id (see the module docstring)."""
 
     def __init__(self) -> None:
         self.states: dict[str, SamplingState] = {}
+        self.pooling: dict[str, PoolingState] = {}
         self.num_special = 0  # live states that need more than an argmax
         self.num_beams = 0
         self.num_forking = 0
@@ -113,8 +140,17 @@ class InputBatch:
         self.states[state.request_id] = state
         self._count(state, 1)
 
+    def add_pooling(self, state: PoolingState) -> None:
+        """Register a pooling request (a reused id replaces the finished request's state)."""
+        self.pooling[state.request_id] = state
+
     def remove(self, request: Request) -> None:
         """Forget a sequence that has left (only its own state: an id may have been reused)."""
+        if request.pooling:
+            pooled = self.pooling.get(request.request_id)
+            if pooled is not None and pooled.request is request:
+                del self.pooling[request.request_id]
+            return
         state = self.states.get(request.request_id)
         if state is not None and state.request is request:
             del self.states[request.request_id]

@@ -1,10 +1,13 @@
-"""The KV cache tensors, and how many blocks fit in a memory budget."""
+"""The KV cache tensors, how many blocks fit in a memory budget, and the block manager that
+keeps their bookkeeping."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+
+from pagedserve.blockmgr import KVCacheManager, NoKVCacheManager
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -111,3 +114,15 @@ def log_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> None
         max_model_len,
         tokens / max_model_len,
     )
+
+
+def kv_cache_manager_for(
+    model_config, cache_config, num_blocks: int
+) -> KVCacheManager | NoKVCacheManager:
+    """The blocks' bookkeeping for a model: none for an encoder, which has no KV cache
+    (docs/pooling.md); else ``num_blocks`` blocks, prefix caching and the model's window."""
+    cc = cache_config
+    if model_config.is_encoder_only:
+        return NoKVCacheManager(cc.block_size)
+    window = model_config.kv_cache_window
+    return KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.watermark, window)

@@ -1,8 +1,13 @@
-"""LLM: offline batch generation, with vLLM's interface.
+"""LLM: offline batch generation and pooling, with vLLM's interface.
 
 llm = LLM(model="path/to/hf-folder")
 outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
 print(outputs[0].outputs[0].text)
+
+A pooling model (an embedder, a classifier, a cross-encoder) answers ``embed``, ``classify``
+and ``score`` (and ``encode`` with explicit ``PoolingParams``) instead: one
+``PoolingRequestOutput`` per prompt, whose ``outputs.embedding`` / ``.probs`` / ``.score`` is
+the result.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.engine.scoring import cosine, pair_prompt, score_pairs, text_prompt
 from pagedserve.models import apply_chat_template
 
 PromptType = str | dict[str, Any]
@@ -106,6 +113,76 @@ class LLM:
         )
         return self.generate(prompts, sampling, use_tqdm)
 
+    # ---- pooling models -------------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One PoolingRequestOutput per prompt, in order: a pooling model's outputs under
+        ``pooling_params`` (one for all, or one per prompt). A prompt is a string (truncated
+        by the tokenizer when its params say ``truncate_prompt_tokens``), or a dict with
+        ``prompt_token_ids`` (and ``token_type_ids``)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts")
+        max_len = self.engine.scheduler_config.max_model_len
+        order = []
+        for prompt, params in zip(prompts, pooling_params, strict=True):
+            types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+            if isinstance(prompt, str):
+                ids = text_prompt(self.tokenizer, prompt, params.truncate_prompt_tokens, max_len)
+                text = prompt
+            else:
+                text, ids = self._tokenize(prompt)
+            request_id = self.engine.next_request_id()
+            self.engine.add_request(request_id, ids, params, prompt=text, token_type_ids=types)
+            order.append(request_id)
+        return self._run(order, use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True):  # fmt: skip
+        """Each prompt's embedding (``outputs.embedding``), as the model's pooling says."""
+        params = _pooling(pooling_params, "embed", truncate_prompt_tokens)
+        return self.encode(prompts, params, use_tqdm)
+
+    def classify(self, prompts, pooling_params: PoolingParams | None = None,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True):  # fmt: skip
+        """Each prompt's class probabilities (``outputs.probs``)."""
+        params = _pooling(pooling_params, "classify", truncate_prompt_tokens)
+        return self.encode(prompts, params, use_tqdm)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """The score of each pair (1:1, 1:N, or N:N zipped; ``outputs.score``): a
+        cross-encoder's relevance, or the cosine of two embeddings (scoring.py)."""
+        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
+        params = _pooling(pooling_params, "score", truncate_prompt_tokens)
+        if self.engine.model_config.pooling_task == "embed":
+            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+            vectors = dict(zip(texts, self.encode(texts, params, use_tqdm), strict=True))
+            return [
+                _score_output(vectors[a], cosine(vectors[a].outputs.data, vectors[b].outputs.data))
+                for a, b in pairs
+            ]
+        max_len = self.engine.scheduler_config.max_model_len
+        prompts = []
+        for a, b in pairs:
+            ids, types = pair_prompt(self.tokenizer, a, b, params.truncate_prompt_tokens, max_len)
+            prompts.append({"prompt_token_ids": ids, "token_type_ids": types})
+        return self.encode(prompts, params, use_tqdm)
+
     def _params_per_prompt(self, count: int, params) -> list[SamplingParams]:
         if params is None:
             return [self.get_default_sampling_params()] * count
@@ -124,7 +201,7 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise TypeError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
-    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: list[str], use_tqdm: bool) -> list:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(
             total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
@@ -139,9 +216,10 @@ class LLM:
                 bar.close()
                 raise errors[0][1]
             for output in outputs:
-                count = sum(len(o.token_ids) for o in output.outputs)
-                generated += max(0, count - seen.get(output.request_id, 0))
-                seen[output.request_id] = count
+                if isinstance(output, RequestOutput):
+                    count = sum(len(o.token_ids) for o in output.outputs)
+                    generated += max(0, count - seen.get(output.request_id, 0))
+                    seen[output.request_id] = count
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)
@@ -150,6 +228,23 @@ class LLM:
             )
         bar.close()
         return [finished[r] for r in order]
+
+
+def _pooling(params: PoolingParams | None, task: str, truncate: int | None) -> PoolingParams:
+    """The params of an ``embed`` / ``classify`` / ``score`` call: the caller's, with the
+    call's task and truncation."""
+    params = dataclasses.replace(params) if params is not None else PoolingParams()
+    params.task = task
+    if truncate is not None:
+        params.truncate_prompt_tokens = truncate
+    params.__post_init__()
+    return params
+
+
+def _score_output(first: PoolingRequestOutput, score: float) -> PoolingRequestOutput:
+    import torch
+
+    return dataclasses.replace(first, outputs=PoolingOutput(torch.tensor([score])))
 
 
 def _loras_per_prompt(count: int, lora_request) -> list[LoRARequest | None]:

@@ -26,19 +26,21 @@ import time
 
 import torch
 
-from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.input_batch import SamplingState
+from pagedserve.engine.kv_cache import kv_cache_manager_for
 from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.output_processor import OutputProcessor, StepTokens
-from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.engine.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
+from pagedserve.engine.pooling import add_to_scheduler, pooling_request
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.spec_decode.speculator import Speculator
@@ -73,12 +75,8 @@ class LLMEngine:
         )
         if self.speculator is not None:  # a draft model's cache: the same blocks
             self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
-        self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks,
-            self.cache_config.block_size,
-            self.cache_config.enable_prefix_caching,
-            self.cache_config.watermark,
-            sliding_window=self.model_config.kv_cache_window,
+        self.kv_cache_manager = kv_cache_manager_for(
+            self.model_config, self.cache_config, self.runner.num_blocks
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
@@ -128,18 +126,23 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
         request leaves no trace: no group, no seed drawn. ``lora_request`` (None: the base
-        model) is registered if it is new, its files read and checked now."""
+        model) is registered if it is new, its files read and checked now. ``PoolingParams``
+        make a pooling request (pooling.py; ``token_type_ids``: a pair's segments)."""
         if request_id in self.output_processor.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
+            args = (prompt, arrival_time, priority, token_type_ids)
+            return self._add_pooling_request(request_id, prompt_token_ids, params, *args)
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
         if params.use_beam_search and self.speculator is not None:
             raise InvalidRequestError(
@@ -178,6 +181,21 @@ class LLMEngine:
         self._never_scheduled.add(request_id)
         if params.structured_outputs is not None:
             self.structured_output.hold(request, params.structured_outputs)
+
+    def _add_pooling_request(
+        self, request_id, prompt_token_ids, params, prompt, arrival_time, priority, token_types
+    ) -> None:
+        """A pooling request (pooling.py): its request, runner state and group registered."""
+        request, state, group = pooling_request(
+            request_id, prompt_token_ids, params, self.model_config,
+            getattr(self.runner, "pooler", None),  # a generative runner has none: refused
+            prompt=prompt, priority=priority, token_type_ids=token_types,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )  # fmt: skip
+        add_to_scheduler(self.scheduler, request)
+        self.runner.input_batch.add_pooling(state)
+        self.output_processor.groups[request_id] = group
+        self._never_scheduled.add(request_id)
 
     def _start_group(self, request: Request, params, prompt, now, max_tokens) -> None:
         """The request's group and its first sequence's state, registered with the runner and
@@ -321,10 +339,11 @@ class LLMEngine:
         """A request has left the engine with ``output``: its latencies, once."""
         self._never_scheduled.discard(group.request_id)
         group.metrics.finished_time = now
+        pooled = isinstance(output, PoolingRequestOutput)  # prefill only: it "stops" there
         self.stats.record_finished(
             finished_request_stats(
                 group.request_id,
-                "abort" if group.aborted else output.outputs[0].finish_reason,
+                "abort" if group.aborted else "stop" if pooled else output.outputs[0].finish_reason,
                 len(group.prompt_token_ids),
                 group.num_output_tokens(output),
                 group.metrics,

@@ -51,6 +51,7 @@ from pagedserve.engine.sampler import Sampler
 from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
+from pagedserve.models.layers.attention import EncoderAttentionMetadata
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.scheduler import SchedulerOutput
 
@@ -65,13 +66,15 @@ class ModelInput:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | EncoderAttentionMetadata
     logits_indices: torch.Tensor
     # the decode bucket this batch was padded to (its tensors are views of the runner's
     # persistent buffers); None for an unpadded batch
     padded_batch_size: int | None = None
     # each token's LoRA slot (-1: the base model); None when no row has an adapter
     lora_token_slot: torch.Tensor | None = None
+    # each token's segment, for a model that reads them (BERT's sentence pairs); None: all 0
+    token_type_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -118,12 +121,13 @@ class ModelRunner:
         self.num_blocks = self.par.min_over_ranks(self._num_blocks())
         pads = graph_config is not None and graph_config.pads_decode(self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
-        log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
+        if self.num_blocks:  # none: an encoder, which has no KV cache (pooling_runner.py)
+            log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
         if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
             from pagedserve.kernels.cpu.warmup import warm_up
 
             warm_up((self.kv_cache_dtype,))
-        if self.device.type == "cuda":  # compile every attention variant now, not mid-serving
+        if self.device.type == "cuda" and self.num_blocks:  # every attention variant now
             mc, heads = model_config, model_config.num_attention_heads // self.par.tp_size
             paged_attention_warmup(
                 heads,
@@ -234,7 +238,7 @@ class ModelRunner:
         positions = torch.from_numpy(batch.positions).to(dev)
         hidden = self.model(input_ids, positions, caches, meta)
         last_rows = torch.from_numpy(batch.query_start_loc[1:].astype(np.int64) - 1).to(dev)
-        self.model.compute_logits(hidden[last_rows])
+        self.output_head(hidden[last_rows])
         torch.cuda.synchronize(dev)
         peak_torch = torch.cuda.max_memory_allocated(dev) - num_blocks * block_bytes
         free, total = torch.cuda.mem_get_info(dev)
@@ -242,6 +246,10 @@ class ModelRunner:
         del caches, hidden, meta, input_ids, positions
         torch.cuda.empty_cache()
         return gpu_kv_cache_budget(total, cc.gpu_memory_utilization, peak_torch, non_torch)
+
+    def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows' logits (a pooling runner: its pooler's outputs); profiling counts it."""
+        return self.model.compute_logits(hidden)
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ The engine's request groups live here (sequence_group.py, beam_search.py). Each 
    request's prompt logprobs; an ``n > 1`` request's other sequences started with the tokens
    the runner drew for them; beam groups' forks and drops applied; then one ``RequestOutput``
    per request with news, as its ``output_kind`` asks (none for an unfinished FINAL_ONLY one).
+
+A pooling model's step carries pooled outputs instead of tokens (``pooler_output``): each
+finished pooling request's group (pooling.py) takes its result and makes its one output.
 """
 
 from __future__ import annotations
@@ -115,13 +118,14 @@ class OutputProcessor:
         A request of one sequence (nearly every request) has its output made at once; one of
         several (an ``n > 1`` request, beams) once all its sequences are processed."""
         tokens = StepTokens()
+        if output.pooler_output:  # a pooling model's step: its finished requests' results
+            return self._pooled_outputs(output, tokens, now), tokens
         if output.prompt_logprobs:
             self._record_prompt_logprobs(output)
         outputs: list[RequestOutput] = []
         touched: dict[SequenceGroup, None] = {}  # the groups of several sequences
         logprobs, scheduler = output.logprobs, self.scheduler
         latencies = tokens.inter_token_latencies
-        num_decodes = 0  # the common decodes, counted once at the end
         for request in updated:
             state = request.payload
             group = state.group
@@ -144,7 +148,7 @@ class OutputProcessor:
             ):  # the common decode: one new token, not its last, no logprobs/grammar/stops
                 state.num_processed += 1
                 state.detokenizer.add_token(generated[-1])
-                num_decodes += 1
+                tokens.num_generation_tokens += 1
             elif state.sampling.beam:  # its group makes its text from the token ids
                 tokens.num_generation_tokens += 1
                 touched[group] = None
@@ -166,7 +170,6 @@ class OutputProcessor:
             self._apply_beam_steps(touched)
         if touched:
             outputs += [self._output(group, now) for group in touched if group.has_new_output]
-        tokens.num_generation_tokens += num_decodes
         return outputs, tokens
 
     def abort(self, request_ids: list[str], now: float) -> list[RequestOutput]:
@@ -184,6 +187,22 @@ class OutputProcessor:
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _pooled_outputs(
+        self, output: ModelRunnerOutput, tokens: StepTokens, now: float
+    ) -> list[RequestOutput]:
+        """Each pooling request whose last chunk ran: its result, its one output (a pooling
+        model's steps hold pooling requests only)."""
+        touched: dict[SequenceGroup, None] = {}
+        for request_id, data in output.pooler_output.items():
+            group = self.groups.get(request_id)
+            if group is None:  # aborted while its last chunk ran
+                continue
+            group.result = data
+            group.metrics.first_token_time = group.metrics.last_token_time = now
+            tokens.num_prompt_tokens += len(group.prompt_token_ids)
+            touched[group] = None
+        return self._outputs(touched, now)
 
     def _record_prompt_logprobs(self, output: ModelRunnerOutput) -> None:
         """Each request's prompt logprobs of this step (a request that asked is one sequence

@@ -1,5 +1,6 @@
-"""What the engine returns (RequestOutput and CompletionOutput, shaped like vLLM's), and what the
-model runner returns to the engine each step (ModelRunnerOutput).
+"""What the engine returns (RequestOutput and CompletionOutput, shaped like vLLM's; a pooling
+request's PoolingRequestOutput), and what the model runner returns to the engine each step
+(ModelRunnerOutput).
 
 A DELTA stream makes one of each per running request per step, so they are slotted dataclasses:
 no per-object ``__dict__``, so they are cheaper to make and to read (vLLM keeps its output objects
@@ -145,6 +146,9 @@ class ModelRunnerOutput:
     entry at position p scores prompt token p + 1. ``beam_logprobs``: a beam's raw
     log-probabilities ``[V]`` (beams are not sampled: their group steps them all at once).
     ``spec_decode``: the step's verification counts, when it verified proposals.
+    ``pooler_output``: each pooling request whose last prompt chunk ran this step, its output
+    (a float32 vector on the host: an embedding, or class scores), before the request's own
+    options (dimensions, activation) are applied.
     """
 
     sampled_token_ids: dict[str, int | list[int]] = field(default_factory=dict)
@@ -152,3 +156,42 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
     spec_decode: VerifyCounts | None = None
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result (vLLM's): ``data``, a float32 tensor (an embedding or
+    class probabilities); None when the request was aborted."""
+
+    data: torch.Tensor | None
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def score(self) -> float:
+        """A relevance score: the output's one value."""
+        return float(self.data.reshape(-1)[0])
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The one output of a pooling request (vLLM's ``PoolingRequestOutput``; ``LLM.embed``,
+    ``LLM.classify`` and ``LLM.score`` read ``outputs.embedding``, ``.probs``, ``.score``)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.outputs.data is None

@@ -13,9 +13,12 @@ from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.sampling_params import SamplingParams
 
 
-def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
-    """Every token id the request names must be a token of this model. The refusal says "out of
-    vocabulary", as vLLM's does: clients match that phrase."""
+def check_token_ids(
+    prompt_token_ids: list[int], params: SamplingParams | None, vocab_size: int
+) -> None:
+    """Every token id the request names must be a token of this model (``params`` None: a
+    pooling request names only its prompt's). The refusal says "out of vocabulary", as vLLM's
+    does: clients match that phrase."""
     bad = next(
         (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None
     )
@@ -25,6 +28,8 @@ def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_s
             f"[0, {vocab_size})",
             "prompt",
         )
+    if params is None:
+        return
     for name, ids in (
         ("logit_bias", params.logit_bias or {}),
         ("stop_token_ids", params.stop_token_ids),

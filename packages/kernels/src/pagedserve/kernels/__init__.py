@@ -7,7 +7,9 @@ attention), the ``*_ref`` reference otherwise.
 
 from pagedserve.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.encoder_attention import encoder_attention, encoder_attention_ref
 from pagedserve.kernels.fused_moe import fused_moe, fused_moe_ref
+from pagedserve.kernels.gelu import gelu, gelu_ref
 from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
 from pagedserve.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
@@ -28,8 +30,12 @@ __all__ = [
     "apply_token_bitmask_ref",
     "copy_blocks",
     "copy_blocks_ref",
+    "encoder_attention",
+    "encoder_attention_ref",
     "fused_moe",
     "fused_moe_ref",
+    "gelu",
+    "gelu_ref",
     "gelu_tanh",
     "gelu_tanh_ref",
     "layer_norm",

@@ -1,19 +1,24 @@
 """pagedserve.models: model architectures over the paged KV cache, the loader, the tokenizer."""
 
 from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
-from pagedserve.models.interface import ModelForCausalLM
-from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.interface import ModelForCausalLM, ModelForPooling
+from pagedserve.models.layers.attention import AttentionMetadata, EncoderAttentionMetadata
 from pagedserve.models.loader import load_model
 from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.pooling import Pooler, PoolingType
 from pagedserve.models.tokenizer import apply_chat_template, load_tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
+    "EncoderAttentionMetadata",
     "ModelConfig",
     "ModelForCausalLM",
+    "ModelForPooling",
     "ModelLoadError",
     "ParallelContext",
+    "Pooler",
+    "PoolingType",
     "apply_chat_template",
     "load_model",
     "load_tokenizer",

@@ -14,7 +14,7 @@ from pagedserve.models.generation_config import (
     GenerationDefaults,
     load_generation_defaults,
 )
-from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
+from pagedserve.models.registry import ARCHITECTURES, CONVERTS, RUNNERS, SUPPORTED_ARCHITECTURES
 
 _DTYPES = {
     "float32": torch.float32,
@@ -108,6 +108,39 @@ def _read_config_json(model: str) -> dict[str, Any]:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
 
 
+def resolve_runner(architecture: str, runner: str, convert: str) -> tuple[str, str | None]:
+    """(runner type, pooling task) as vLLM resolves ``--runner`` and ``--convert``: a pooling
+    architecture pools with its own task; a generative one generates, or pools once
+    converted (``--runner pooling`` alone converts to ``embed``)."""
+    if runner not in RUNNERS:
+        raise ModelLoadError(f"runner {runner!r}: one of {list(RUNNERS)}")
+    if convert not in CONVERTS:
+        raise ModelLoadError(f"convert {convert!r}: one of {list(CONVERTS)}")
+    own_task = ARCHITECTURES[architecture].task
+    if own_task is not None:
+        if runner == "generate":
+            raise ModelLoadError(
+                f"{architecture} is a pooling model ({own_task}): it cannot --runner generate"
+            )
+        if convert not in ("auto", "none", own_task):
+            raise ModelLoadError(
+                f"{architecture} is already a pooling model ({own_task}); --convert {convert} "
+                "applies to generative models"
+            )
+        return "pooling", own_task
+    if convert in ("embed", "classify"):
+        if runner == "generate":
+            raise ModelLoadError(f"--convert {convert} makes a pooling model: --runner pooling")
+        return "pooling", convert
+    if runner == "pooling":
+        if convert == "none":
+            raise ModelLoadError(
+                f"{architecture} is generative: --runner pooling needs --convert embed or classify"
+            )
+        return "pooling", "embed"
+    return "generate", None
+
+
 def resolve_dtype(
     dtype: str | torch.dtype, config_dtype: str | None, device: torch.device
 ) -> torch.dtype:
@@ -130,6 +163,13 @@ class ModelConfig:
     ``hf_config`` is the parsed config.json; ``arch`` the family we map it onto;
     ``generation_defaults`` what generation_config.json adds (``generation_config``: ``auto``,
     ``vllm`` or a folder, as vLLM's ``--generation-config``; generation_config.py).
+
+    ``runner`` and ``convert`` are vLLM's ``--runner`` and ``--convert``: a pooling
+    architecture (BertModel, ``*ForSequenceClassification``) runs as a pooling model, a
+    generative one generates unless converted (``embed`` or ``classify``: pooling.py,
+    adapters.py). ``runner_type`` and ``pooling_task`` are what they resolve to.
+    ``architecture`` is the class the family code builds (a decoder classifier's causal-LM
+    class); ``hf_architecture`` the checkpoint's own.
     """
 
     model: str
@@ -139,8 +179,13 @@ class ModelConfig:
     seed: int = 0
     quantization: str | None = None
     generation_config: str = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
     hf_config: dict[str, Any] = field(init=False)
     architecture: str = field(init=False)
+    hf_architecture: str = field(init=False)
+    runner_type: str = field(init=False)
+    pooling_task: str | None = field(init=False)
     arch: str = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
@@ -163,8 +208,12 @@ class ModelConfig:
                 f"unsupported architecture {archs}; pagedserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         self.quantization = check_quantization(self.quantization, self.hf_config)
-        self.architecture = known[0]
-        self.arch = SUPPORTED_ARCHITECTURES[self.architecture]
+        self.hf_architecture = known[0]
+        self.architecture = ARCHITECTURES[known[0]].base or known[0]
+        self.arch = SUPPORTED_ARCHITECTURES[self.hf_architecture]
+        self.runner_type, self.pooling_task = resolve_runner(
+            self.hf_architecture, self.runner, self.convert
+        )
         if self.device == "auto":
             self.torch_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -186,7 +235,7 @@ class ModelConfig:
             self.generation_defaults = load_generation_defaults(path, self.generation_config)
         except GenerationConfigError as e:
             raise ModelLoadError(str(e)) from e
-        limit = self.max_position_embeddings
+        limit = self.max_len_limit
         if self.max_model_len is None:
             self.max_model_len = limit
         elif self.max_model_len > limit:
@@ -203,6 +252,38 @@ class ModelConfig:
     def max_position_embeddings(self) -> int:
         c = self.hf_config
         return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
+
+    @property
+    def max_len_limit(self) -> int:
+        """The longest sequence the model takes: its positions, less RoBERTa's padding rows;
+        for a sentence-transformers model no more than its ``max_seq_length`` (what it was
+        trained to read, sentence_bert_config.json), as vLLM caps it."""
+        c, limit = self.hf_config, self.max_position_embeddings
+        if "Roberta" in self.hf_architecture:
+            limit -= int(c.get("pad_token_id", 1)) + 1
+        st_config = Path(self.model) / "sentence_bert_config.json"
+        if self.runner_type == "pooling" and st_config.is_file():
+            max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
+            limit = min(limit, int(max_seq_length or limit))
+        return limit
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """Bidirectional attention and no KV cache (the BERT family): each prompt is read
+        whole in one step, so it is never chunked and never served from the prefix cache."""
+        return ARCHITECTURES[self.hf_architecture].encoder
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The output sizes a Matryoshka embedder was trained to be cut to (config.json's
+        ``matryoshka_dimensions``; ``is_matryoshka`` alone allows any); None for a model
+        whose embeddings must not be cut."""
+        c = self.hf_config
+        if c.get("matryoshka_dimensions"):
+            return [int(d) for d in c["matryoshka_dimensions"]]
+        if c.get("is_matryoshka"):
+            return list(range(1, self.hidden_size + 1))
+        return None
 
     @property
     def vocab_size(self) -> int:

@@ -14,6 +14,12 @@ A new architecture is an ``nn.Module`` with these three methods, registered in
   ``CheckpointTensor``; every parameter loaded exactly once, this rank's shard only.
 
 The constructor takes ``(config: ModelConfig, par: ParallelContext | None)``.
+
+A pooling model (``ModelForPooling``) has the same ``forward`` and ``load_weights`` and, instead
+of ``compute_logits``, a ``pooler`` (pooling.py) that says which rows make a sequence's vector
+and turns it into the output. An encoder's ``kv_caches`` is empty and its ``attn_metadata`` an
+``EncoderAttentionMetadata`` (whole sequences, no cache); a model that reads token types
+(BERT's sentence pairs) says so with ``uses_token_type_ids`` and takes ``token_type_ids``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.pooling import Pooler
 from pagedserve.models.weights import CheckpointTensor
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -52,6 +59,25 @@ class ModelForCausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]
+    ) -> None: ...
+
+
+@runtime_checkable
+class ModelForPooling(Protocol):
+    """A model whose output is one vector per sequence (an embedding, class scores)."""
+
+    pooler: Pooler
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata,
+    ) -> torch.Tensor: ...
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]

@@ -1,11 +1,15 @@
 """From a Hugging Face folder to a ready model: pick the architecture, build it, load weights.
 
-Every class in ``MODEL_CLASSES`` implements ``ModelForCausalLM`` (interface.py)."""
+Every class in ``MODEL_CLASSES`` implements ``ModelForCausalLM`` or ``ModelForPooling``
+(interface.py); a generative class converted to a pooling model (``--convert``) is built by
+adapters.py."""
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.models.adapters import as_pooling_model
+from pagedserve.models.bert import BertForSequenceClassification, BertModel
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gguf_loader import load_gguf_model
@@ -23,19 +27,31 @@ from pagedserve.models.quantization import (
 )
 from pagedserve.models.weights import iterate_weights
 
-MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
+MODEL_CLASSES: dict[str, type] = {
     "llama": LlamaForCausalLM,
     "gemma": GemmaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "bert": BertModel,
+    "bert_classifier": BertForSequenceClassification,
 }
+POOLING_FAMILIES = frozenset({"bert", "bert_classifier"})  # built as pooling models
+
+
+def model_class(config: ModelConfig) -> type:
+    """The class that builds ``config``'s model: its family's, converted to a pooling model
+    when a generative architecture runs as one."""
+    model_cls = MODEL_CLASSES[config.arch]
+    if config.runner_type == "pooling" and config.arch not in POOLING_FAMILIES:
+        return as_pooling_model(model_cls, config.pooling_task)
+    return model_cls
 
 
 def load_model(config: ModelConfig, par: ParallelContext | None = None) -> ModelForCausalLM:
     """Build the model on ``config.torch_device`` in ``config.torch_dtype`` and load its weights."""
-    model_cls = MODEL_CLASSES[config.arch]
+    model_cls = model_class(config)
     if config.gguf_file is not None:
         return load_gguf_model(config, model_cls, par)
     stored_quantized = checkpoint_linear_methods(config)

@@ -16,6 +16,17 @@ class Architecture:
     family: str  # the key of loader.MODEL_CLASSES that builds it
     examples: str  # checkpoints people run under this class name
     notes: str  # what the implementation covers beyond the family's common layers
+    # a pooling architecture's own task ("embed", "classify"); None for a generative one
+    task: str | None = None
+    # a decoder classifier's causal-LM class name, whose layers its family code builds
+    base: str | None = None
+    encoder: bool = False  # bidirectional attention, no KV cache (BERT family)
+
+
+def _decoder_classifier(base: str, examples: str) -> Architecture:
+    return Architecture(
+        "llama", examples, "the decoder's last token through a score head", "classify", base
+    )
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -52,9 +63,41 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights"
     ),
-}
+    # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)
+    "BertModel": Architecture(
+        "bert",
+        "all-MiniLM-L6-v2, bge-*-en-v1.5, e5",
+        "embeddings; pooling from the sentence-transformers config",
+        "embed",
+        encoder=True,
+    ),
+    "RobertaModel": Architecture(
+        "bert", "all-roberta-large-v1", "embeddings (BERT's code, RoBERTa's names)", "embed",
+        encoder=True,
+    ),
+    "XLMRobertaModel": Architecture(
+        "bert", "bge-m3, multilingual-e5", "embeddings (BERT's code, RoBERTa's names)", "embed",
+        encoder=True,
+    ),
+    "BertForSequenceClassification": Architecture(
+        "bert_classifier",
+        "ms-marco-MiniLM-L6-v2 (cross-encoder)",
+        "scores and classes: [CLS] through the classifier head",
+        "classify",
+        encoder=True,
+    ),
+    "XLMRobertaForSequenceClassification": Architecture(
+        "bert_classifier", "bge-reranker-v2-m3 (cross-encoder)", "as BERT's", "classify",
+        encoder=True,
+    ),
+    "LlamaForSequenceClassification": _decoder_classifier("LlamaForCausalLM", "Llama reward models"),
+    "Qwen2ForSequenceClassification": _decoder_classifier("Qwen2ForCausalLM", "Qwen2 classifiers"),
+    "Qwen3ForSequenceClassification": _decoder_classifier("Qwen3ForCausalLM", "Qwen3 classifiers"),
+}  # fmt: skip
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {n: a.family for n, a in ARCHITECTURES.items()}
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
 
 README_START = (
     "<!-- supported-architectures:start (generated: python -m pagedserve.models.registry) -->"

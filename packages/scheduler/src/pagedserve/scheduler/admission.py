@@ -24,6 +24,15 @@ def check_fits(request: Request, config: SchedulerConfig, kv: KVCacheManager) ->
     max_len = config.max_model_len
     if num_prompt == 0:
         raise RequestRejectedError("the prompt is empty: give at least one token", "prompt")
+    if request.pooling:  # prefill only: the prompt may fill max_model_len, no token follows
+        if num_prompt > max_len:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt} tokens, more than max_model_len ({max_len}): "
+                "shorten it, or truncate it (truncate_prompt_tokens)",
+                "prompt",
+            )
+        _check_blocks(request, num_prompt, kv)
+        return
     if num_prompt >= max_len:
         raise RequestRejectedError(
             f"the prompt has {num_prompt} tokens; max_model_len is {max_len}, which leaves "
@@ -40,18 +49,29 @@ def check_fits(request: Request, config: SchedulerConfig, kv: KVCacheManager) ->
             f"max_model_len ({max_len}): shorten the prompt or lower max_tokens",
             "max_tokens",
         )
-    # The last sampled token is never fed back, so it needs no slot. The watermark is kept
-    # free on admission, so one request may hold at most num_blocks - watermark blocks (a
-    # request that needed more could wait at the head of the queue forever).
-    max_kv_tokens = num_prompt + request.max_tokens - 1
+    # The last sampled token is never fed back, so it needs no slot.
+    _check_blocks(request, num_prompt + request.max_tokens - 1, kv)
+
+
+def _check_blocks(request: Request, max_kv_tokens: int, kv: KVCacheManager) -> None:
+    """The watermark is kept free on admission, so one request may hold at most num_blocks -
+    watermark blocks (a request that needed more could wait at the head of the queue
+    forever). A model without a KV cache (``NoKVCacheManager``: no blocks) needs none."""
+    if not kv.num_blocks:
+        return
     blocks_needed = -(-max_kv_tokens // kv.block_size)
     blocks_usable = kv.num_blocks - kv.watermark_blocks
     if blocks_needed > blocks_usable:
+        what, param = (
+            ("the prompt", "prompt")
+            if request.pooling
+            else (f"prompt + max_tokens ({request.max_tokens})", "max_tokens")
+        )
         raise RequestRejectedError(
-            f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) needs "
-            f"{blocks_needed} KV blocks of {kv.block_size} tokens, but the KV cache can "
-            f"give one request at most {blocks_usable}: lower max_tokens or enlarge the cache",
-            "max_tokens",
+            f"{what} ({max_kv_tokens} tokens in the cache) needs {blocks_needed} KV blocks of "
+            f"{kv.block_size} tokens, but the KV cache can give one request at most "
+            f"{blocks_usable}: shorten it or enlarge the cache",
+            param,
         )
 
 

@@ -110,6 +110,10 @@ class Request(Generic[PayloadT]):
     compiling) the request stays in the waiting queue, and requests behind it may pass.
     ``lora_int_id`` is the LoRA adapter it runs with (0: the base model): part of its blocks'
     prefix hashes, and counted against ``SchedulerConfig.max_loras``.
+    ``pooling`` marks a prefill-only request (embeddings, scores): it generates nothing
+    (``max_tokens`` 0), is batched and chunked as any prompt, and finishes as soon as its last
+    prompt token is computed, freeing its blocks in that same step; the runner's pooled
+    output is its result.
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -128,6 +132,7 @@ class Request(Generic[PayloadT]):
     payload: PayloadT | None = None
     needs_prompt_logits: bool = False
     waiting_for_grammar: bool = False
+    pooling: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -19,7 +19,9 @@ Invariants, after every call:
   request is in neither and holds no block.
 
 ``update`` takes the step's sampled tokens back: it appends them, meets the stop rules, rolls
-a speculative decode back past its rejected proposals, and frees what finished.
+a speculative decode back past its rejected proposals, and frees what finished. A pooling
+request (prefill only: embeddings, scores) finishes at the step that computed its last prompt
+token, and holds no block after it.
 
 The scheduler decides; it does not compute. It never imports torch.
 
@@ -240,6 +242,12 @@ class Scheduler:
             num_computed = request.num_computed_tokens = request.num_computed_tokens + num_new
             tokens = sampled_token_ids.get(request.request_id)
             output_ids = request.output_token_ids
+            if tokens is None and request.pooling:
+                if num_computed == len(request.prompt_token_ids):  # its last chunk: done
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    updated.append(request)
+                    stopped = True
+                continue
             if tokens is None or num_computed < len(request.prompt_token_ids) + len(output_ids):
                 continue  # a prefill chunk short of the last known token: nothing sampled
             updated.append(request)

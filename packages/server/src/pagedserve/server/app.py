@@ -7,6 +7,8 @@ Starlette's TestClient). Routes:
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     POST /v1/chat/completions/batch (vLLM's)                   POST /invocations (SageMaker's)
     GET|DELETE /v1/responses/{id}  POST /v1/messages  POST /v1/messages/count_tokens (Anthropic)
+    POST /v1/embeddings  POST /pooling  POST /classify  POST /score /v1/score
+    POST /rerank /v1/rerank /v2/rerank  (a pooling model's: serving_pooling.py)
     GET /v1/models[/{id}]        POST /v1/load_lora_adapter     POST /v1/unload_lora_adapter
     POST /tokenize              POST /detokenize              GET /tokenizer_info
     POST|GET /v1/files, GET|DELETE /v1/files/{id}, GET /v1/files/{id}/content  (OpenAI's Files)
@@ -53,25 +55,25 @@ from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadResponse,
-    ModelCard,
-    ModelList,
     VersionResponse,
 )
 from pagedserve.server.protocol_messages import CountTokensRequest, MessagesRequest
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_bodies import read_body, read_json, state_of, validated
-from pagedserve.server.request_params import check_model
 from pagedserve.server.serving_batches import ROUTES as BATCH_ROUTES
 from pagedserve.server.serving_batches import BatchService
 from pagedserve.server.serving_chat import create_chat_completion
 from pagedserve.server.serving_chat_batch import create_batch_chat_completion
 from pagedserve.server.serving_completion import create_completion
-from pagedserve.server.serving_lora import (
+from pagedserve.server.serving_messages import count_tokens, create_message
+from pagedserve.server.serving_models import (
+    list_models,
     load_lora_adapter,
     load_startup_adapters,
+    retrieve_model,
     unload_lora_adapter,
 )
-from pagedserve.server.serving_messages import count_tokens, create_message
+from pagedserve.server.serving_pooling import ROUTE_BODIES, require_runner
 from pagedserve.server.serving_responses import (
     create_response,
     delete_response,
@@ -98,13 +100,18 @@ GENERATION_PATHS = frozenset(
 # ---- routes ------------------------------------------------------------------------------------
 
 
-def body_route(model: type[BaseModel], create) -> Callable[[Request], Awaitable[Response]]:
+def body_route(
+    model: type[BaseModel], create, runner: str = "generate"
+) -> Callable[[Request], Awaitable[Response]]:
     """The route that reads its body as ``model`` and answers it with
-    ``create(request, state, body)``, on the served model the body names."""
+    ``create(request, state, body)``, on the served model the body names, when that model is
+    of the ``runner`` kind (a generative model, or a pooling one); the other kind is a 400."""
 
     async def route(request: Request) -> Response:
         body = await read_body(request, model)
-        return await create(request, state_of(request, body.model), body)
+        state = state_of(request, body.model)
+        require_runner(state, runner, request.url.path)
+        return await create(request, state, body)
 
     route.__name__ = create.__name__
     return route
@@ -125,7 +132,9 @@ async def invocations(request: Request) -> Response:
             400,
         )
     body = validated(data, kind)
-    return await create(request, state_of(request, body.model), body)
+    state = state_of(request, body.model)
+    require_runner(state, "generate", request.url.path)
+    return await create(request, state, body)
 
 
 async def server_load(request: Request) -> Response:
@@ -140,44 +149,6 @@ async def get_response(request: Request) -> Response:
 
 async def remove_response(request: Request) -> Response:
     return await delete_response(request, state_of(request))
-
-
-def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
-    """The base model's card, or a LoRA adapter's (its root the adapter's folder, its parent
-    the base model, as vLLM lists them)."""
-    engine = state.engine
-    lora = state.lora_modules.get(lora_name) if lora_name else None
-    return ModelCard(
-        id=lora.lora_name if lora else state.model_name,
-        created=state.created,
-        root=lora.lora_path if lora else str(engine.model_config.model),
-        parent=state.model_name if lora else None,
-        max_model_len=engine.scheduler_config.max_model_len,
-        default_sampling_params=dict(engine.model_config.generation_defaults.sampling),
-    )
-
-
-async def list_models(request: Request) -> Response:
-    cards = [
-        model_card(state, name)
-        for state in request.app.state.models.states()
-        for name in (None, *state.lora_modules)
-    ]
-    return JSONResponse(ModelList(data=cards).model_dump())
-
-
-async def retrieve_model(request: Request) -> Response:
-    state = state_of(request, request.path_params["model_id"])
-    check_model(state, request.path_params["model_id"])
-    return JSONResponse(model_card(state, request.path_params["model_id"]).model_dump())
-
-
-async def load_lora(request: Request) -> Response:
-    return await load_lora_adapter(state_of(request), await read_json(request), request)
-
-
-async def unload_lora(request: Request) -> Response:
-    return await unload_lora_adapter(state_of(request), await read_json(request), request)
 
 
 async def health(request: Request) -> Response:
@@ -261,10 +232,14 @@ ROUTES = [
         "/v1/messages/count_tokens", body_route(CountTokensRequest, count_tokens), methods=["POST"]
     ),
     Route("/invocations", invocations, methods=["POST"]),
+    *(
+        Route(path, body_route(body, create, "pooling"), methods=["POST"])
+        for path, (body, create) in ROUTE_BODIES.items()
+    ),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
-    Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
-    Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),

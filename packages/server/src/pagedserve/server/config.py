@@ -27,7 +27,8 @@ class ServerConfig:
     """Where to listen, who may call, and the caps that keep one request from hurting the rest.
 
     The caps bound the work a single request can ask for before any of it is queued: ``max_n``
-    choices per prompt, ``max_prompts`` prompts per completion request, ``max_stop`` stop strings
+    choices per prompt, ``max_prompts`` prompts per completion request (``max_pooling_inputs`` inputs per pooling
+    request), ``max_stop`` stop strings
     of at most ``max_stop_length`` characters, and ``max_body_bytes``/``max_header_bytes`` of
     HTTP input. ``retry_after_s`` is what a 503 tells a client to wait.
     """
@@ -54,6 +55,9 @@ class ServerConfig:
     max_header_bytes: int = option(32 * 1024, "largest request headers (431 beyond)", unit="bytes")
     max_n: int = option(16, "most choices (n) per request")
     max_prompts: int = option(16, "most prompts in one /v1/completions request")
+    max_pooling_inputs: int = option(
+        2048, "most inputs in one pooling request (embeddings, scored pairs, reranked documents)"
+    )
     max_stop: int = option(16, "most stop strings (and stop token ids) per request")
     max_stop_length: int = option(256, "longest stop string, in characters")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 503")
@@ -196,7 +200,7 @@ class ServerConfig:
                 f"batch_max_seq_share must be in (0, 1], got {self.batch_max_seq_share}"
             )
         names = ("max_body_bytes", "max_header_bytes", "max_file_bytes", "max_n", "max_prompts")
-        for name in (*names, "max_stop"):
+        for name in (*names, "max_pooling_inputs", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from pagedserve.server import protocol as p
 from pagedserve.server import protocol_batches as b
 from pagedserve.server import protocol_messages as m
+from pagedserve.server import protocol_pooling as pool
 from pagedserve.server import protocol_responses as r
 from pagedserve.server.errors import bad_request
 
@@ -43,6 +44,11 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     m.CountTokensRequest,
     b.CreateBatchRequest,
     b.FileUpload,
+    pool.EmbeddingRequest,
+    pool.PoolingRequest,
+    pool.ClassificationRequest,
+    pool.ScoreRequest,
+    pool.RerankRequest,
 )
 
 _ENGINE = "needs engine support that pagedserve does not have yet"
@@ -82,6 +88,7 @@ REFUSED: dict[str, str] = {
     "inference_geo": "pagedserve serves from where it runs",
     "speed": "pagedserve has one speed",
     "diagnostics": "no diagnostics are returned",
+    "embed_dtype": "embeddings are served as float32",
 }
 # Refused in chat (and its batch route) only where their meaning differs from the completions
 # route's.
@@ -105,7 +112,22 @@ _CHAT_HANDLED = frozenset(
     add_generation_prompt continue_final_message chat_template_kwargs documents
     reasoning_effort include_reasoning echo""".split()
 )
+# what every pooling route reads (serving_pooling.py); padding: do_not_pad is what it does,
+# max_length is refused there by name
+_POOLING_HANDLED = frozenset(
+    """model user truncate_prompt_tokens truncation_side request_id priority use_activation
+    padding""".split()
+)
+_EMBED_HANDLED = _POOLING_HANDLED | {
+    "input", "encoding_format", "dimensions", "add_special_tokens", "endianness"
+}  # fmt: skip
 HANDLED: dict[str, frozenset[str]] = {
+    "EmbeddingRequest": _EMBED_HANDLED,
+    "PoolingRequest": _EMBED_HANDLED | {"task"},
+    "ClassificationRequest": _POOLING_HANDLED | {"input", "add_special_tokens"},
+    "ScoreRequest": _POOLING_HANDLED
+    | {"text_1", "text_2", "queries", "documents", "data_1", "data_2"},
+    "RerankRequest": _POOLING_HANDLED | {"query", "documents", "top_n", "return_documents"},
     "CompletionRequest": frozenset(
         """model prompt n temperature top_p top_k min_p presence_penalty frequency_penalty
         repetition_penalty seed stop stop_token_ids include_stop_str_in_output ignore_eos

@@ -22,8 +22,9 @@ from pydantic.json_schema import models_json_schema
 from pagedserve.server import protocol as p
 from pagedserve.server import protocol_batches as b
 from pagedserve.server import protocol_messages as m
+from pagedserve.server import protocol_pooling as pool
 from pagedserve.server import protocol_responses as r
-from pagedserve.server import serving_lora as lora
+from pagedserve.server import serving_models as lora
 
 REF = "#/components/schemas/{model}"
 
@@ -141,6 +142,47 @@ OPERATIONS = [
         "/v1/batches/{batch_id}/cancel",
         "Cancel a batch: the answers so far are kept",
         response=b.BatchObject,
+    ),
+    Operation(
+        "post",
+        "/v1/embeddings",
+        "Embeddings of texts or token ids (a pooling model; float or base64)",
+        (pool.EmbeddingRequest,),
+        pool.EmbeddingResponse,
+    ),
+    Operation(
+        "post",
+        "/pooling",
+        "vLLM's: a pooling model's output for each input (an embedding, class probabilities)",
+        (pool.PoolingRequest,),
+        pool.PoolingResponse,
+    ),
+    Operation(
+        "post",
+        "/classify",
+        "Class probabilities and label of each input (a classifier)",
+        (pool.ClassificationRequest,),
+        pool.ClassificationResponse,
+    ),
+    *(
+        Operation(
+            "post",
+            path,
+            "Scores of text pairs, 1:1, 1:N or N:N (a cross-encoder, or embeddings' cosine)",
+            (pool.ScoreRequest,),
+            pool.ScoreResponse,
+        )
+        for path in ("/score", "/v1/score")
+    ),
+    *(
+        Operation(
+            "post",
+            path,
+            "Documents ordered by relevance to a query (Jina's and Cohere's shape)",
+            (pool.RerankRequest,),
+            pool.RerankResponse,
+        )
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank")
     ),
     Operation("get", "/v1/models", "The served model", response=p.ModelList),
     Operation("get", "/v1/models/{model_id}", "One model by its id", response=p.ModelCard),

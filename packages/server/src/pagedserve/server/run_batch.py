@@ -117,7 +117,7 @@ async def run_batch(
     ``input_file`` answered into ``output_file``; a summary on stderr."""
     from pagedserve.engine import AsyncLLM
     from pagedserve.server.app import build_app
-    from pagedserve.server.serving_lora import load_startup_adapters
+    from pagedserve.server.serving_models import load_startup_adapters
 
     lines = read_input(input_file)
     engine = AsyncLLM(engine_args)

@@ -152,9 +152,8 @@ REFUSED: dict[str, str] = {
         "--fingerprint-value",
     ),
     **_refusing(
-        "pagedserve serves generative models only (no pooling or conversion)",
-        "--runner",
-        "--convert",
+        "a pooling model's pooling comes from its checkpoint (its sentence-transformers "
+        "config, or --runner pooling / --convert)",
         "--task",
         "--pooler-config",
         "--override-pooler-config",

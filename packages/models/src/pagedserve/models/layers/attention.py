@@ -1,4 +1,4 @@
-"""Paged attention as a model layer, and the batch metadata it reads.
+"""Paged attention as a model layer, and the batch metadata it reads; an encoder's attention.
 
 The model runner flattens a step's sequences into one varlen batch and describes it with an
 ``AttentionMetadata``, passed explicitly down to every attention layer (no global state). Each
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.kernels import paged_attention, store_kv
+from pagedserve.kernels import encoder_attention, paged_attention, store_kv
 
 
 @dataclass
@@ -79,5 +79,48 @@ class PagedAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+@dataclass
+class EncoderAttentionMetadata:
+    """One step of an encoder (a pooling model with bidirectional attention): B whole
+    sequences, T tokens, end to end. ``query_start_loc`` [B+1] int32: where each sequence
+    starts in the flat batch; ``max_seq_len``: the longest one.
+
+    There is no slot mapping and no block table: an encoder reads each sequence whole in one
+    step and keeps nothing for a later one, so it has no KV cache (docs/pooling.md).
+    """
+
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+
+
+class EncoderAttention(nn.Module):
+    """Every token attends to every token of its own sequence (kernels.encoder_attention)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        out = encoder_attention(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            meta.query_start_loc,
+            meta.max_seq_len,
+            self.scale,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,5 +1,7 @@
-"""LoRA adapters over HTTP, with vLLM's routes: load and unload while requests run.
+"""The served models, with vLLM's routes: list them, and load and unload LoRA adapters while
+requests run.
 
+    GET /v1/models                GET /v1/models/{id}
     POST /v1/load_lora_adapter    {"lora_name": "sql", "lora_path": "/adapters/sql"}
     POST /v1/unload_lora_adapter  {"lora_name": "sql"}
 
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedserve.server.errors import APIError, from_engine_error, from_validation_error
+from pagedserve.server.protocol import ModelCard, ModelList
+from pagedserve.server.request_bodies import read_json, state_of
+from pagedserve.server.request_params import check_model
 from pagedserve.server.state import ServerState
 
 
@@ -26,6 +31,37 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str
+
+
+def model_card(state: ServerState, lora_name: str | None = None) -> ModelCard:
+    """The base model's card, or a LoRA adapter's (its root the adapter's folder, its parent
+    the base model, as vLLM lists them)."""
+    engine = state.engine
+    lora = state.lora_modules.get(lora_name) if lora_name else None
+    return ModelCard(
+        id=lora.lora_name if lora else state.model_name,
+        created=state.created,
+        root=lora.lora_path if lora else str(engine.model_config.model),
+        parent=state.model_name if lora else None,
+        max_model_len=engine.scheduler_config.max_model_len,
+        default_sampling_params=dict(engine.model_config.generation_defaults.sampling),
+    )
+
+
+async def list_models(request: Request) -> Response:
+    """Every served model (behind one endpoint, several) and each one's loaded adapters."""
+    cards = [
+        model_card(state, name)
+        for state in request.app.state.models.states()
+        for name in (None, *state.lora_modules)
+    ]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+async def retrieve_model(request: Request) -> Response:
+    state = state_of(request, request.path_params["model_id"])
+    check_model(state, request.path_params["model_id"])
+    return JSONResponse(model_card(state, request.path_params["model_id"]).model_dump())
 
 
 def _parse(model: type[BaseModel], data: dict) -> BaseModel:
@@ -40,8 +76,9 @@ def _check_enabled(state: ServerState) -> None:
         raise APIError("LoRA is not enabled on this server (start it with --enable-lora)", 400)
 
 
-async def load_lora_adapter(state: ServerState, data: dict, request: Request) -> PlainTextResponse:
-    body = _parse(LoadLoRAAdapterRequest, data)
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    state = state_of(request)
+    body = _parse(LoadLoRAAdapterRequest, await read_json(request))
     _check_enabled(state)
     name = body.lora_name.strip()
     if not name or name == state.model_name or name in state.lora_modules:
@@ -58,8 +95,9 @@ async def load_lora_adapter(state: ServerState, data: dict, request: Request) ->
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-async def unload_lora_adapter(state: ServerState, data: dict, request: Request):
-    body = _parse(UnloadLoRAAdapterRequest, data)
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    state = state_of(request)
+    body = _parse(UnloadLoRAAdapterRequest, await read_json(request))
     _check_enabled(state)
     lora = state.lora_modules.pop(body.lora_name, None)
     if lora is None:
