@@ -2,6 +2,7 @@
 
 from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from pagedserve.models.interface import ModelForCausalLM
+from pagedserve.models.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from pagedserve.models.layers.attention import AttentionMetadata
 from pagedserve.models.loader import load_model
 from pagedserve.models.parallel import ParallelContext
@@ -10,11 +11,13 @@ from pagedserve.models.tokenizer import apply_chat_template, load_tokenizer
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
+    "KVCacheSpec",
     "ModelConfig",
     "ModelForCausalLM",
     "ModelLoadError",
     "ParallelContext",
     "apply_chat_template",
+    "kv_cache_spec",
     "load_model",
     "load_tokenizer",
 ]
