@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
@@ -29,6 +30,8 @@ MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 
