@@ -35,6 +35,8 @@ class LlamaAttention(nn.Module):
         head_dim = config.head_dim
         qkv_bias = bool(c.get("attention_bias", False)) or arch == "Qwen2ForCausalLM"
         o_bias = bool(c.get("attention_bias", False)) and arch != "Qwen2ForCausalLM"
+        if arch == "Qwen2MoeForCausalLM":  # its config says (``qkv_bias``, on by default)
+            qkv_bias, o_bias = bool(c.get("qkv_bias", True)), False
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             head_dim,

@@ -14,7 +14,11 @@ from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagedserve.models.mixtral import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.quantization import (
@@ -30,6 +34,7 @@ MODEL_CLASSES: dict[str, type[ModelForCausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt2": GPT2LMHeadModel,

@@ -1,10 +1,10 @@
-"""The sparse mixture-of-experts MLP of Mixtral, Qwen3-MoE and DeepSeek, over the fused MoE
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2/3-MoE and DeepSeek, over the fused MoE
 kernel.
 
 A router (``gate``, a linear layer to one logit per expert, and its rule: moe_routing.py)
 picks each token's top-k experts and their weights; by default the top k of the softmax of
 its logits (in fp32, as transformers computes it), which Mixtral renormalises to sum to one
-and Qwen3-MoE does when ``norm_topk_prob``; DeepSeek passes its own router. The experts' weights are
+and Qwen-MoE does when ``norm_topk_prob``; DeepSeek passes its own router. The experts' weights are
 stacked, ``w13 [E, 2I, H]`` (gate rows then up rows) and ``w2 [E, H, I]``, and
 ``pagedserve.kernels.fused_moe`` runs them all in one grouped GEMM per projection.
 
@@ -120,6 +120,21 @@ class SharedExpertsMoeBlock(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.routed(x) + self.shared_experts(x))
+
+
+class GatedSharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen2-MoE's block: the routed experts plus ``shared_expert`` (a dense MLP of
+    ``shared_expert_intermediate_size``) scaled per token by ``sigmoid(shared_expert_gate(x))``,
+    a learned scalar gate. The gate is the same on every rank, so the scaled partial sums
+    still add up: one all-reduce, as above."""
+
+    def __init__(self, shared_expert: nn.Module, shared_expert_gate: nn.Module, **block_args):
+        super().__init__(**block_args)
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.reduce(self.routed(x) + shared)
 
 
 def split_expert_weights(model: nn.Module, weights):

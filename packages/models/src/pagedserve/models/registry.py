@@ -49,6 +49,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
         "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel",
     ),
+    "Qwen2MoeForCausalLM": Architecture(
+        "qwen2_moe",
+        "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
+        "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel",
+    ),
     "DeepseekV2ForCausalLM": Architecture(
         "deepseek_v2",
         "DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2",

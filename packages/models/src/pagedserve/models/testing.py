@@ -17,7 +17,7 @@ from typing import Any
 TINY_VOCAB = 512
 TINY_ARCHS = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
-    "gpt2", "deepseek_v2", "deepseek_v3",
+    "gpt2", "qwen2_moe", "deepseek_v2", "deepseek_v3",
 )  # fmt: skip
 TINY_WINDOW = 16  # the sliding window of the tiny Gemmas' local layers (prompts go past it)
 
@@ -70,6 +70,12 @@ def _llama_family_config(arch: str, overrides: dict[str, Any]):
         common.update(
             head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[0],
+        )  # fmt: skip
+    elif arch == "qwen2_moe":  # 8 experts, top 3, and the gated shared expert on both layers
+        cls = transformers.Qwen2MoeConfig
+        common.update(
+            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False,
         )  # fmt: skip
     elif arch in ("deepseek_v2", "deepseek_v3"):
         cls = _deepseek_config(arch, common)
