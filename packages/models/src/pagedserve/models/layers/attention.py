@@ -9,13 +9,17 @@ prefix are the same call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from torch import nn
 
 from pagedserve.kernels import paged_attention, store_kv
+
+# A field's metadata marking a host-side copy: tensor-parallel ranks receive it inside the step's
+# control message (pickled), not over the device group with the device tensors.
+HOST_COPY = {"host_copy": True}
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    query_start_loc_cpu: torch.Tensor | None = None
-    seq_lens_cpu: torch.Tensor | None = None
+    query_start_loc_cpu: torch.Tensor | None = field(default=None, metadata=HOST_COPY)
+    seq_lens_cpu: torch.Tensor | None = field(default=None, metadata=HOST_COPY)
 
     @cached_property
     def decode_split(self) -> DecodeSplit:
