@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable
 
 from pagedserve.models.config import ModelConfig
-from pagedserve.models.layers.mla import MultiHeadLatentAttention
+from pagedserve.models.layers.mla import MultiHeadLatentAttention, mla_rotary_embedding
 from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP
 from pagedserve.models.moe import SharedExpertsMoeBlock, split_expert_weights
 from pagedserve.models.moe_routing import GroupLimitedRouter, NoAuxRouter
@@ -60,7 +60,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     stacked_params = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
     def attention_factory(self, config: ModelConfig, par: ParallelContext):
-        return lambda layer_idx: MultiHeadLatentAttention(config, par)
+        rotary = mla_rotary_embedding(config)  # one cos/sin cache, shared by every layer
+        return lambda layer_idx: MultiHeadLatentAttention(config, par, rotary)
 
     def mlp_factory(self, config: ModelConfig, par: ParallelContext):
         first_moe = int(config.hf_config.get("first_k_dense_replace") or 0)

@@ -72,6 +72,17 @@ class LatentUpProjection(nn.Module):
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
 
+def mla_rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+    """The rope of q_pe and k_pe: ``qk_rope_head_dim`` wide, interleaved pairs (GPT-J style,
+    DeepSeek's; V3's ``rope_interleave`` may say otherwise), YaRN as configured. Its cos/sin
+    cache spans ``max_position_embeddings`` (V3: 163,840 x 64 fp32, 40 MiB), so a model builds
+    one and every layer shares it."""
+    c = config.hf_config
+    interleaved = bool(c.get("rope_interleave", True))
+    rope_dim, max_position = int(c["qk_rope_head_dim"]), config.max_position_embeddings
+    return RotaryEmbedding(rope_dim, max_position, rope_parameters(c), is_neox=not interleaved)
+
+
 def mla_softmax_scale(hf_config: dict, qk_head_dim: int) -> float:
     """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` where the
     rope is scaled and the config gives ``mscale_all_dim`` (DeepSeek's long-context configs)."""
@@ -86,9 +97,12 @@ class MultiHeadLatentAttention(nn.Module):
     """DeepSeek-V2/V3's attention block over the paged latent cache (``kv_cache ==
     (latent_cache,)``); module names are the checkpoint's. Heads are split over tensor-parallel
     ranks (q / q_b, kv_b and o projections); the latent projections are replicated, and so is
-    the cache: every rank's heads read all of it."""
+    the cache: every rank's heads read all of it. ``rotary_emb``: the model's shared
+    ``mla_rotary_embedding`` (by default the layer builds its own)."""
 
-    def __init__(self, config: ModelConfig, par: ParallelContext) -> None:
+    def __init__(
+        self, config: ModelConfig, par: ParallelContext, rotary_emb: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         c, dtype = config.hf_config, config.torch_dtype
         heads = config.num_attention_heads
@@ -119,11 +133,7 @@ class MultiHeadLatentAttention(nn.Module):
             heads * self.v_dim, hidden, bias=bias, dtype=dtype, all_reduce=par.all_reduce,
             **par.shard_args(),
         )  # fmt: skip
-        # DeepSeek rotates interleaved pairs (GPT-J); V3's config can say otherwise
-        interleaved = bool(c.get("rope_interleave", True))
-        self.rotary_emb = RotaryEmbedding(
-            self.rope_dim, config.max_position_embeddings, rope_parameters(c), not interleaved
-        )
+        self.rotary_emb = rotary_emb or mla_rotary_embedding(config)
         self.scale = mla_softmax_scale(c, self.nope_dim + self.rope_dim)
 
     def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor], meta: AttentionMetadata):
