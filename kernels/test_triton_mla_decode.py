@@ -25,11 +25,11 @@ contract = pytest.mark.contract("mla_paged_decode")
 DIMS = pick([(32, 16), (40, 24)], [(32, 16), (40, 24), (512, 64)])
 
 
-def decode_args(seq_lens, n_heads, dims, block_size, dtype, seed=0):
+def decode_args(seq_lens, n_heads, dims, block_size, dtype, seed=0, cache_dtype=None):
     kv_lora_rank, rope_dim = dims
     batch = make_paged_batch(
         [(n, 1) for n in seq_lens], n_heads, 1, kv_lora_rank + rope_dim, block_size, dtype,
-        DEVICE, seed=seed,
+        DEVICE, seed=seed, cache_dtype=cache_dtype,
     )  # fmt: skip
     scale = (kv_lora_rank // 4 + rope_dim) ** -0.5  # a qk head dim's, not the latent's
     return batch.query, batch.k_cache, batch.block_tables, batch.seq_lens, scale, kv_lora_rank
@@ -73,6 +73,18 @@ def test_tensor_core_branch_in_fp16(n_heads):
     with taken_as_cuda(multi_processor_count=16):
         out = mla_paged_decode_triton(*args)
     assert_close(out, mla_paged_decode_literal(*args), attention=True)
+
+
+@contract
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_an_fp32_query_over_a_16_bit_latent_cache(cache_dtype):
+    """``--kv-cache-dtype`` under an fp32 model: the latents are widened as they are read."""
+    if cache_dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the interpreter has no bf16 arithmetic")
+    args = decode_args(seq_lens_case(16), 16, DIMS[0], 16, torch.float32, 7, cache_dtype)
+    out = contracts.implementation("mla_paged_decode")(*args)
+    assert_close(out, mla_paged_decode_literal(*args), attention=True)
+    assert_close(mla_paged_decode_ref(*args), mla_paged_decode_literal(*args), attention=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
