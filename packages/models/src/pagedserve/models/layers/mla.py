@@ -50,21 +50,20 @@ class LatentUpProjection(nn.Module):
     folds them into the query and the output), so it stays in the model's dtype whatever a
     load-time quantization does to the projections."""
 
-    def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
+        dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:  # fmt: skip
         super().__init__()
+        rows_per_head = qk_nope_head_dim + v_head_dim
         self.num_heads, self.qk_nope_head_dim = num_heads // tp_size, qk_nope_head_dim
-        self.rows = self.num_heads * (qk_nope_head_dim + v_head_dim)
-        self.total_rows, self.start = (
-            num_heads * (qk_nope_head_dim + v_head_dim),
-            tp_rank * self.rows,
-        )
+        self.rows, self.total_rows = self.num_heads * rows_per_head, num_heads * rows_per_head
+        self.start = tp_rank * self.rows  # this rank's heads' rows, in the checkpoint tensor
         self.weight = loadable_param((self.rows, kv_lora_rank), dtype, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        load_shard(
-            param, loaded, WeightShard(0, self.start, self.rows, self.total_rows, "kv_b_proj")
-        )
+        shard = WeightShard(0, self.start, self.rows, self.total_rows, "kv_b_proj")
+        load_shard(param, loaded, shard)
 
     def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, P, L]`` and ``W_UV [H, V, L]``, views of the weight."""
