@@ -29,7 +29,7 @@ from torch import nn
 from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
-from pagedserve.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
 
@@ -100,7 +100,8 @@ def _layer_weights(layer: nn.Module):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     if (
-        type(mlp) is not LlamaMLP
+        type(attn) is not LlamaAttention
+        or type(mlp) is not LlamaMLP
         or attn.q_norm is not None
         or attn.attn.logits_soft_cap is not None
     ):
