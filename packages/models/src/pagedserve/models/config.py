@@ -351,6 +351,12 @@ class ModelConfig:
         return float(cap) if cap else None
 
     @property
+    def has_attention_sinks(self) -> bool:
+        """Whether every layer's softmax has a learned logit per head in its denominator
+        (gpt-oss's ``sinks``; the kernels' ``sinks`` argument)."""
+        return self.architecture == "GptOssForCausalLM"
+
+    @property
     def kv_cache_window(self) -> int | None:
         """The window the block manager may free blocks behind: every layer's, when every
         layer has one (the widest); None when any layer is global (its cache keeps all)."""

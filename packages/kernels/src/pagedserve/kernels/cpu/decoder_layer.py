@@ -48,7 +48,7 @@ from pagedserve.kernels.cpu.layer_ops import (
     _store_kv_kernel,
     supports_caches,
 )
-from pagedserve.kernels.cpu.paged_attention import launch_attention
+from pagedserve.kernels.cpu.paged_attention import NO_SINKS, launch_attention
 from pagedserve.kernels.cpu.paged_attention_plan import StepPlan
 from pagedserve.kernels.cpu.threads import follow_torch_threads
 
@@ -71,7 +71,8 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     ``norms``: (input, post-attention) RMSNorm weights; ``eps``: theirs; ``weights``: (qkv,
     o, gate_up, down); ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
     dim); ``rotary``: (positions, cos/sin cache, neox?); ``cache``: (K cache, V cache, slot
-    mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap)."""
+    mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap, sinks:
+    none, the fused layers are of models without them)."""
     w_qkv, w_o, w_gate_up, w_down = weights
     normed = np.empty_like(hidden)
     if has_residual:
@@ -182,7 +183,8 @@ def decoder_layer_numba(
         layer.eps, layer.linears, layer.qkv_bias, layer.heads,
         (_int64(positions), layer.cos_sin, layer.is_neox),
         (cache_as_numpy(kv_cache[0]), cache_as_numpy(kv_cache[1]), _int64(slot_mapping)),
-        (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap),
+        (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap,
+         NO_SINKS),
         follow_torch_threads(),
     )  # fmt: skip
     return torch.from_numpy(out), torch.from_numpy(summed)
