@@ -228,9 +228,8 @@ def paged_attention_triton(
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
     flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
-    window: splits cut absolute positions). A windowed or capped layer is a variant of its
-    own (constexpr flags), as is a layer with ``sinks``; the window's width is a runtime
-    scalar."""
+    window: splits cut absolute positions). A windowed, capped or sinks layer is a variant
+    of its own (constexpr flags); the window's width is a runtime scalar."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
@@ -259,9 +258,8 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
         out if sinks is None else sinks, *score_scales(scale, logits_soft_cap), n_seqs,
-        head_dim, per_split, sliding_window or 0,
-        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
-        target.stride(2) if splits > 1 else 0,
+        head_dim, per_split, sliding_window or 0, query.stride(0), query.stride(1),
+        target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
