@@ -77,6 +77,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         "V2's latent attention; sigmoid routing with the correction bias (noaux_tc), top-4 of "
         "8 groups; first 3 layers dense",
     ),
+    "GptOssForCausalLM": Architecture(
+        "gpt_oss",
+        "gpt-oss-20b, gpt-oss-120b",
+        "attention sinks, alternating 128-token sliding-window and full layers, YaRN; "
+        "biased experts with a clamped SwiGLU (fused MoE kernel); MXFP4 experts dequantized "
+        "at load",
+    ),
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights"
     ),
