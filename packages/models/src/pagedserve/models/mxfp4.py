@@ -10,8 +10,8 @@ byte, the low nibble first. gpt-oss stores, per projection of every expert, ``<n
 them the same way when it runs without the MXFP4 kernels (``Mxfp4Dequantize``).
 
 pagedserve dequantizes to the model's dtype at load, on every device: gpt-oss-20b's experts
-take ~38 GB in bf16 (one H100 holds them), gpt-oss-120b's ~230 GB do not fit one GPU. A Triton
-GEMM that reads MXFP4 tiles in place is not built yet (docs/models.md).
+take ~38 GB in bf16 (one H100 holds them), gpt-oss-120b's ~229 GB do not fit one GPU. A Triton
+GEMM that reads MXFP4 tiles in place is not built yet (docs/gpt_oss.md).
 
 ``quantize_mxfp4`` is the inverse, for tests and tools that write such checkpoints.
 """
