@@ -127,6 +127,22 @@ def test_served_gguf_computes_transformers_dequantized_model(served, case):
     assert out.outputs[0].token_ids == transformers_greedy(hf, PROMPT, 8)
 
 
+def test_multiplying_from_the_blocks_gives_the_reference_paths_tokens(gguf_file, monkeypatch):
+    """On a CPU each GGUF layer multiplies from its blocks (numba: a decoded weight row per
+    output feature for decode rows, decoded tiles and MKL for a prefill); the reference path
+    (``PAGEDSERVE_KERNELS=ref``) dequantizes every layer whole on each call. Three prompts
+    decoded together, every block type: the same greedy tokens."""
+    _, path = gguf_file("llama-other-block-types")
+    prompts = [{"prompt_token_ids": PROMPT[i:]} for i in (0, 7, 21)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for kernels in ("", "ref"):
+        monkeypatch.setenv("PAGEDSERVE_KERNELS", kernels)
+        outs = LLM(model=path, block_size=8).generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[0] == tokens[1]
+
+
 def test_weights_stay_in_their_blocks(served):
     _, _, llm = served("llama-k-quants")
     model = llm.engine.runner.model

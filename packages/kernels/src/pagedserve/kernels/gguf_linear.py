@@ -13,17 +13,21 @@ of the 32 or 256 weights of a block hit the same cache line.
 
 The reference dequantizes the whole matrix to fp32 (``gguf_dequantize_ref``), rounds it to
 the activations' dtype (the kernel's operand, so the two agree to accumulation order) and
-calls one GEMM: on a CPU that is the engine's path, and what it costs against other CPU
-choices is measured in docs/quantization.md.
+calls one GEMM. On a CPU the engine multiplies from the blocks with numba instead
+(cpu/gguf_linear.py: a decoded weight row dotted against a decode step's rows, decoded tiles
+and MKL for a prefill), held to the same reference.
 """
 
 from __future__ import annotations
+
+from functools import cache
+from types import ModuleType
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_dequantize_ref, gguf_type
 from pagedserve.kernels.weight_only_linear import tile_shape
 
@@ -276,10 +280,23 @@ def gguf_linear_ref(
     return out.to(x.dtype)
 
 
+@cache
+def _numba_gemm() -> ModuleType:
+    """The CPU's GGUF GEMM (cpu/gguf_linear.py), imported on the first CPU call (numba is not
+    loaded on a GPU)."""
+    from pagedserve.kernels.cpu import gguf_linear as cpu_gguf_linear
+
+    return cpu_gguf_linear
+
+
 def gguf_linear(
     x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x W^T + bias`` for GGUF rows; Triton on a GPU, the reference on a CPU."""
-    if use_triton(x):
+    """``x W^T + bias`` for GGUF rows: Triton on a GPU; on a CPU the numba GEMM from the blocks
+    for fp32 activations (cpu/gguf_linear.py), else the reference."""
+    path = kernel_path(x, has_numba=True)
+    if path == "triton":
         return gguf_linear_triton(x, qweight, qtype, bias)
+    if path == "numba" and x.dtype is torch.float32:
+        return _numba_gemm().gguf_linear_numba(x, qweight, qtype, bias)
     return gguf_linear_ref(x, qweight, qtype, bias)
