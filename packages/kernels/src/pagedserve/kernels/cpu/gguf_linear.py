@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS
+from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS, dense_linear_compiled
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
 from pagedserve.kernels.cpu.threads import follow_torch_threads
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type
@@ -55,6 +55,7 @@ TILE_BYTES = 1 << 20  # a prefill tile of decoded weights: about 1 MiB, in L2 fo
 LANES = 16  # the decoders' inner loop count, passed at run time (cpu/gguf_blocks.py)
 F32 = GGUF_TYPE_IDS["F32"]
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # the fp32 decode GEMM's
+PARTS = 3  # the most parts of different types a fused projection holds (q, k, v)
 _W = 4  # weight rows decoded together and dotted in one loop
 _BLOCK = 16  # output features per task shared out over the threads
 
@@ -114,6 +115,30 @@ def gguf_linear_compiled(x, qweight, qtype, lanes, threads):  # pragma: no cover
         gguf_linear_parallel(x, qweight, qtype, lanes, out)
     else:
         gguf_linear_serial(x, qweight, qtype, lanes, out)
+    return out
+
+
+@numba.njit(cache=True)
+def gguf_parts_compiled(x, parts, qtypes, threads):  # pragma: no cover - compiled
+    """``x @ W.T`` for a fused projection whose row blocks ``parts`` (``PARTS`` of them, empty
+    ones unused) have their own types ``qtypes``: each part's product in its columns, side by
+    side, as the modules concatenate them; F32 parts through the fp32 decode GEMM, as
+    :func:`gguf_linear_numba` sends them. For the fused decoder layer (cpu/decoder_layer.py)."""
+    n = 0
+    for i in range(len(parts)):
+        n += parts[i].shape[0]
+    out = np.empty((x.shape[0], n), np.float32)
+    first = 0
+    for i in range(len(parts)):
+        rows = parts[i]
+        if rows.shape[0] == 0:
+            continue
+        if qtypes[i] == F32:
+            part = dense_linear_compiled(x, rows.view(np.float32), threads)
+        else:
+            part = gguf_linear_compiled(x, rows, qtypes[i], LANES, threads)
+        out[:, first : first + rows.shape[0]] = part
+        first += rows.shape[0]
     return out
 
 
