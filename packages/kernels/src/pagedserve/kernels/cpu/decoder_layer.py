@@ -45,7 +45,7 @@ from numba.extending import overload
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.cpu.dense_linear import MAX_ROWS, dense_linear_compiled
-from pagedserve.kernels.cpu.gguf_linear import PARTS, gguf_parts_compiled
+from pagedserve.kernels.cpu.gguf_linear import LANES, PARTS, gguf_parts_compiled
 from pagedserve.kernels.cpu.half import cache_as_numpy
 from pagedserve.kernels.cpu.layer_ops import (
     CACHE_DTYPES,
@@ -62,7 +62,7 @@ from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 def project(x, weight, threads):  # pragma: no cover - compiled
     """``x @ W.T``: ``weight`` an fp32 ``[out, in]`` matrix, or a GGUF projection ``(parts,
-    types)`` (``DecoderLayerWeights.of``)."""
+    types, lanes)`` (``DecoderLayerWeights.of``)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -70,7 +70,9 @@ def project(x, weight, threads):  # pragma: no cover - compiled
 def _project_impl(x, weight, threads):
     if isinstance(weight, types.Array):
         return lambda x, weight, threads: dense_linear_compiled(x, weight, threads)
-    return lambda x, weight, threads: gguf_parts_compiled(x, weight[0], weight[1], threads)
+    return lambda x, weight, threads: gguf_parts_compiled(
+        x, weight[0], weight[1], weight[2], threads
+    )
 
 
 @numba.njit(cache=True)
@@ -129,7 +131,8 @@ class DecoderLayerWeights:
     (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
     ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
     sliding window or 0; ``cap``: the scores' soft cap or 0. A GGUF projection is ``(rows,
-    types)``: ``PARTS`` uint8 row blocks (empty ones padding) and their ggml type ids."""
+    types, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their ggml type ids, and
+    the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why)."""
 
     norms: tuple[np.ndarray, np.ndarray]
     eps: tuple[np.float32, np.float32]
@@ -226,7 +229,7 @@ def _projection(weight: torch.Tensor | list[tuple[torch.Tensor, int]]):
         return weight.detach().numpy()
     pad = PARTS - len(weight)
     rows = tuple(r.detach().numpy() for r, _ in weight) + (_NO_ROWS,) * pad
-    return rows, tuple(int(t) for _, t in weight) + (-1,) * pad
+    return rows, tuple(int(t) for _, t in weight) + (-1,) * pad, LANES
 
 
 def _int64(t: torch.Tensor) -> np.ndarray:
