@@ -68,6 +68,23 @@ def _bits(typingctx, value, shift, mask):
     return types.int32(value, shift, mask), codegen
 
 
+@intrinsic
+def _two_fields(typingctx, low, low_shift, low_mask, high, high_shift, high_mask, at):
+    """``((low >> low_shift) & low_mask) | (((high >> high_shift) & high_mask) << at)`` in
+    32-bit arithmetic, as an int32: a quant from its low bits and its high bits."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        lo, ls, lm, hi, hs, hm, at = (
+            builder.zext(a, i32) if a.type.width < 32 else builder.trunc(a, i32) for a in args
+        )
+        bits = builder.and_(builder.lshr(lo, ls), lm)
+        return builder.or_(bits, builder.shl(builder.and_(builder.lshr(hi, hs), hm), at))
+
+    signature = types.int32(low, low_shift, low_mask, high, high_shift, high_mask, at)
+    return signature, codegen
+
+
 @numba.njit(cache=True, inline="always")
 def _f(value, shift, mask):  # pragma: no cover - compiled
     """``_bits`` as an fp32 (exact: a few bits)."""
@@ -120,8 +137,7 @@ def _q4(raw, out, lanes, with_min):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _q5(raw, out, lanes, with_min):  # pragma: no cover - compiled
-    """Q5_0 (``d * (q - 16)``) and Q5_1 (``with_min``: ``d * q + m``); the fifth bits come as
-    ``16 * bit`` added in fp32 (exact)."""
+    """Q5_0 (``d * (q - 16)``) and Q5_1 (``with_min``: ``d * q + m``)."""
     size = 24 if with_min else 22
     for b in range(out.shape[0] // 32):
         base, o = size * b, 32 * b
@@ -132,8 +148,8 @@ def _q5(raw, out, lanes, with_min):  # pragma: no cover - compiled
         m = _fp16(raw, base + 2) if with_min else np.float32(0.0)
         bias = np.float32(0.0) if with_min else np.float32(16.0)
         for j in range(lanes):
-            lo = _f(raw[at + j], 0, 15) + np.float32(16.0) * _f(high, j, 1) - bias
-            hi = _f(raw[at + j], 4, 15) + np.float32(16.0) * _f(high, j + 16, 1) - bias
+            lo = np.float32(_two_fields(raw[at + j], 0, 15, high, j, 1, 4)) - bias
+            hi = np.float32(_two_fields(raw[at + j], 4, 15, high, j + 16, 1, 4)) - bias
             out[o + j], out[o + j + 16] = d * lo + m, d * hi + m
 
 
@@ -148,39 +164,32 @@ def _iq4_nl(raw, out, lanes):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, inline="always")
-def _pick(first_half, a, b):  # pragma: no cover - compiled
-    """``a`` for the first 16 lanes of a 32-byte run, ``b`` for the second (a vector blend)."""
-    return a if first_half else b
-
-
-@numba.njit(cache=True, inline="always")
-def _q2_k_scales(raw, at, d, dmin):  # pragma: no cover - compiled
-    """Q2_K's two 16-weight sub-blocks from bytes ``at``, ``at + 1``: their ``d * scale`` and
-    ``dmin * min``."""
-    a, b = raw[at], raw[at + 1]
-    return d * _f(a, 0, 15), dmin * _f(a, 4, 15), d * _f(b, 0, 15), dmin * _f(b, 4, 15)
+def _q2_k_scale(raw, at, d, dmin):  # pragma: no cover - compiled
+    """Q2_K's 16-weight sub-block from its byte at ``at``: ``d * scale`` and ``dmin * min``."""
+    return d * _f(raw[at], 0, 15), dmin * _f(raw[at], 4, 15)
 
 
 @numba.njit(cache=True)
 def _q2_k(raw, out, lanes):  # pragma: no cover - compiled
-    """Per 128-weight half ``h``: byte ``l`` of its 32 holds weight ``32 s + l`` in bits
-    ``2s, 2s + 1``, one loop over the 32 bytes writes all four; sub-block ``8 h + 2 s + t``
-    (``t``: which 16 of the run)."""
+    """Per 128-weight half ``h`` and 16-byte quarter ``t`` of its 32 bytes: byte ``l`` holds
+    weight ``32 s + l`` in bits ``2s, 2s + 1``; one loop writes all four, each under its own
+    sub-block's scale and min (``8 h + 2 s + t``, fixed for the loop, as in ``_q6_k``)."""
     for b in range(out.shape[0] // 256):
         base, o = 84 * b, 256 * b
         d, dmin = _fp16(raw, base + 80), _fp16(raw, base + 82)
         for h in range(2):
-            at, to, sc = base + 16 + 32 * h, o + 128 * h, base + 8 * h
-            d0a, m0a, d0b, m0b = _q2_k_scales(raw, sc, d, dmin)
-            d1a, m1a, d1b, m1b = _q2_k_scales(raw, sc + 2, d, dmin)
-            d2a, m2a, d2b, m2b = _q2_k_scales(raw, sc + 4, d, dmin)
-            d3a, m3a, d3b, m3b = _q2_k_scales(raw, sc + 6, d, dmin)
-            for j in range(2 * lanes):
-                first, q = j < lanes, raw[at + j]
-                out[to + j] = _pick(first, d0a, d0b) * _f(q, 0, 3) - _pick(first, m0a, m0b)
-                out[to + 32 + j] = _pick(first, d1a, d1b) * _f(q, 2, 3) - _pick(first, m1a, m1b)
-                out[to + 64 + j] = _pick(first, d2a, d2b) * _f(q, 4, 3) - _pick(first, m2a, m2b)
-                out[to + 96 + j] = _pick(first, d3a, d3b) * _f(q, 6, 3) - _pick(first, m3a, m3b)
+            for t in range(2):
+                at, to, sc = base + 16 + 32 * h + 16 * t, o + 128 * h + 16 * t, base + 8 * h + t
+                d0, m0 = _q2_k_scale(raw, sc, d, dmin)
+                d1, m1 = _q2_k_scale(raw, sc + 2, d, dmin)
+                d2, m2 = _q2_k_scale(raw, sc + 4, d, dmin)
+                d3, m3 = _q2_k_scale(raw, sc + 6, d, dmin)
+                for j in range(lanes):
+                    q = raw[at + j]
+                    out[to + j] = d0 * _f(q, 0, 3) - m0
+                    out[to + 32 + j] = d1 * _f(q, 2, 3) - m1
+                    out[to + 64 + j] = d2 * _f(q, 4, 3) - m2
+                    out[to + 96 + j] = d3 * _f(q, 6, 3) - m3
 
 
 @numba.njit(cache=True, inline="always")
@@ -192,36 +201,29 @@ def _q3_k_scale(raw, base, j, d):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, inline="always")
-def _q3_k_quant(low, high):  # pragma: no cover - compiled
-    """``q = low - 4 + 4 * high`` (exact in fp32)."""
-    return low + np.float32(4.0) * (high - np.float32(1.0))
+def _q3_k_quant(q, shift, mask, bit):  # pragma: no cover - compiled
+    """``low - 4 + 4 * high`` (exact in fp32): two low bits of ``q`` from ``shift``, the high
+    one bit ``bit`` of the hmask byte ``mask``."""
+    return np.float32(_two_fields(q, shift, 3, mask, bit, 1, 2)) - np.float32(4.0)
 
 
 @numba.njit(cache=True)
 def _q3_k(raw, out, lanes):  # pragma: no cover - compiled
-    """As Q2_K's halves; weight ``e``'s high bit is bit ``e / 32`` of ``hmask[e % 32]``."""
+    """As Q2_K's quarters; weight ``e``'s high bit is bit ``e / 32`` of ``hmask[e % 32]``."""
     for b in range(out.shape[0] // 256):
         base, o = 110 * b, 256 * b
         d = _fp16(raw, base + 108)
         for h in range(2):
-            at, to, j = base + 32 + 32 * h, o + 128 * h, 8 * h
-            d0a, d0b = _q3_k_scale(raw, base, j, d), _q3_k_scale(raw, base, j + 1, d)
-            d1a, d1b = _q3_k_scale(raw, base, j + 2, d), _q3_k_scale(raw, base, j + 3, d)
-            d2a, d2b = _q3_k_scale(raw, base, j + 4, d), _q3_k_scale(raw, base, j + 5, d)
-            d3a, d3b = _q3_k_scale(raw, base, j + 6, d), _q3_k_scale(raw, base, j + 7, d)
-            for i in range(2 * lanes):
-                first, q, m = i < lanes, raw[at + i], raw[base + i]
-                s = 4 * h
-                out[to + i] = _pick(first, d0a, d0b) * _q3_k_quant(_f(q, 0, 3), _f(m, s, 1))
-                out[to + 32 + i] = _pick(first, d1a, d1b) * _q3_k_quant(
-                    _f(q, 2, 3), _f(m, s + 1, 1)
-                )
-                out[to + 64 + i] = _pick(first, d2a, d2b) * _q3_k_quant(
-                    _f(q, 4, 3), _f(m, s + 2, 1)
-                )
-                out[to + 96 + i] = _pick(first, d3a, d3b) * _q3_k_quant(
-                    _f(q, 6, 3), _f(m, s + 3, 1)
-                )
+            for t in range(2):
+                at, to, j, s = base + 32 + 32 * h + 16 * t, o + 128 * h + 16 * t, 8 * h + t, 4 * h
+                d0, d1 = _q3_k_scale(raw, base, j, d), _q3_k_scale(raw, base, j + 2, d)
+                d2, d3 = _q3_k_scale(raw, base, j + 4, d), _q3_k_scale(raw, base, j + 6, d)
+                for i in range(lanes):
+                    q, m = raw[at + i], raw[base + 16 * t + i]
+                    out[to + i] = d0 * _q3_k_quant(q, 0, m, s)
+                    out[to + 32 + i] = d1 * _q3_k_quant(q, 2, m, s + 1)
+                    out[to + 64 + i] = d2 * _q3_k_quant(q, 4, m, s + 2)
+                    out[to + 96 + i] = d3 * _q3_k_quant(q, 6, m, s + 3)
 
 
 @numba.njit(cache=True, inline="always")
@@ -248,46 +250,51 @@ def _q45_k(raw, out, lanes, fifth_bit):  # pragma: no cover - compiled
             s1, m1 = _k_scale_min(raw, base + 4, 2 * c + 1)
             d0, d1, m0, m1 = d * s0, d * s1, dmin * m0, dmin * m1
             at, to = base + qs + 32 * c, o + 64 * c
-            for j in range(2 * lanes):
-                lo, hi = _f(raw[at + j], 0, 15), _f(raw[at + j], 4, 15)
-                if fifth_bit:
-                    lo += np.float32(16.0) * _f(raw[base + 16 + j], 2 * c, 1)
-                    hi += np.float32(16.0) * _f(raw[base + 16 + j], 2 * c + 1, 1)
-                out[to + j] = d0 * lo - m0
-                out[to + 32 + j] = d1 * hi - m1
+            if fifth_bit:
+                for j in range(2 * lanes):
+                    qh = raw[base + 16 + j]
+                    lo = np.float32(_two_fields(raw[at + j], 0, 15, qh, 2 * c, 1, 4))
+                    hi = np.float32(_two_fields(raw[at + j], 4, 15, qh, 2 * c + 1, 1, 4))
+                    out[to + j], out[to + 32 + j] = d0 * lo - m0, d1 * hi - m1
+            else:
+                for j in range(2 * lanes):
+                    lo, hi = _f(raw[at + j], 0, 15), _f(raw[at + j], 4, 15)
+                    out[to + j], out[to + 32 + j] = d0 * lo - m0, d1 * hi - m1
 
 
 @numba.njit(cache=True, inline="always")
-def _q6_k_scales(raw, at, d):  # pragma: no cover - compiled
-    return d * np.float32(np.int8(raw[at])), d * np.float32(np.int8(raw[at + 1]))
+def _q6_k_scale(raw, at, d):  # pragma: no cover - compiled
+    return d * np.float32(np.int8(raw[at]))
 
 
 @numba.njit(cache=True, inline="always")
-def _q6_k_quant(low, high):  # pragma: no cover - compiled
+def _q6_k_quant(low, low_shift, high, high_shift):  # pragma: no cover - compiled
     """``q - 32`` from its low four and high two bits (exact in fp32)."""
-    return low + np.float32(16.0) * high - np.float32(32.0)
+    return np.float32(_two_fields(low, low_shift, 15, high, high_shift, 3, 4)) - np.float32(32.0)
 
 
 @numba.njit(cache=True)
 def _q6_k(raw, out, lanes):  # pragma: no cover - compiled
-    """Per 128-weight half ``h``, byte ``l`` of its 32 ``qh`` bytes and bytes ``l``, ``l + 32``
-    of its 64 ``ql`` bytes give weights ``l``, ``32 + l``, ``64 + l``, ``96 + l``: one loop
-    over the 32 writes all four; scale ``8 h + 2 g + t`` per 16 weights."""
+    """Per 128-weight half ``h`` and 16-weight quarter ``t`` of its runs: byte ``l`` of the
+    half's ``qh`` and bytes ``l``, ``l + 32`` of its ``ql`` give weights ``l``, ``32 + l``,
+    ``64 + l``, ``96 + l`` (``l = 16 t + j``), one loop writes all four, each under its own
+    scale (``8 h + 2 g + t``, fixed for the loop: a select inside it would be sunk by LLVM
+    below the scale's conversion, redone per weight)."""
     for b in range(out.shape[0] // 256):
         base, o = 210 * b, 256 * b
         d = _fp16(raw, base + 208)
         for h in range(2):
-            lo_at, hi_at, to, sc = base + 64 * h, base + 128 + 32 * h, o + 128 * h, base + 192
-            d0a, d0b = _q6_k_scales(raw, sc + 8 * h, d)
-            d1a, d1b = _q6_k_scales(raw, sc + 8 * h + 2, d)
-            d2a, d2b = _q6_k_scales(raw, sc + 8 * h + 4, d)
-            d3a, d3b = _q6_k_scales(raw, sc + 8 * h + 6, d)
-            for j in range(2 * lanes):
-                first, a, c, q = j < lanes, raw[lo_at + j], raw[lo_at + 32 + j], raw[hi_at + j]
-                out[to + j] = _pick(first, d0a, d0b) * _q6_k_quant(_f(a, 0, 15), _f(q, 0, 3))
-                out[to + 32 + j] = _pick(first, d1a, d1b) * _q6_k_quant(_f(c, 0, 15), _f(q, 2, 3))
-                out[to + 64 + j] = _pick(first, d2a, d2b) * _q6_k_quant(_f(a, 4, 15), _f(q, 4, 3))
-                out[to + 96 + j] = _pick(first, d3a, d3b) * _q6_k_quant(_f(c, 4, 15), _f(q, 6, 3))
+            for t in range(2):
+                at, sc = 16 * t, base + 192 + 8 * h + t
+                lo_at, hi_at, to = base + 64 * h + at, base + 128 + 32 * h + at, o + 128 * h + at
+                d0, d1 = _q6_k_scale(raw, sc, d), _q6_k_scale(raw, sc + 2, d)
+                d2, d3 = _q6_k_scale(raw, sc + 4, d), _q6_k_scale(raw, sc + 6, d)
+                for j in range(lanes):
+                    a, c, q = raw[lo_at + j], raw[lo_at + 32 + j], raw[hi_at + j]
+                    out[to + j] = d0 * _q6_k_quant(a, 0, q, 0)
+                    out[to + 32 + j] = d1 * _q6_k_quant(c, 0, q, 2)
+                    out[to + 64 + j] = d2 * _q6_k_quant(a, 4, q, 4)
+                    out[to + 96 + j] = d3 * _q6_k_quant(c, 4, q, 6)
 
 
 @numba.njit(cache=True)
