@@ -75,6 +75,20 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads(name, threads):
     assert np.array_equal(parallel, together.numpy())
 
 
+def test_a_fused_projection_of_parts_of_several_types(threads):
+    """What the fused decoder layer multiplies a Q4_K_M-like qkv by: parts of their own types
+    (F32 among them), each product in its columns, as the modules concatenate them."""
+    parts = [
+        _operands(name, 5, n, 512, seed=n) for name, n in (("Q4_K", 40), ("F32", 8), ("Q6_K", 24))
+    ]
+    x = parts[0][0]
+    rows = tuple(q.numpy() for _, q, _ in parts) + (np.empty((0, 0), np.uint8),)
+    qtypes = tuple(t for _, _, t in parts) + (-1,)
+    got = cpu.gguf_parts_compiled(x.numpy(), rows, qtypes, cpu.LANES, threads)
+    want = torch.cat([gguf_linear_ref(x, q, t) for _, q, t in parts], dim=-1)
+    assert_close(torch.from_numpy(got), want, gemm=True)
+
+
 def test_bias_leading_dims_and_strided_rows():
     x, qweight, qtype = _operands("Q5_K", 6, 20, 256, seed=3)
     bias = torch.randn(20)

@@ -49,6 +49,7 @@ from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS, dense_lin
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
 from pagedserve.kernels.cpu.threads import follow_torch_threads
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type
+from pagedserve.kernels.linear import linear
 
 MAX_ROWS = 16  # as the fp32 decode GEMM: above it the decoded tiles go to MKL
 TILE_BYTES = 1 << 20  # a prefill tile of decoded weights: about 1 MiB, in L2 for MKL
@@ -189,8 +190,6 @@ def gguf_linear_numba(
     rows = qweight if qweight.is_contiguous() else qweight.contiguous()
     threads = follow_torch_threads()
     if qtype == F32:
-        from pagedserve.kernels.linear import linear
-
         out = linear(x2, rows.view(torch.float32))
     elif x2.shape[0] <= MAX_ROWS:
         out = torch.from_numpy(
