@@ -157,6 +157,8 @@ class ModelRunnerOutput:
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
     spec_decode: VerifyCounts | None = None
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a KV connector's asynchronous loads that ended: request id -> tokens its blocks now hold
+    finished_kv_loads: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
