@@ -47,7 +47,12 @@ from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
-from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
+from pagedserve.engine.validation import (
+    check_kv_transfer_params,
+    check_logprobs,
+    check_token_ids,
+    resolve_max_tokens,
+)
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -177,6 +182,7 @@ class LLMEngine:
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
             needs_prompt_logits=params.prompt_logprobs is not None,
             lora_int_id=lora_int_id,
+            kv_transfer_params=check_kv_transfer_params(params, self.runner.kv_connector),
         )
         try:
             self.scheduler.add_request(request)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.kv_connector.block_io import KVBlockIO
 from pagedserve.engine.kv_connector.stats import KVConnectorStats, StatsRecorder
 from pagedserve.scheduler import Request, SchedulerOutput
@@ -105,6 +106,15 @@ class KVConnectorBase:
     def register_kv_caches(self, kv_caches) -> None:
         """The runner's KV cache tensors, which loads write and saves read."""
         self.block_io = KVBlockIO(kv_caches)
+
+    def check_transfer_params(self, params: dict) -> None:
+        """A request's ``kv_transfer_params``: refused unless the connector moves blocks
+        between engines (``TCPConnector``)."""
+        raise InvalidRequestError(
+            "kv_transfer_params: this engine's KV connector offloads blocks and transfers none "
+            "between engines (--kv-transfer-config does)",
+            "kv_transfer_params",
+        )
 
     # ---- the scheduler's side ------------------------------------------------------------------
 

@@ -111,6 +111,14 @@ class KVTransferConfig:
                 raise KVTransferConfigError(
                     f"kv_connector_extra_config.{key}", "must be a positive number of seconds"
                 )
+        url = self.extra("prefill_url")
+        if url is not None and not (
+            self.is_consumer and isinstance(url, str) and url.startswith(("http://", "https://"))
+        ):
+            raise KVTransferConfigError(
+                "kv_connector_extra_config.prefill_url",
+                "the prefill server's http(s):// URL, for a kv_consumer (or kv_both) engine",
+            )
 
     def extra(self, key: str):
         """A ``kv_connector_extra_config`` value, or its default."""
