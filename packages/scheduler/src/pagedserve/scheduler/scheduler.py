@@ -540,9 +540,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
-        if self.kv_connector is not None:
-            params = self.kv_connector.request_finished(request)
-            if params is not None:
-                request.kv_transfer_params = params
+        if self.kv_connector is not None:  # its answer replaces what the request brought
+            request.kv_transfer_params = self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
         self._finished.append(request)
