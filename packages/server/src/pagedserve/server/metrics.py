@@ -18,8 +18,8 @@ request, when its first output arrives); and per step ``iteration_tokens_total``
 engine step) and ``inter_token_latency_seconds`` (each interval between a request's tokens).
 With a KV connector (offloading, disaggregated prefill), ``kv_connector_*`` by ``tier`` (``ram``,
 ``disk``, ``remote``): counters of hit tokens, bytes loaded and saved, load seconds and loads,
-dropped saves, and (by ``reason``) rejected blocks and failed loads; gauges of each tier's
-bytes and blocks held (``_kv_connector_metrics``).
+dropped saves, rejected blocks (by ``reason``) and failed loads; gauges of each tier's bytes
+and blocks held (``_kv_connector_metrics``).
 
 The engine keeps the cumulative totals itself, so they are exported through a custom collector
 (the counters' values are read, never re-counted). Finished-request latencies are handed over
