@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.disaggregated import PrefillFirst
+from pagedserve.server.disaggregated import HTTPPrefill, PrefillFirst
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL
 from pagedserve.server.testing import free_port, make_engine, uvicorn_in_thread
 
@@ -55,7 +55,8 @@ def pair(tiny_path):
 
 
 def _decode_client(consumer, prefill_url: str) -> TestClient:
-    return TestClient(build_app(PrefillFirst(consumer, prefill_url), ServerConfig(), MODEL))
+    engine = PrefillFirst(consumer, HTTPPrefill(prefill_url), consumer.cache_config.block_size)
+    return TestClient(build_app(engine, ServerConfig(), MODEL))
 
 
 def test_a_prefill_answer_carries_the_transfer_handle(pair):
