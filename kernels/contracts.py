@@ -37,6 +37,8 @@ DEFAULTS = {
     "lora_shrink": "pagedserve.kernels.lora:lora_shrink_triton",
     "lora_expand": "pagedserve.kernels.lora:lora_expand_triton",
     "gguf_linear": "pagedserve.kernels.gguf_linear:gguf_linear_triton",
+    "mla_paged_decode": "pagedserve.kernels.mla_decode:mla_paged_decode_triton",
+    "store_latent": "pagedserve.kernels.store_latent:store_latent_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

@@ -57,6 +57,7 @@ _MODULES = (
     "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
     "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
     "encoder_attention", "gelu",
+    "mla_decode", "store_latent",
 )  # fmt: skip
 # Encoder models (pooling: embeddings, cross-encoders): (name, heads, head_dim, hidden,
 # intermediate). all-MiniLM-L6-v2; BERT-base / bge-base / XLM-RoBERTa-base.
@@ -65,6 +66,11 @@ ENCODER_SHAPES = [("minilm-l6", 12, 32, 384, 1536), ("bert-base", 12, 64, 768, 3
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
 # dtypes and the strides' divisibility, not on the sizes themselves.
 MOE_SHAPES = [("mixtral-8x7b", 8, 2), ("qwen3-30b-a3b", 128, 8)]
+
+
+# (name, heads a rank, kv_lora_rank, rope_dim): DeepSeek-V2-Lite has 16 heads, V3 128 (16 a
+# rank over 8); both cache 512 + 64 latent values. Heads are a runtime size: one shape covers.
+MLA_SHAPE = ("deepseek-v3-tp8", 16, 512, 64)
 
 
 def _wrappers():
@@ -318,6 +324,40 @@ def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
         record(f"{name} {label}")
 
 
+def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: str) -> None:
+    """Multi-head latent attention's own launches: the absorbed decode over the latent cache
+    (plain and split-KV), the latent store (k_pe a strided view of the kv_a projection), the
+    interleaved (GPT-J) rotary on q_pe / k_pe views, the latent norm, and copy-on-write of
+    caches without values."""
+    mods = _wrappers()
+    name, heads, kv_lora_rank, rope_dim = MLA_SHAPE
+    width = kv_lora_rank + rope_dim
+    for step in ("decode", "split-kv"):
+        seqs = attention_steps(block_size)[step]
+        batch = make_paged_batch(seqs, heads, 1, width, block_size, dtype)
+        mods["mla_decode"].mla_paged_decode_triton(
+            batch.query, batch.k_cache, batch.block_tables, batch.seq_lens, 192**-0.5,
+            kv_lora_rank,
+        )  # fmt: skip
+        record(f"{name} {label} bs{block_size} {step}")
+    n_tokens, nope = 3, 128
+    kv_a = torch.randn(n_tokens, width).to(dtype)
+    cache = torch.empty(4, block_size, 1, width, dtype=dtype)
+    slots = torch.randint(-1, 4 * block_size, (n_tokens,))
+    kv_c = mods["rms_norm"].rms_norm_triton(
+        kv_a[:, :kv_lora_rank], torch.ones(kv_lora_rank).to(dtype), 1e-6
+    )
+    k_pe = kv_a[:, kv_lora_rank:].view(n_tokens, 1, rope_dim)
+    q_pe = torch.randn(n_tokens, heads, nope + rope_dim).to(dtype)[..., nope:]
+    cos_sin = torch.randn(64, rope_dim)
+    mods["rotary_embedding"].rotary_embedding_triton(
+        torch.arange(n_tokens), q_pe, k_pe, cos_sin, False
+    )
+    mods["store_latent"].store_latent_triton(kv_c, k_pe, cache, slots)
+    mods["copy_blocks"].copy_blocks_triton([cache], [], torch.tensor([[1, 3]]))
+    record(f"{name} {label} bs{block_size} layer")
+
+
 def engine_launches(
     models: list[ModelShape], block_sizes: dict[str, list[int]], record: Callable
 ) -> None:
@@ -341,6 +381,8 @@ def engine_launches(
                 attention_launches(
                     m, torch.float32, block_sizes["fp32"][0], record, label, DTYPES[name]
                 )
-    for dtype_name in block_sizes:
+    for dtype_name, sizes in block_sizes.items():
         moe_launches(DTYPES[dtype_name], record, dtype_name)
         encoder_launches(DTYPES[dtype_name], record, dtype_name)
+        for block_size in sizes:
+            mla_launches(DTYPES[dtype_name], block_size, record, dtype_name)

@@ -323,7 +323,7 @@ class ModelConfig:
         c, n = self.hf_config, self.num_layers
         if c.get("layer_types"):
             sliding = [t == "sliding_attention" for t in c["layer_types"]]
-        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
             first = int(c.get("max_window_layers") or 0)
             sliding = [bool(c.get("use_sliding_window")) and i >= first for i in range(n)]
         elif self.architecture == "Gemma2ForCausalLM":

@@ -11,13 +11,18 @@ import torch
 from pagedserve.models.adapters import as_pooling_model
 from pagedserve.models.bert import BertForSequenceClassification, BertModel
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagedserve.models.mixtral import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.quantization import (
@@ -33,6 +38,9 @@ MODEL_CLASSES: dict[str, type] = {
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "bert": BertModel,
     "bert_classifier": BertForSequenceClassification,
