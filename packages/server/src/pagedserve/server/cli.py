@@ -295,8 +295,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_args = EngineArgs(
                 model=model, **config_kwargs(args, EngineArgs, skip=("model",))
             )
-            # a decode engine with a prefill server sends each prompt there first
-            engine = with_remote_prefill(AsyncLLM(engine_args), engine_args.kv_transfer_config)
+            # a decode engine with a prefill server sends each prompt there first (the
+            # concrete AsyncLLM built here knows its block size; EngineClient does not say it)
+            async_llm = AsyncLLM(engine_args)
+            engine = with_remote_prefill(
+                async_llm, engine_args.kv_transfer_config, async_llm.cache_config.block_size
+            )
         except BaseException:
             sock.close()
             raise

@@ -159,11 +159,14 @@ class EnginePrefill:
         return _usable(handle, request_id)
 
 
-def with_remote_prefill(engine: EngineClient, kv_transfer_config: dict | None) -> EngineClient:
-    """``engine``, wrapped in ``PrefillFirst`` when its KV transfer config names a prefill
-    server (``kv_connector_extra_config.prefill_url``)."""
+def with_remote_prefill(
+    engine: EngineClient, kv_transfer_config: dict | None, block_size: int
+) -> EngineClient:
+    """``engine`` (whose KV blocks hold ``block_size`` tokens), wrapped in ``PrefillFirst``
+    when its KV transfer config names a prefill server
+    (``kv_connector_extra_config.prefill_url``)."""
     extra = (kv_transfer_config or {}).get("kv_connector_extra_config") or {}
     url = extra.get("prefill_url")
     if not url:
         return engine
-    return PrefillFirst(engine, HTTPPrefill(url), engine.cache_config.block_size)
+    return PrefillFirst(engine, HTTPPrefill(url), block_size)
