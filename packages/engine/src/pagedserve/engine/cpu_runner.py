@@ -10,7 +10,8 @@ so a step may switch paths (16 rows fused, 17 not) without changing a token. Eve
 layer, and every other step, runs the model's own modules.
 
 What it can stand in for is decided once, here, at load (the model is final by then: loaded,
-quantized and LoRA-wrapped): a layer whose linear layers hold one fp32 weight each (no
+quantized and LoRA-wrapped), for the architectures whose registry entry declares
+``cpu_fused`` (pagedserve.models.registry; the README's table says which): a layer whose linear layers hold one fp32 weight each (no
 quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
 the qkv projection only (Qwen2) and no score soft cap. The fused kernel reads numpy views of
 the layer's own tensors, so a weight changed in place is seen; a parameter replaced by
@@ -30,6 +31,7 @@ from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pagedserve.models.registry import ARCHITECTURES
 
 MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
 
@@ -39,7 +41,8 @@ class CPUModelRunner(ModelRunner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fused_layers = fused_layer_weights(self.model)
+        fusable = ARCHITECTURES[self.model_config.hf_architecture].cpu_fused
+        self.fused_layers = fused_layer_weights(self.model) if fusable else None
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         hidden_states = self._forward_fused(model_input) if self.fused_layers else None
