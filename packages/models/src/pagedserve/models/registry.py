@@ -78,45 +78,51 @@ ARCHITECTURES: dict[str, Architecture] = {
         "Gemma 2",
         "GeGLU, (1 + w) RMSNorm, alternating local/global layers, attention and final "
         "logit soft-capping",
-        quantized=INT4_AND_FP8,
+        gguf="gemma2", quantized=INT4_AND_FP8,
     ),
     "Gemma3ForCausalLM": Architecture(
         "gemma",
         "Gemma 3 (text: 1B, or a text-only export)",
         "q/k RMSNorm, a rope base per layer type, 5 local : 1 global layers",
-        quantized=INT4_AND_FP8,
+        gguf="gemma3", quantized=INT4_AND_FP8,
     ),
     "Phi3ForCausalLM": Architecture(
         "phi3", "Phi-3, Phi-3.5 mini", "fused qkv and gate_up, LongRoPE, sliding window",
-        cpu_fused=True,
+        gguf="phi3", cpu_fused=True,
     ),
     "MixtralForCausalLM": Architecture(
         "mixtral", "Mixtral 8x7B, 8x22B", "top-2 of 8 experts, renormalised; fused MoE kernel",
+        gguf="llama",
     ),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe",
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
         "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel",
+        gguf="qwen3moe",
     ),
     "Qwen2MoeForCausalLM": Architecture(
         "qwen2_moe",
         "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
         "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel",
+        gguf="qwen2moe",
     ),
     "DeepseekV2ForCausalLM": Architecture(
         "deepseek_v2",
         "DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2",
         "multi-head latent attention over a paged latent cache (576 values a token and layer), "
         "absorbed decode kernel, YaRN; shared experts, group-limited top-k; fused MoE kernel",
+        gguf="deepseek2",
     ),
     "DeepseekV3ForCausalLM": Architecture(
         "deepseek_v3",
         "DeepSeek-V3, R1 (bf16 weights)",
         "V2's latent attention; sigmoid routing with the correction bias (noaux_tc), top-4 of "
         "8 groups; first 3 layers dense",
+        gguf="deepseek2",
     ),
     "GPT2LMHeadModel": Architecture(
-        "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", lora=True
+        "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", gguf="gpt2",
+        lora=True,
     ),
     # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)
     "BertModel": _encoder(
