@@ -23,6 +23,7 @@ DEFAULTS = {
     "layer_norm": "pagedserve.kernels.layer_norm:layer_norm_triton",
     "rotary_embedding": "pagedserve.kernels.rotary_embedding:rotary_embedding_triton",
     "silu_and_mul": "pagedserve.kernels.silu_and_mul:silu_and_mul_triton",
+    "swigluoai_and_mul": "pagedserve.kernels.swigluoai_and_mul:swigluoai_and_mul_triton",
     "gelu_tanh": "pagedserve.kernels.gelu_tanh:gelu_tanh_triton",
     "gelu": "pagedserve.kernels.gelu:gelu_triton",
     "encoder_attention": "pagedserve.kernels.encoder_attention:encoder_attention_triton",

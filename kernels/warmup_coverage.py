@@ -75,13 +75,17 @@ def step_args(m: ModelShape, seqs, dtype, block_size: int, device: str = "cpu") 
 def attention_keys(m, dtype, block_size, max_model_len, steps, target) -> tuple[set, set]:
     """(keys the warm-up made, keys the workload needs). A model with a window serves every
     step through its global layers and through its windowed ones (as Gemma's alternate)."""
-    kinds = [dict(logits_soft_cap=m.logits_soft_cap)]
+    sinks = dict(sinks=torch.zeros(m.n_q_heads)) if m.sinks else {}
+    kinds = [dict(logits_soft_cap=m.logits_soft_cap, **sinks)]
     if m.sliding_window is not None:
-        kinds.append(dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap))
+        kinds.append(
+            dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap, **sinks)
+        )
     with compiling_for(target), jit_cache_keys() as warm:
         paged_attention_warmup(
             m.n_q_heads, m.n_kv_heads, m.head_dim, dtype, block_size, max_model_len, "cpu",
             layer_windows=(None, m.sliding_window), logits_soft_cap=m.logits_soft_cap,
+            sinks=m.sinks,
         )  # fmt: skip
     with compiling_for(target), jit_cache_keys() as served:
         for seqs in steps:

@@ -186,6 +186,8 @@ TINY_CASES = {
     # MLA: heads split, the latent cache whole on each rank; shared experts; V2's and V3's routers
     "deepseek_v2": ("deepseek_v2", {}),
     "deepseek_v3": ("deepseek_v3", {}),
+    # sinks split with their heads; the experts' gate/up bias split, the down bias on rank 0
+    "gpt_oss": ("gpt_oss", {}),
     # one KV head replicated on both ranks; 509 tokens: the second rank's slice is padded
     "llama-1kv-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),
 }

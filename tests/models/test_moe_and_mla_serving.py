@@ -1,8 +1,9 @@
-"""DeepSeek-V2/V3 (latent attention, shared experts, grouped routing, a dense first layer) and
-Qwen2-MoE (a gated shared expert) served with chunked prefill and prefix caching on: 32 greedy
-tokens equal transformers', for prompts split into many chunks, prompts that hit the prefix
-cache (whole blocks and then a partial one, over latents another request stored), and, for a
-Qwen2-MoE with a sliding window on one layer, prompts three windows long.
+"""DeepSeek-V2/V3 (latent attention, shared experts, grouped routing, a dense first layer),
+Qwen2-MoE (a gated shared expert) and gpt-oss (attention sinks, a windowed then a full layer,
+biased experts with a clamped SwiGLU) served with chunked prefill and prefix caching on: 32
+greedy tokens equal transformers', for prompts split into many chunks, prompts that hit the
+prefix cache (whole blocks and then a partial one, over latents another request stored), and,
+for gpt-oss and a Qwen2-MoE with a sliding window on one layer, prompts three windows long.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ CASES = {
     "deepseek_v2": ("deepseek_v2", {}),
     "deepseek_v3": ("deepseek_v3", {}),
     "qwen2_moe": ("qwen2_moe", {}),
+    "gpt_oss": ("gpt_oss", {}),  # its layer 0 windowed (16), layer 1 full
     "qwen2_moe-window": (
         "qwen2_moe",
         dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
@@ -42,7 +44,7 @@ def test_chunked_prefill_and_prefix_caching_match_transformers(tiny_checkpoint, 
     assert rest[1].num_cached_tokens == 16  # two whole blocks of LONG's, stored by the first
     for prompt, out in zip(PROMPTS, [first, *rest], strict=True):
         assert out.outputs[0].token_ids == transformers_greedy(hf, prompt, 32), prompt
-    if overrides:  # transformers' Qwen2-MoE windows layer 0 here (config.json's layer_types)
+    if overrides or arch == "gpt_oss":  # layer 0 windowed (config.json's layer_types)
         assert llm.engine.model_config.sliding_windows == [16, None]
 
 

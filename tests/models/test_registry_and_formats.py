@@ -128,3 +128,15 @@ def test_pooling_architectures_refuse_tensor_parallelism_by_name(tiny_pooling_ch
     assert not ARCHITECTURES[config.hf_architecture].tensor_parallel
     with pytest.raises(ValueError, match="BertModel runs on one device"):
         check_shardable(config, 2)
+
+
+def test_an_expert_format_loads_only_where_the_registry_declares_it(tiny_checkpoint, tmp_path):
+    """MXFP4 is gpt-oss's experts' format (its ``quantized``): the same quantization_config on
+    a Llama is refused, naming the architectures that load it."""
+    assert [n for n, a in ARCHITECTURES.items() if "mxfp4" in a.quantized] == ["GptOssForCausalLM"]
+    folder = Path(shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="experts of GptOssForCausalLM.*LlamaForCausalLM"):
+        ModelConfig(model=str(folder))

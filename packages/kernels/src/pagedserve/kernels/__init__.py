@@ -22,6 +22,7 @@ from pagedserve.kernels.sampling import sample_tokens, sample_tokens_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv, store_kv_ref
 from pagedserve.kernels.store_latent import store_latent, store_latent_ref
+from pagedserve.kernels.swigluoai_and_mul import swigluoai_and_mul, swigluoai_and_mul_ref
 from pagedserve.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from pagedserve.kernels.warmup import mla_decode_warmup, paged_attention_warmup
 
@@ -64,5 +65,7 @@ __all__ = [
     "store_kv_ref",
     "store_latent",
     "store_latent_ref",
+    "swigluoai_and_mul",
+    "swigluoai_and_mul_ref",
     "use_triton",
 ]

@@ -13,7 +13,11 @@ lets token i see positions ``i - W < p <= i`` only: W positions, its own include
 transformers' sliding-window mask and vLLM's ``window_size = (W - 1, 0)``. Positions before
 the first new token's horizon are never read, so their blocks may be freed (a block-table
 entry there may point anywhere). ``logits_soft_cap`` c (Gemma 2) maps each scaled score s
-to ``c * tanh(s / c)`` before the softmax.
+to ``c * tanh(s / c)`` before the softmax. ``sinks`` (gpt-oss) are a learned logit per query
+head, ``[Hq]``, that joins every row's softmax denominator and attends to nothing: a row's
+weights are ``exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``, so they may sum to less than one
+(a head can "attend to nowhere"). The sink is a logit as the scores are after scaling (and
+capping); it is read in fp32.
 
 Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
@@ -67,7 +71,8 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 )  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim, kv_positions_per_split,
+    out_ptr, lse_ptr, sinks_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim,
+    kv_positions_per_split,
     window,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, out_split_stride,
     lse_token_stride, lse_head_stride, cache_block_stride, cache_slot_stride,
@@ -75,16 +80,19 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
     tile are (token, head-in-group) pairs, so each K/V tile is loaded once per group.
     SLIDING: each row sees its last ``window`` positions only, and the walk starts at the
     tile's first row's horizon. SOFT_CAP: scores soft-capped (``cap_inv`` is scale / cap,
-    ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. Both are constexpr so that a
-    global, uncapped layer compiles exactly the kernel it did without them (their masks in
-    the loop cost registers: 8-12 bytes of spills on sm80 at head_dim 128 as runtime
-    branches)."""
+    ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. SINKS: each row's softmax
+    starts from its head's sink, as if from one more key of that score and a zero value
+    (split 0 only: the merge adds the splits' sums, so the sink must enter once). All three
+    are constexpr so that a global, uncapped layer compiles exactly the kernel it did without
+    them (their masks in the loop cost registers: 8-12 bytes of spills on sm80 at head_dim
+    128 as runtime branches)."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,6 +124,10 @@ def _paged_attention_kernel(
             kv_start = tl.maximum(kv_start, n_cached + q_tile * BLOCK_Q - window + 1)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if SINKS:  # the sink in exp2 units: m = sink, l = exp2(sink - m) = 1
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where(split == 0, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(kv_start, kv_stop, TILE_N):
             pos = start + tl.arange(0, TILE_N)
@@ -210,14 +222,15 @@ def paged_attention_triton(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
     flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
-    window: splits cut absolute positions). A windowed or capped layer is a variant of its
-    own (constexpr flags); the window's width is a runtime scalar."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    window: splits cut absolute positions). A windowed, capped or sinks layer is a variant
+    of its own (constexpr flags); the window's width is a runtime scalar."""
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
     if query.stride(-1) != 1:
@@ -244,15 +257,15 @@ def paged_attention_triton(
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        *score_scales(scale, logits_soft_cap), n_seqs, head_dim, per_split, sliding_window or 0,
-        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
-        target.stride(2) if splits > 1 else 0,
+        out if sinks is None else sinks, *score_scales(scale, logits_soft_cap), n_seqs,
+        head_dim, per_split, sliding_window or 0, query.stride(0), query.stride(1),
+        target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
         DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
+        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _merge_kv_splits(partial, lse, out)
@@ -279,14 +292,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
     and short chunks with SDPA for long prefill chunks; the reference when asked for.
-    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer."""
+    ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: None for a global, uncapped layer
+    without sinks."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     path = kernel_path(query, has_numba=True)
     if path == "triton":
         return paged_attention_triton(*args, **extra)

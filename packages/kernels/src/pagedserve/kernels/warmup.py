@@ -22,7 +22,9 @@ a multiple of 16 (every model here) both strides divide by 16 and give one varia
 
 A model with sliding-window layers (or soft-capped scores) adds the windowed variants: a decode
 step and a prefill step (a windowed decode never splits its KV axis); the window's width is a
-runtime scalar, so one window compiles for all.
+runtime scalar, so one window compiles for all. A model with attention sinks (gpt-oss) has
+them on every layer: each of its variants is launched with sinks (fp32, as the model holds
+them), and none without.
 
 Multi-head latent attention's decode (mla_decode.py) has the same kind of variants: a decode
 step without splits and one for each reachable split count, its head tiles standing for the
@@ -63,13 +65,15 @@ def paged_attention_warmup(
     layer_windows: Sequence[int | None] = (None,),
     logits_soft_cap: float | None = None,
     cache_dtype: torch.dtype | None = None,
+    sinks: bool = False,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
     returns the number of launches. Does nothing off a GPU (CPU tensors outside
     ``taken_as_cuda``) or where dispatch would not pick Triton (``PAGEDSERVE_KERNELS=ref``).
     ``layer_windows``: every layer's window (None: global), as ``ModelConfig.sliding_windows``
     gives them; ``logits_soft_cap``: the model's attention soft cap, if any; ``cache_dtype``:
-    the KV cache's element type when it differs from the model's (``--kv-cache-dtype``)."""
+    the KV cache's element type when it differs from the model's (``--kv-cache-dtype``);
+    ``sinks``: whether the model's layers have attention sinks."""
     probe = torch.empty(0, device=device)
     if not (is_cuda(probe) and use_triton(probe)):
         return 0
@@ -82,6 +86,7 @@ def paged_attention_warmup(
     block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     seq_lens = torch.full((1,), 2, dtype=torch.int32, device=device)
     windows = {w for w in layer_windows if w is not None}
+    sink_logits = torch.zeros(n_q_heads, device=device) if sinks else None
     variants = [(None, 1, 1), (None, 2, 1), *((None, 1, s) for s in splits)]  # decode, prefill
     variants = variants if None in layer_windows else []
     if windows:
@@ -91,7 +96,7 @@ def paged_attention_warmup(
         query_start_loc = torch.tensor([0, n_tokens], dtype=torch.int32, device=device)
         paged_attention_triton(
             query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits,
-            sliding_window=window, logits_soft_cap=logits_soft_cap,
+            sliding_window=window, logits_soft_cap=logits_soft_cap, sinks=sink_logits,
         )  # fmt: skip
     return len(variants)
 

@@ -15,6 +15,7 @@ from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausa
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
@@ -41,6 +42,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "bert": BertModel,
     "bert_classifier": BertForSequenceClassification,
@@ -66,8 +68,10 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
     with torch.device(config.torch_device), linear_methods_for(stored_quantized):
         model = model_cls(config, par)
     weights = iterate_weights(config.model)
-    if stored_quantized is None:
-        model.load_weights((name, tensor.to(config.torch_dtype)) for name, tensor in weights)
+    if stored_quantized is None:  # integers (gpt-oss's MXFP4 expert blocks) stay as stored
+        model.load_weights(
+            (name, _in_dtype(tensor, config.torch_dtype)) for name, tensor in weights
+        )
     else:  # packed integers and fp8 stay as stored; each parameter's copy casts the rest
         model.load_weights(weights)
         process_weights_after_loading(model)
@@ -76,3 +80,9 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
     if config.quantization is not None and config.torch_device.type == "cuda":
         torch.cuda.empty_cache()  # the freed full-precision weights count for the KV cache
     return model.eval()
+
+
+def _in_dtype(tensor, dtype: torch.dtype):
+    """A floating-point checkpoint tensor in the model's dtype (lazily, for a handle); any
+    other left as stored."""
+    return tensor.to(dtype) if tensor.dtype.is_floating_point else tensor

@@ -5,6 +5,8 @@ Each is the block's ``gate`` (its checkpoint name): a linear layer to one logit 
 
 - ``SoftmaxTopKRouter`` (Mixtral, Qwen2/3-MoE): softmax over the experts, the top k, optionally
   renormalised to sum to one.
+- ``TopKSoftmaxRouter`` (gpt-oss, its checkpoint's ``router``): a linear layer with a bias; the
+  top k logits, then the softmax of those k alone.
 - ``GroupLimitedRouter`` (DeepSeek-V2): softmax, but only among the ``topk_group`` groups (of
   ``n_group`` equal groups of experts) whose best expert scores highest ("group-limited
   greedy"; one group: plain greedy top-k); the k weights times ``routed_scaling_factor``.
@@ -47,6 +49,18 @@ class SoftmaxTopKRouter(nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+
+
+class TopKSoftmaxRouter(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.weight = _replicated(num_experts, hidden_size, dtype=dtype)
+        self.bias = _replicated(num_experts, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, ids = torch.topk(F.linear(x, self.weight, self.bias).float(), self.top_k, dim=-1)
+        return torch.softmax(logits, dim=-1), ids
 
 
 def keep_top_groups(

@@ -13,7 +13,8 @@ loading says no):
 - ``gguf``: the ``general.architecture`` of its llama.cpp GGUF files (gguf_config.py accepts a
   file when some entry names its architecture; Mistral's and Mixtral's files say ``llama``);
 - ``quantized``: the ``quantization_config.quant_method`` values of the pre-quantized
-  checkpoints it loads (quantization.py);
+  checkpoints it loads (quantization.py; for a format of experts only, gpt-oss's MXFP4,
+  config.py's check and the model's own loader);
 - ``lora``: LoRA adapters on its projections (lora/model.py);
 - ``tensor_parallel``: split over ranks (the engine's executor, before any rank starts);
 - ``cpu_fused``: on a CPU, the runner runs its decoder layers as one numba call each for small
@@ -120,6 +121,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         "8 groups; first 3 layers dense",
         gguf="deepseek2",
     ),
+    "GptOssForCausalLM": Architecture(
+        "gpt_oss",
+        "gpt-oss-20b, gpt-oss-120b",
+        "attention sinks, alternating 128-token sliding-window and full layers, YaRN; "
+        "biased experts with a clamped SwiGLU (fused MoE kernel); MXFP4 experts dequantized "
+        "at load",
+        quantized=("mxfp4",),
+    ),
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", gguf="gpt2",
         lora=True,
@@ -155,7 +164,7 @@ README_START = (
     "<!-- supported-architectures:start (generated: python tools/architecture_table.py) -->"
 )
 README_END = "<!-- supported-architectures:end -->"
-_QUANT_NAMES = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "fp8"}
+_QUANT_NAMES = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "fp8", "mxfp4": "MXFP4 (experts)"}
 
 
 def _yes_no(flag: bool) -> str:

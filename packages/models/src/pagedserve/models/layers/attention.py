@@ -89,7 +89,9 @@ class PagedAttention(nn.Module):
     """Store this step's K/V into the cache, then attend through the block tables.
 
     ``sliding_window`` (None: global) is this layer's window, as the model's config gives it
-    per layer; ``logits_soft_cap`` caps its scores (Gemma 2)."""
+    per layer; ``logits_soft_cap`` caps its scores (Gemma 2); ``sinks`` (gpt-oss), a learned
+    logit per query head of this rank in the softmax's denominator, is the layer's parameter
+    (``attn.sinks``)."""
 
     def __init__(
         self,
@@ -99,6 +101,7 @@ class PagedAttention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -107,6 +110,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks = sinks
 
     def forward(
         self,
@@ -132,6 +136,7 @@ class PagedAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
