@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.cpu_runner import MAX_FUSED_ROWS, CPUModelRunner
+from pagedserve.engine.cpu_runner import MAX_FUSED_ROWS, CPUModelRunner, fused_layer_weights
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.kernels.cpu import decoder_layer, dense_linear
 from pagedserve.models.gguf_testing import write_gguf
-from pagedserve.models.testing import make_tiny_checkpoint
+from pagedserve.models.registry import ARCHITECTURES
+from pagedserve.models.testing import TINY_ARCHS, make_tiny_checkpoint
 
 
 def _gguf_mixture(name: str) -> str:
@@ -178,3 +179,13 @@ def test_a_weight_changed_in_place_is_read_by_the_fused_layer(tmp_path, monkeypa
     assert _assert_same_forward(engine, decode, monkeypatch) == n_layers
     after, _, _ = _forward(engine, decode, monkeypatch, fused=True)
     assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_the_registry_says_which_architectures_run_fused(tiny_checkpoint, arch):
+    """The README's "CPU fused" column is the registry's ``cpu_fused``, which the runner checks:
+    it must be yes exactly where every plain decoder layer could run as one numba call."""
+    llm = LLM(model=tiny_checkpoint(arch), block_size=8, kv_cache_memory=2**20)
+    declared = ARCHITECTURES[llm.engine.model_config.hf_architecture].cpu_fused
+    assert (fused_layer_weights(llm.engine.runner.model) is not None) == declared
+    assert (llm.engine.runner.fused_layers is not None) == declared

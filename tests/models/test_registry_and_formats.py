@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +17,26 @@ from pagedserve.engine import LLM, SamplingParams
 from pagedserve.models import ModelConfig, ModelLoadError
 from pagedserve.models.loader import MODEL_CLASSES
 from pagedserve.models.registry import ARCHITECTURES, supported_architectures_table
+from pagedserve.models.testing import TINY_ARCHS
 from pagedserve.models.weights import checkpoint_files
 
 README = Path(__file__).parents[2] / "README.md"
 
 
 def test_readme_table_is_the_registry():
-    """Regenerate with ``python -m pagedserve.models.registry --write README.md``."""
+    """Regenerate with ``python tools/architecture_table.py``."""
     assert supported_architectures_table() in README.read_text()
+
+
+def test_the_table_tool_writes_and_checks_the_registrys_table(tmp_path):
+    stale = README.read_text().replace("| yes | yes (`llama`) |", "| yes | no |", 1)
+    readme = tmp_path / "README.md"
+    readme.write_text(stale)
+    tool = [sys.executable, str(README.parent / "tools" / "architecture_table.py")]
+    check = subprocess.run([*tool, "--check", "--readme", str(readme)], capture_output=True)
+    assert check.returncode == 1 and b"stale" in check.stdout
+    subprocess.run([*tool, "--readme", str(readme)], check=True)
+    assert readme.read_text() == README.read_text()
 
 
 def test_every_registered_family_has_a_model_class():
@@ -82,3 +96,47 @@ def test_a_hub_id_says_download_it_first(tmp_path, monkeypatch):
     assert "config.json" in message and "model.safetensors" in message
     with pytest.raises(ModelLoadError, match="pytorch_model.bin"):
         checkpoint_files(tmp_path)  # a folder without weights names both formats
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_lora_and_tensor_parallel_columns_are_what_loading_does(tiny_checkpoint, arch):
+    """Where the registry says LoRA, every projection takes adapters; where it says tensor
+    parallel, rank 0's shard of two builds; where it says no, both are refused by name."""
+    from pagedserve.engine.distributed.executor import check_shardable
+    from pagedserve.models import load_model
+    from pagedserve.models.lora import LoRAModel
+
+    config = ModelConfig(model=tiny_checkpoint(arch))
+    declared = ARCHITECTURES[config.hf_architecture]
+    model = load_model(config)
+    if declared.lora:
+        assert LoRAModel(model, config, max_loras=1, max_rank=8).targets
+    else:
+        with pytest.raises(ValueError, match=f"not supported for {config.hf_architecture}"):
+            LoRAModel(model, config, max_loras=1, max_rank=8)
+    if declared.tensor_parallel:
+        check_shardable(config, 2)
+    else:
+        with pytest.raises(ValueError, match="runs on one device"):
+            check_shardable(config, 2)
+
+
+def test_pooling_architectures_refuse_tensor_parallelism_by_name(tiny_pooling_checkpoint):
+    from pagedserve.engine.distributed.executor import check_shardable
+
+    config = ModelConfig(model=tiny_pooling_checkpoint("bert"))
+    assert not ARCHITECTURES[config.hf_architecture].tensor_parallel
+    with pytest.raises(ValueError, match="BertModel runs on one device"):
+        check_shardable(config, 2)
+
+
+def test_an_expert_format_loads_only_where_the_registry_declares_it(tiny_checkpoint, tmp_path):
+    """MXFP4 is gpt-oss's experts' format (its ``quantized``): the same quantization_config on
+    a Llama is refused, naming the architectures that load it."""
+    assert [n for n, a in ARCHITECTURES.items() if "mxfp4" in a.quantized] == ["GptOssForCausalLM"]
+    folder = Path(shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="experts of GptOssForCausalLM.*LlamaForCausalLM"):
+        ModelConfig(model=str(folder))

@@ -10,8 +10,10 @@ so a step may switch paths (16 rows fused, 17 not) without changing a token. Eve
 layer, and every other step, runs the model's own modules.
 
 What it can stand in for is decided once, here, at load (the model is final by then: loaded,
-quantized and LoRA-wrapped): a layer whose linear layers hold one fp32 weight each, or a GGUF
-file's rows of blocks each (no other quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
+quantized and LoRA-wrapped), for the architectures whose registry entry declares
+``cpu_fused`` (pagedserve.models.registry; the README's table says which): a layer whose
+linear layers hold one fp32 weight each, or a GGUF file's rows of blocks each (no other
+quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
 the qkv projection only (Qwen2) and no score soft cap. The fused kernel reads numpy views of
 the layer's own tensors, so a weight changed in place is seen; a parameter replaced by
 another object is not (nothing in pagedserve does that after load).
@@ -31,6 +33,7 @@ from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from pagedserve.models.quantization_gguf import GGUFLinearMethod
+from pagedserve.models.registry import ARCHITECTURES
 
 MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
 
@@ -40,7 +43,8 @@ class CPUModelRunner(ModelRunner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fused_layers = fused_layer_weights(self.model)
+        fusable = ARCHITECTURES[self.model_config.hf_architecture].cpu_fused
+        self.fused_layers = fused_layer_weights(self.model) if fusable else None
         if self.fused_layers and kernel_path(torch.empty(0), True) == "numba":
             reads_blocks = [w is not None and w.reads_blocks for w in self.fused_layers]
             if any(reads_blocks):  # the base runner compiled the fp32 layer only

@@ -34,8 +34,9 @@ QUANTIZATION_METHODS = ("int8", "fp8")
 # pagedserve loads as they are stored (quantization_int4.py, quantization_fp8.py).
 CHECKPOINT_QUANTIZATION_METHODS = ("awq", "gptq", "fp8")
 # Formats in which only an architecture's experts are stored, dequantized by its own loader at
-# load: its linear layers are unquantized (gpt-oss's MXFP4 experts, mxfp4.py).
-EXPERT_QUANTIZATION_METHODS = {"mxfp4": "GptOssForCausalLM"}
+# load: its linear layers are unquantized (gpt-oss's MXFP4 experts, mxfp4.py). Which
+# architectures load one is the registry's ``quantized``.
+EXPERT_QUANTIZATION_METHODS = ("mxfp4",)
 
 
 class ModelLoadError(ValueError):
@@ -49,11 +50,12 @@ def check_quantization(method: str | None, hf_config: dict) -> str | None:
     method is used when none is asked for (as vLLM does)."""
     stored = (hf_config.get("quantization_config") or {}).get("quant_method")
     if stored in EXPERT_QUANTIZATION_METHODS:
-        owner = EXPERT_QUANTIZATION_METHODS[stored]
-        if owner not in (hf_config.get("architectures") or []):
+        owners = [name for name, a in ARCHITECTURES.items() if stored in a.quantized]
+        if not set(owners) & set(hf_config.get("architectures") or []):
             raise ModelLoadError(
-                f"quantization_config.quant_method = {stored!r} is the format of {owner}'s "
-                f"experts; pagedserve does not load it for {hf_config.get('architectures')}"
+                f"quantization_config.quant_method = {stored!r} is the format of the experts "
+                f"of {', '.join(owners)}; pagedserve does not load it for "
+                f"{hf_config.get('architectures')}"
             )
         stored = None  # the experts are dequantized at load; the linear layers are as stored
     known = sorted(set(QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION_METHODS))

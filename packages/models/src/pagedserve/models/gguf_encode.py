@@ -167,12 +167,13 @@ _ENCODERS = {
 
 
 def encode(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
-    """(data for GGUFWriter.add_tensor, raw_dtype) of ``w`` in ``type_name``."""
+    """(data for GGUFWriter.add_tensor, raw_dtype) of ``w`` (a matrix, or a stack of them:
+    a layer's experts) in ``type_name``: blocks along the last dimension."""
     from gguf import GGMLQuantizationType, quants
 
     qtype = GGMLQuantizationType[type_name]
     if type_name == "F32":
         return w.astype(np.float32), None
-    if type_name in _ENCODERS:
-        return _ENCODERS[type_name](w), qtype
-    return quants.quantize(w.astype(np.float32), qtype), qtype
+    rows = w.reshape(-1, w.shape[-1]).astype(np.float32)
+    data = _ENCODERS[type_name](rows) if type_name in _ENCODERS else quants.quantize(rows, qtype)
+    return data.reshape(*w.shape[:-1], -1), qtype

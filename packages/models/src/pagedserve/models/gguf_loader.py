@@ -3,18 +3,26 @@
 The model class is the one a Hugging Face folder of the same architecture builds; after it
 is built, each decoder projection is handed the GGUF linear method and the embedding and LM
 head their GGUF forms (quantization_gguf.py), then the file's tensors are loaded under
-transformers' names. Built on a CPU, the unquantized weights those layers were created with
-are never touched (``torch.empty``) and are freed before loading; on a GPU they are freed
-and the cache emptied, as the on-the-fly methods do.
+transformers' names (gguf_tensor_names.py), through the model's own ``load_weights``. Built
+on a CPU, the unquantized weights those layers were created with are never touched
+(``torch.empty``) and are freed before loading; on a GPU they are freed and the cache
+emptied, as the on-the-fly methods do.
 
-llama.cpp's converter permutes the rows of Llama's Q and K projections (per head, the two
-rotary halves interleaved, for its rotary layout); loading undoes it, on the rows of blocks,
-which move whole because blocks run along the input features.
+What stays in blocks: every linear layer's weight, the embedding and the LM head. What is
+decoded into the model's dtype on load: what the model holds as plain tensors, whatever the
+file's type. That is norms and biases, the routers, DeepSeek's ``kv_b_proj`` (its attention
+reads the per-head blocks directly), GPT-2's position embedding, and the experts of MoE models:
+there is no quantized MoE kernel, so a Q4_0 expert costs its full-precision bytes once loaded.
+
+What llama.cpp's converter did to the tensors is undone here (gguf_tensor_names.py lists it):
+Llama's Q/K rows are un-permuted (on the rows of blocks, which move whole because blocks run
+along the input features), Gemma's ``1 + w`` norms lose their one, GPT-2's matrices are
+handed over as the transposes of its Conv1D layout, each layer's stacked experts are split,
+and DeepSeek's ``attn_k_b`` / ``attn_v_b`` are put back together as ``kv_b_proj``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +32,9 @@ from torch import nn
 
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.config import ModelConfig, ModelLoadError
-from pagedserve.models.gguf_config import gguf_architecture, open_gguf
+from pagedserve.models.gguf_config import field, open_gguf
+from pagedserve.models.gguf_tensor_names import CONFIG_TENSORS, TENSOR_NAMES, TensorNames
+from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.quantization_gguf import (
@@ -34,37 +44,7 @@ from pagedserve.models.quantization_gguf import (
     GGUFTensor,
 )
 
-_TOP_LEVEL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_SKIPPED = {"rope_freqs.weight"}  # read into the config's rope scaling (gguf_config.py)
-
-
-def hf_name(name: str) -> str:
-    """The transformers name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``)."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    m = _BLOCK.fullmatch(name)
-    if m is None or m.group(2) not in _PER_LAYER:
-        raise ModelLoadError(f"GGUF tensor {name!r} has no counterpart in the model")
-    return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+Weight = tuple[str, GGUFTensor | torch.Tensor]
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -75,33 +55,77 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows[order]
 
 
-def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor | torch.Tensor]]:
+def _file_tensor(t) -> GGUFTensor:
+    """A GGUF tensor as a matrix of rows of blocks: every dimension but the fastest (the
+    input features, along which blocks run) flattened into the rows."""
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dim first
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    return GGUFTensor(raw, int(t.tensor_type), (rows, shape[-1]), t.name)
+
+
+def _experts(names: TensorNames, t, tensor: GGUFTensor) -> Iterator[Weight]:
+    """``blk.{n}.ffn_{gate,up,down}_exps``, ``[experts, out, in]``: each expert's rows."""
+    layer, kind = int(t.name.split(".")[1]), t.name.split(".")[2]
+    count = int(t.shape[2])
+    out = tensor.shape[0] // count
+    for e, name in enumerate(names.expert_names(layer, kind.split("_")[1], count)):
+        yield name, tensor.narrow(0, e * out, out)
+
+
+def _kv_b(k_b: GGUFTensor, v_b: GGUFTensor, heads: int) -> torch.Tensor:
+    """DeepSeek's ``kv_b_proj`` ``[heads * (nope + v), kv_lora]`` from llama.cpp's
+    ``attn_k_b`` ``[heads, kv_lora, nope]`` (each head's key rows, transposed) and
+    ``attn_v_b`` ``[heads, v, kv_lora]``."""
+    k = k_b.dequantize().reshape(heads, -1, k_b.shape[1]).transpose(1, 2)
+    v = v_b.dequantize().reshape(heads, -1, v_b.shape[1])
+    return torch.cat([k, v], dim=1).reshape(-1, v_b.shape[1])
+
+
+def gguf_weights(reader, config: ModelConfig) -> Iterator[Weight]:
     """Each tensor under its transformers name: a matrix as a ``GGUFTensor`` over its rows of
     blocks, a vector (norms, biases) decoded into the model's dtype."""
-    _, _, permuted = gguf_architecture(reader, Path(config.model))
+    names = TENSOR_NAMES[field(reader, "general.architecture")]
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_kv_heads}
+    latent_up: dict[int, dict[str, GGUFTensor]] = {}  # DeepSeek's k_b and v_b, per layer
     for t in reader.tensors:
-        if t.name in _SKIPPED:
+        if t.name in CONFIG_TENSORS:
             continue
-        name = hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dim first
-        rows = np.asarray(t.data).view(np.uint8).reshape(shape[0] if len(shape) == 2 else 1, -1)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if permuted and kind in heads:
-            rows = unpermute_rows(rows, heads[kind])
-        tensor = GGUFTensor(
-            rows, int(t.tensor_type), shape if len(shape) == 2 else (1, shape[0]), t.name
-        )
-        if len(shape) == 2:
-            yield name, tensor
+        tensor = _file_tensor(t)
+        if kind.endswith("_exps"):
+            yield from _experts(names, t, tensor)
+        elif kind in ("attn_k_b", "attn_v_b"):
+            parts = latent_up.setdefault(int(t.name.split(".")[1]), {})
+            parts[kind] = tensor
+            if len(parts) == 2:
+                name = names.hf_name(t.name.replace(kind, "attn_kv_b"))
+                yield name, _kv_b(parts["attn_k_b"], parts["attn_v_b"], int(t.shape[2]))
+        elif len(t.shape) == 1:
+            yield names.hf_name(t.name), _vector(names, t.name, kind, tensor, heads, config)
         else:
-            yield name, tensor.dequantize().reshape(shape).to(config.torch_dtype)
+            if names.permuted_qk and kind in heads:
+                tensor = GGUFTensor(
+                    unpermute_rows(tensor.raw, heads[kind]), tensor.qtype, tuple(tensor.shape),
+                    t.name,
+                )  # fmt: skip
+            yield names.hf_name(t.name), tensor.t() if kind in names.conv1d else tensor
+
+
+def _vector(names: TensorNames, name: str, kind: str, tensor, heads, config) -> torch.Tensor:
+    """A 1-D tensor decoded: Q/K biases un-permuted, Gemma's norms less their one."""
+    vector = tensor.dequantize().reshape(-1)
+    if names.permuted_qk and kind in heads:
+        vector = torch.from_numpy(unpermute_rows(vector.numpy(), heads[kind]))
+    if names.norm_offset and name.endswith("norm.weight"):
+        vector = vector - names.norm_offset
+    return vector.to(config.torch_dtype)
 
 
 def _swap_in_gguf_layers(model: nn.Module, config: ModelConfig, par: ParallelContext) -> None:
     """Hand every projection the GGUF method (freeing the weight it was built with) and give
     the model its GGUF embedding and LM head, the head tied to the embedding's bytes when
-    the file has no ``output.weight``."""
+    the config says tied (the file has no ``output.weight``)."""
     method = GGUFLinearMethod()
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
@@ -111,15 +135,25 @@ def _swap_in_gguf_layers(model: nn.Module, config: ModelConfig, par: ParallelCon
             method.create_weights(
                 module, in_features, [out_features], config.torch_dtype, module.weight_loader
             )
-    shard = par.shard_args()
-    model.model.embed_tokens = GGUFEmbedding(
-        config.vocab_size, dtype=config.torch_dtype, all_reduce=par.all_reduce, **shard
-    )
-    model.lm_head = GGUFLMHead(
-        config.vocab_size, dtype=config.torch_dtype, gather=par.gather, **shard
-    )
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    shard, swapped = par.shard_args(), {}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is VocabParallelEmbedding:
+                new = GGUFEmbedding(
+                    config.vocab_size, dtype=config.torch_dtype, all_reduce=par.all_reduce,
+                    **shard,
+                )  # fmt: skip
+            elif type(child) is ParallelLMHead:
+                new = GGUFLMHead(
+                    config.vocab_size, dtype=config.torch_dtype, gather=par.gather, **shard
+                )
+            else:
+                continue
+            setattr(parent, child_name, new)
+            swapped[type(child)] = new
+    head = swapped.get(ParallelLMHead)
+    if head is not None and config.hf_config.get("tie_word_embeddings"):
+        head.weight = swapped[VocabParallelEmbedding].weight
 
 
 def load_gguf_model(config: ModelConfig, model_cls, par: ParallelContext | None = None):
@@ -134,7 +168,10 @@ def load_gguf_model(config: ModelConfig, model_cls, par: ParallelContext | None 
     with torch.device(config.torch_device):
         model = model_cls(config, par)
         _swap_in_gguf_layers(model, config, par)
-    model.load_weights(gguf_weights(reader, config))
+    try:
+        model.load_weights(gguf_weights(reader, config))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{Path(config.model)}: {e}") from e
     for module in model.modules():
         if isinstance(module.__dict__.get("linear_method"), GGUFLinearMethod):
             module.linear_method.process_weights_after_loading(module)

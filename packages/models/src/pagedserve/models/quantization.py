@@ -35,6 +35,7 @@ from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLin
 from pagedserve.models.layers.linear_method import LinearMethodFactory, UnquantizedLinearMethod
 from pagedserve.models.quantization_fp8 import fp8_method_factory
 from pagedserve.models.quantization_int4 import Int4LinearMethod, int4_method_factory
+from pagedserve.models.registry import ARCHITECTURES
 
 
 class WeightOnly8BitLinearMethod(UnquantizedLinearMethod):
@@ -72,15 +73,15 @@ def quantize_linear_layers(model: nn.Module, method: WeightFormat) -> int:
     return count
 
 
-# What a pre-quantized checkpoint's quant_method is built with; architectures whose loaders
-# split or transpose fused checkpoint tensors (GPT-2's Conv1D c_attn, Phi-3's fused qkv) or
-# whose experts are not linear layers (MoE) would cut packed tensors wrongly, so are refused.
+# What a pre-quantized checkpoint's quant_method is built with. Which architectures load
+# which formats is the registry's ``quantized`` (architectures whose loaders split or transpose
+# fused checkpoint tensors, GPT-2's Conv1D c_attn and Phi-3's fused qkv, would cut packed
+# tensors wrongly, so declare none).
 CHECKPOINT_METHOD_FACTORIES = {
     "awq": int4_method_factory,
     "gptq": int4_method_factory,
     "fp8": fp8_method_factory,
 }
-CHECKPOINT_QUANTIZED_ARCHS = ("llama", "gemma")
 
 
 def checkpoint_linear_methods(config: ModelConfig) -> LinearMethodFactory | None:
@@ -90,10 +91,11 @@ def checkpoint_linear_methods(config: ModelConfig) -> LinearMethodFactory | None
     if qc is None:
         return None
     method = qc["quant_method"]
-    if config.arch not in CHECKPOINT_QUANTIZED_ARCHS:
+    if method not in ARCHITECTURES[config.hf_architecture].quantized:
+        served = [name for name, a in ARCHITECTURES.items() if method in a.quantized]
         raise ModelLoadError(
-            f"{config.model}: {method} checkpoints of {config.architecture} are not supported "
-            "(pre-quantized checkpoints load for the Llama family and Gemma)"
+            f"{config.model}: {method} checkpoints of {config.hf_architecture} are not "
+            f"supported (pre-quantized {method} checkpoints load for {', '.join(served)})"
         )
     try:
         return CHECKPOINT_METHOD_FACTORIES[method](qc)

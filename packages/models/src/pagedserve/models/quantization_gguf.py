@@ -39,7 +39,9 @@ class GGUFTensor:
     """One GGUF matrix as ``[out, in]`` logical features over its ``[out, row_bytes]`` rows.
 
     ``narrow`` along the rows is free; along the inputs it takes whole blocks only. The rows
-    are a memory map of the file until ``rows()`` copies them out.
+    are a memory map of the file until ``rows()`` copies them out. A parameter that holds
+    plain tensors (a router, an expert) loads one decoded: ``read()``, as it reads a
+    checkpoint handle (weights.materialize).
     """
 
     def __init__(self, raw: np.ndarray, qtype: int, shape: tuple[int, int], name: str) -> None:
@@ -69,11 +71,42 @@ class GGUFTensor:
         )
         return GGUFTensor(self.raw[:, lo:hi], self.qtype, (out, length), self.name)
 
+    def chunk(self, chunks: int, dim: int = 0) -> list[GGUFTensor]:
+        """Equal parts along the rows (GPT-2's fused q/k/v)."""
+        if dim != 0 or self._shape[0] % chunks:
+            raise ModelLoadError(
+                f"{self.name}: cannot split {self._shape} in {chunks} on dim {dim}"
+            )
+        size = self._shape[0] // chunks
+        return [self.narrow(0, i * size, size) for i in range(chunks)]
+
+    def t(self) -> TransposedGGUFTensor:
+        """The matrix marked transposed, for a loader that transposes what it is given (GPT-2's,
+        whose checkpoints store Conv1D weights ``[in, out]``): its own ``t()`` gives this
+        matrix back. Blocks run along the input features; they are never transposed."""
+        return TransposedGGUFTensor(self)
+
     def rows(self, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.array(self.raw, order="C")).to(device)  # a writable copy
 
     def dequantize(self) -> torch.Tensor:
         return gguf_dequantize_ref(self.rows(torch.device("cpu")), self.qtype)
+
+    read = dequantize
+
+
+class TransposedGGUFTensor:
+    """``GGUFTensor.t()``: a shape and the way back, nothing else."""
+
+    def __init__(self, tensor: GGUFTensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(reversed(self.tensor.shape))
+
+    def t(self) -> GGUFTensor:
+        return self.tensor
 
 
 def _gguf_tensor(loaded: Loaded, what: str) -> GGUFTensor:

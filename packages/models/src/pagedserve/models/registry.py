@@ -1,14 +1,31 @@
-"""The architectures pagedserve serves: Hugging Face's class name -> our family, and what it is.
+"""The architectures pagedserve serves: Hugging Face's class name -> our family, what it is,
+and what it can be served with.
 
 The one list: ``ModelConfig`` maps a config.json's ``architectures`` through it (and names it in
 the error for anything else), ``loader.MODEL_CLASSES`` builds each family, and the README's
-table of supported architectures is generated from it (``python -m
-pagedserve.models.registry``; a test holds the README to it).
+table of supported architectures is generated from it (``python tools/architecture_table.py``;
+a test holds the README to it).
+
+Each entry also declares what its model can be served with beyond its Hugging Face folder, and
+each declaration is the one the engine checks when it loads (so the table cannot say yes where
+loading says no):
+
+- ``gguf``: the ``general.architecture`` of its llama.cpp GGUF files (gguf_config.py accepts a
+  file when some entry names its architecture; Mistral's and Mixtral's files say ``llama``);
+- ``quantized``: the ``quantization_config.quant_method`` values of the pre-quantized
+  checkpoints it loads (quantization.py; for a format of experts only, gpt-oss's MXFP4,
+  config.py's check and the model's own loader);
+- ``lora``: LoRA adapters on its projections (lora/model.py);
+- ``tensor_parallel``: split over ranks (the engine's executor, before any rank starts);
+- ``cpu_fused``: on a CPU, the runner runs its decoder layers as one numba call each for small
+  steps (engine/cpu_runner.py; its layers must also be fusable, which tests hold it to).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+INT4_AND_FP8 = ("awq", "gptq", "fp8")
 
 
 @dataclass(frozen=True)
@@ -21,61 +38,88 @@ class Architecture:
     # a decoder classifier's causal-LM class name, whose layers its family code builds
     base: str | None = None
     encoder: bool = False  # bidirectional attention, no KV cache (BERT family)
+    gguf: str | None = None  # GGUF general.architecture of its files; None: no GGUF
+    quantized: tuple[str, ...] = ()  # pre-quantized checkpoint formats (quant_method)
+    lora: bool = False  # LoRA adapters
+    tensor_parallel: bool = True  # tensor_parallel_size > 1
+    cpu_fused: bool = False  # the CPU runner's fused decoder layers
 
 
 def _decoder_classifier(base: str, examples: str) -> Architecture:
     return Architecture(
-        "llama", examples, "the decoder's last token through a score head", "classify", base
-    )
+        "llama", examples, "the decoder's last token through a score head", "classify", base,
+        quantized=INT4_AND_FP8, tensor_parallel=False,
+    )  # fmt: skip
 
+
+def _encoder(family: str, examples: str, notes: str, task: str) -> Architecture:
+    return Architecture(family, examples, notes, task, encoder=True, tensor_parallel=False)
+
+
+_LLAMA_LIKE = dict(quantized=INT4_AND_FP8, lora=True)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(
-        "llama", "Llama 2/3/3.1/3.2, SmolLM2", "GQA, Llama 3.1 and linear RoPE scaling"
+        "llama", "Llama 2/3/3.1/3.2, SmolLM2", "GQA, Llama 3.1 and linear RoPE scaling",
+        gguf="llama", cpu_fused=True, **_LLAMA_LIKE,
     ),
-    "MistralForCausalLM": Architecture("llama", "Mistral 7B", "sliding-window attention"),
+    "MistralForCausalLM": Architecture(
+        "llama", "Mistral 7B", "sliding-window attention", gguf="llama", cpu_fused=True,
+        **_LLAMA_LIKE,
+    ),
     "Qwen2ForCausalLM": Architecture(
-        "llama", "Qwen2, Qwen2.5", "qkv bias; sliding window from max_window_layers on"
+        "llama", "Qwen2, Qwen2.5", "qkv bias; sliding window from max_window_layers on",
+        gguf="qwen2", cpu_fused=True, **_LLAMA_LIKE,
     ),
-    "Qwen3ForCausalLM": Architecture("llama", "Qwen3 (dense)", "per-head q/k RMSNorm"),
+    "Qwen3ForCausalLM": Architecture(
+        "llama", "Qwen3 (dense)", "per-head q/k RMSNorm", gguf="qwen3", **_LLAMA_LIKE
+    ),
     "Gemma2ForCausalLM": Architecture(
         "gemma",
         "Gemma 2",
         "GeGLU, (1 + w) RMSNorm, alternating local/global layers, attention and final "
         "logit soft-capping",
+        gguf="gemma2", quantized=INT4_AND_FP8,
     ),
     "Gemma3ForCausalLM": Architecture(
         "gemma",
         "Gemma 3 (text: 1B, or a text-only export)",
         "q/k RMSNorm, a rope base per layer type, 5 local : 1 global layers",
+        gguf="gemma3", quantized=INT4_AND_FP8,
     ),
     "Phi3ForCausalLM": Architecture(
-        "phi3", "Phi-3, Phi-3.5 mini", "fused qkv and gate_up, LongRoPE, sliding window"
+        "phi3", "Phi-3, Phi-3.5 mini", "fused qkv and gate_up, LongRoPE, sliding window",
+        gguf="phi3", cpu_fused=True,
     ),
     "MixtralForCausalLM": Architecture(
-        "mixtral", "Mixtral 8x7B, 8x22B", "top-2 of 8 experts, renormalised; fused MoE kernel"
+        "mixtral", "Mixtral 8x7B, 8x22B", "top-2 of 8 experts, renormalised; fused MoE kernel",
+        gguf="llama",
     ),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe",
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
         "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel",
+        gguf="qwen3moe",
     ),
     "Qwen2MoeForCausalLM": Architecture(
         "qwen2_moe",
         "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
         "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel",
+        gguf="qwen2moe",
     ),
     "DeepseekV2ForCausalLM": Architecture(
         "deepseek_v2",
         "DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2",
         "multi-head latent attention over a paged latent cache (576 values a token and layer), "
         "absorbed decode kernel, YaRN; shared experts, group-limited top-k; fused MoE kernel",
+        gguf="deepseek2",
     ),
     "DeepseekV3ForCausalLM": Architecture(
         "deepseek_v3",
         "DeepSeek-V3, R1 (bf16 weights)",
         "V2's latent attention; sigmoid routing with the correction bias (noaux_tc), top-4 of "
         "8 groups; first 3 layers dense",
+        gguf="deepseek2",
     ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
@@ -83,36 +127,29 @@ ARCHITECTURES: dict[str, Architecture] = {
         "attention sinks, alternating 128-token sliding-window and full layers, YaRN; "
         "biased experts with a clamped SwiGLU (fused MoE kernel); MXFP4 experts dequantized "
         "at load",
+        quantized=("mxfp4",),
     ),
     "GPT2LMHeadModel": Architecture(
-        "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights"
+        "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", gguf="gpt2",
+        lora=True,
     ),
     # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)
-    "BertModel": Architecture(
-        "bert",
-        "all-MiniLM-L6-v2, bge-*-en-v1.5, e5",
-        "embeddings; pooling from the sentence-transformers config",
-        "embed",
-        encoder=True,
+    "BertModel": _encoder(
+        "bert", "all-MiniLM-L6-v2, bge-*-en-v1.5, e5",
+        "embeddings; pooling from the sentence-transformers config", "embed",
     ),
-    "RobertaModel": Architecture(
-        "bert", "all-roberta-large-v1", "embeddings (BERT's code, RoBERTa's names)", "embed",
-        encoder=True,
+    "RobertaModel": _encoder(
+        "bert", "all-roberta-large-v1", "embeddings (BERT's code, RoBERTa's names)", "embed"
     ),
-    "XLMRobertaModel": Architecture(
-        "bert", "bge-m3, multilingual-e5", "embeddings (BERT's code, RoBERTa's names)", "embed",
-        encoder=True,
+    "XLMRobertaModel": _encoder(
+        "bert", "bge-m3, multilingual-e5", "embeddings (BERT's code, RoBERTa's names)", "embed"
     ),
-    "BertForSequenceClassification": Architecture(
-        "bert_classifier",
-        "ms-marco-MiniLM-L6-v2 (cross-encoder)",
-        "scores and classes: [CLS] through the classifier head",
-        "classify",
-        encoder=True,
+    "BertForSequenceClassification": _encoder(
+        "bert_classifier", "ms-marco-MiniLM-L6-v2 (cross-encoder)",
+        "scores and classes: [CLS] through the classifier head", "classify",
     ),
-    "XLMRobertaForSequenceClassification": Architecture(
-        "bert_classifier", "bge-reranker-v2-m3 (cross-encoder)", "as BERT's", "classify",
-        encoder=True,
+    "XLMRobertaForSequenceClassification": _encoder(
+        "bert_classifier", "bge-reranker-v2-m3 (cross-encoder)", "as BERT's", "classify"
     ),
     "LlamaForSequenceClassification": _decoder_classifier("LlamaForCausalLM", "Llama reward models"),
     "Qwen2ForSequenceClassification": _decoder_classifier("Qwen2ForCausalLM", "Qwen2 classifiers"),
@@ -124,19 +161,33 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 
 README_START = (
-    "<!-- supported-architectures:start (generated: python -m pagedserve.models.registry) -->"
+    "<!-- supported-architectures:start (generated: python tools/architecture_table.py) -->"
 )
 README_END = "<!-- supported-architectures:end -->"
+_QUANT_NAMES = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "fp8", "mxfp4": "MXFP4 (experts)"}
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _capabilities(a: Architecture) -> list[str]:
+    """HF folder, GGUF, quantized checkpoints, LoRA, tensor parallel, CPU fused: the cells."""
+    gguf = f"yes (`{a.gguf}`)" if a.gguf else "no"
+    quantized = ", ".join(_QUANT_NAMES[q] for q in a.quantized) or "no"
+    return ["yes", gguf, quantized, _yes_no(a.lora), _yes_no(a.tensor_parallel),
+            _yes_no(a.cpu_fused)]  # fmt: skip
 
 
 def supported_architectures_table() -> str:
-    """The README's table, generated from ``ARCHITECTURES``, between its two markers."""
-    rows = [
-        README_START,
-        "| `architectures` in config.json | Models | Notes |",
-        "|---|---|---|",
-    ]
-    rows += [f"| `{name}` | {a.examples} | {a.notes} |" for name, a in ARCHITECTURES.items()]
+    """The README's table, between its two markers: each architecture, what it is, and what
+    it is served with, every cell from its ``Architecture`` entry."""
+    head = ["`architectures` in config.json", "Models", "HF folder", "GGUF", "Quantized",
+            "LoRA", "Tensor parallel", "CPU fused", "Notes"]  # fmt: skip
+    rows = [README_START, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, a in ARCHITECTURES.items():
+        cells = [f"`{name}`", a.examples, *_capabilities(a), a.notes]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join([*rows, README_END])
 
 
@@ -144,23 +195,3 @@ def replace_readme_table(readme: str) -> str:
     """``readme`` with its generated block rewritten from the registry."""
     start, end = readme.index(README_START), readme.index(README_END) + len(README_END)
     return readme[:start] + supported_architectures_table() + readme[end:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the table, or with ``--write README.md`` rewrite that file's block in place."""
-    import argparse
-    from pathlib import Path
-
-    parser = argparse.ArgumentParser(description="the README's supported-architecture table")
-    parser.add_argument("--write", metavar="README", help="rewrite the table in this file")
-    args = parser.parse_args(argv)
-    if args.write:
-        path = Path(args.write)
-        path.write_text(replace_readme_table(path.read_text()))
-    else:
-        print(supported_architectures_table())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

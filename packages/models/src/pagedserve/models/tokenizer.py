@@ -18,12 +18,30 @@ def load_tokenizer(model_dir: str):
     path = Path(model_dir)
     try:
         if path.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(
-                str(path.parent), gguf_file=path.name, local_files_only=True
-            )
+            return _gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from e
+
+
+def _gguf_tokenizer(path):
+    """transformers' tokenizer for the file; where transformers reads no config for the
+    file's architecture (DeepSeek's ``deepseek2``) and so refuses the file whole, the same
+    tokenizer built from the ``tokenizer.*`` keys alone, as transformers builds it."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    except ValueError as e:
+        if "architecture" not in str(e):
+            raise
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    arch, tokenizer, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def apply_chat_template(

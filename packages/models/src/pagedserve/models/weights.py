@@ -137,8 +137,9 @@ class CheckpointTensor:
 
 
 def materialize(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
-    """A real tensor from a loader's input, reading a checkpoint handle if that is what it is."""
-    return loaded.read() if isinstance(loaded, CheckpointTensor) else loaded
+    """A real tensor from a loader's input: a checkpoint handle (or a GGUF matrix, decoded:
+    quantization_gguf.GGUFTensor) is read."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:

@@ -45,6 +45,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.models import ModelConfig, ParallelContext
 from pagedserve.models.loader import MODEL_CLASSES
+from pagedserve.models.registry import ARCHITECTURES
 from pagedserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagedserve.engine")
@@ -60,6 +61,12 @@ def check_shardable(model_config: ModelConfig, tp_size: int) -> None:
     """
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if tp_size > 1 and not ARCHITECTURES[model_config.hf_architecture].tensor_parallel:
+        served = [name for name, a in ARCHITECTURES.items() if a.tensor_parallel]
+        raise ValueError(
+            f"{model_config.hf_architecture} runs on one device (tensor_parallel_size 1); "
+            f"tensor parallelism serves {', '.join(served)}"
+        )
     model_cls = MODEL_CLASSES[model_config.arch]
     with torch.device("meta"):
         model_cls(model_config, ParallelContext(tp_rank=0, tp_size=tp_size))

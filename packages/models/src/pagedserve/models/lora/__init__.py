@@ -2,11 +2,10 @@
 PEFT adapter reader that validates an adapter against the model before it is served."""
 
 from pagedserve.models.lora.layers import LoRABatch, LoRALinearMethod, LoRASlice
-from pagedserve.models.lora.model import LORA_ARCHS, LoRAModel, LoRATarget
+from pagedserve.models.lora.model import LoRAModel, LoRATarget
 from pagedserve.models.lora.peft import LoRAAdapterError, LoRAAdapterWeights, load_peft_adapter
 
 __all__ = [
-    "LORA_ARCHS",
     "LoRAAdapterError",
     "LoRAAdapterWeights",
     "LoRABatch",

@@ -22,10 +22,10 @@ from pagedserve.models.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.models.lora.layers import LoRABatch, LoRALinearMethod, LoRASlice
+from pagedserve.models.registry import ARCHITECTURES
 
-# Architectures (ModelConfig.arch) whose projections take adapters; their checkpoint names
-# for the parts of our fused layers.
-LORA_ARCHS = ("llama", "gpt2")
+# Which architectures take adapters is the registry's ``lora``. The checkpoint names of the
+# parts of our fused layers:
 _FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -66,10 +66,11 @@ class LoRAModel:
     """The LoRA view of a loaded model: its wrapped layers, their adapter names, the batch."""
 
     def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int):
-        if config.arch not in LORA_ARCHS:
+        if not ARCHITECTURES[config.hf_architecture].lora:
+            served = [name for name, a in ARCHITECTURES.items() if a.lora]
             raise ValueError(
-                f"LoRA adapters are supported for the Llama family and GPT-2, not "
-                f"{config.architecture}"
+                f"LoRA adapters are not supported for {config.hf_architecture}; they are for "
+                f"{', '.join(served)}"
             )
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.batch = LoRABatch()
