@@ -30,6 +30,22 @@ def tile_shape(
     return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
 
 
+# KV positions per split in the batch-invariant mode: every row's positions are cut here and
+# folded in order, whatever the batch (a multiple of every TILE_N).
+BATCH_INVARIANT_SPLIT = 512
+
+
+def batch_invariant_tile_shape(group: int, head_dim: int, dot_fp32: bool) -> tuple[int, int, int]:
+    """The batch-invariant mode's one tile for decode and prefill alike, so that a row's
+    scores and sums are reduced over the same lanes and warps in every step (``tile_shape``
+    picks a smaller tile for decodes). fp32: the decode tile (16 rows, 8 warps: with 32 rows
+    the split programs took 255 registers and spilled 0.5 KB on sm90); 16-bit: 32 rows over 8
+    warps (the fold's running sum is a second accumulator, which 4 warps spilled at head_dim
+    128 on sm90, 28 bytes; docs/batch_invariance.md has the compile check's table)."""
+    rows = 16 if dot_fp32 else 32
+    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, 8
+
+
 def kv_split_count(n_seqs: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
     """KV splits of a decode-shaped batch on a GPU with ``n_sms`` SMs: only for long contexts
     (>= 1024 positions) and too few (sequence, KV head) programs to fill the device; each

@@ -29,8 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_launch import decode_kv_splits, score_scales, tile_shape
+from pagedserve.kernels.attention_launch import (
+    BATCH_INVARIANT_SPLIT,
+    batch_invariant_tile_shape,
+    decode_kv_splits,
+    score_scales,
+    tile_shape,
+)
 from pagedserve.kernels.dispatch import is_cuda, kernel_path
+from pagedserve.kernels.kv_splits import _fold_split, _normalised, merge_kv_splits
 from pagedserve.kernels.paged_attention_ref import _check, paged_attention_ref
 
 __all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton"]
@@ -51,6 +58,60 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _attend_range(
+    q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi, read_lo,
+    scale_log2, cap_inv, cap_log2, window, cache_block_stride, cache_slot_stride,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of the tile's rows over KV positions ``kv_lo .. kv_hi - 1``, TILE_N
+    at a time from ``kv_lo``: ``(m, l, acc)`` in exp2 units, ``acc`` unnormalised. READ_FROM:
+    positions before ``read_lo`` (before every row's window) are not read (a walk that starts
+    at a multiple of TILE_N below the first row's horizon)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_lo, kv_hi, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_valid = pos < kv_hi
+        if READ_FROM:
+            pos_valid = pos_valid & (pos >= read_lo)
+        # Only this sequence's own block-table entries are read (padding never is).
+        block = tl.load(block_row_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
+        kv_off = kv_off[:, None] + head_off
+        kv_mask = pos_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # a cache of another 16-bit type than the query's is read as the query's
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * cap_inv) + 1.0))
+        else:
+            s = s * scale_log2
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 # Arguments that change from step to step (batch size, block-table width, per-split length,
@@ -75,6 +136,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    FIXED_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
@@ -84,7 +146,7 @@ def _paged_attention_kernel(
     ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. Both are constexpr so that a
     global, uncapped layer compiles exactly the kernel it did without them (their masks in
     the loop cost registers: 8-12 bytes of spills on sm80 at head_dim 128 as runtime
-    branches)."""
+    branches). FIXED_SPLITS (batch invariant): see ``_fixed_splits``."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,92 +172,56 @@ def _paged_attention_kernel(
             q = q.to(tl.float32)
         # Causal: no row of this tile sees past its last token; a split sees its range only.
         kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
-        kv_start = split * kv_positions_per_split
-        kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
-        if SLIDING:  # nothing before the first row's horizon is read
-            kv_start = tl.maximum(kv_start, n_cached + q_tile * BLOCK_Q - window + 1)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(kv_start, kv_stop, TILE_N):
-            pos = start + tl.arange(0, TILE_N)
-            pos_valid = pos < kv_stop
-            # Only this sequence's own block-table entries are read (padding never is).
-            block = tl.load(
-                block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE,
-                mask=pos_valid,
-                other=0,
-            ).to(tl.int64)
-            kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
-            kv_off = kv_off[:, None] + kv_head * cache_head_stride + dims[None, :]
-            kv_mask = pos_valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:  # a cache of another 16-bit type than the query's is read as the query's
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
-            if SLIDING:
-                visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
-                s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * cap_inv) + 1.0))
-            else:
-                s = s * scale_log2
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        horizon = n_cached + q_tile * BLOCK_Q - window + 1  # the first row's (SLIDING)
+        block_row_ptr = block_tables_ptr + seq * block_table_stride
+        head_off = kv_head * cache_head_stride + dims[None, :]
+        if FIXED_SPLITS:
+            read_lo = tl.maximum(horizon, 0) if SLIDING else 0
+            walk_lo = read_lo - read_lo % TILE_N  # the same tile steps for every row
+            per = kv_positions_per_split
+            if WRITE_PARTIAL:  # this program's split; _fold_kv_splits_kernel folds them
+                m_i, l_i, acc = _attend_range(
+                    q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                    tl.maximum(split * per, walk_lo), tl.minimum(kv_end, split * per + per),
+                    read_lo, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
+                    cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE, DOT_FP32, SLIDING,
+                    SOFT_CAP, SLIDING,
+                )  # fmt: skip
+                out, lse = _normalised(m_i, l_i, acc)
+            else:  # every split in order, each folded as it ends
+                m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                w_run = tl.zeros([BLOCK_M], tl.float32)
+                acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for part in range(walk_lo // per, tl.cdiv(kv_end, per)):
+                    m_i, l_i, acc = _attend_range(
+                        q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                        tl.maximum(part * per, walk_lo), tl.minimum(kv_end, part * per + per),
+                        read_lo, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
+                        cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE, DOT_FP32,
+                        SLIDING, SOFT_CAP, SLIDING,
+                    )  # fmt: skip
+                    out_s, lse_s = _normalised(m_i, l_i, acc)
+                    m_run, w_run, acc_run = _fold_split(m_run, w_run, acc_run, out_s, lse_s)
+                out = acc_run / tl.where(w_run > 0, w_run, 1.0)[:, None]
+        else:
+            kv_start = split * kv_positions_per_split
+            kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
+            if SLIDING:  # nothing before the first row's horizon is read
+                kv_start = tl.maximum(kv_start, horizon)
+            m_i, l_i, acc = _attend_range(
+                q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_start,
+                kv_stop, kv_start, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
+                cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE, DOT_FP32, SLIDING,
+                SOFT_CAP, False,
+            )  # fmt: skip
+            out, lse = _normalised(m_i, l_i, acc)
         out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
         out_off += split * out_split_stride + dims[None, :]
         out_mask = row_valid[:, None] & d_mask[None, :]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         if WRITE_PARTIAL:
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             lse_off = token * lse_token_stride + head * lse_head_stride + split
             tl.store(lse_ptr + lse_off, lse, mask=row_valid)
-
-
-@triton.jit(do_not_specialize=["n_splits", "lse_token_stride", "lse_head_stride"])
-def _merge_kv_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr, n_splits, head_dim,
-    partial_token_stride, partial_head_stride, lse_token_stride, lse_head_stride,
-    out_token_stride, out_head_stride,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Flash-decoding's reduce: each split's output weighted by exp2(its log-sum-exp)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    s_mask = splits < n_splits
-    lse = tl.load(
-        lse_ptr + token * lse_token_stride + head * lse_head_stride + splits,
-        mask=s_mask, other=float("-inf"),
-    )  # fmt: skip
-    m = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    off = token * partial_token_stride + head * partial_head_stride
-    off += splits[:, None] * head_dim + dims[None, :]
-    part = tl.load(partial_ptr + off, mask=s_mask[:, None] & (dims < head_dim)[None, :], other=0.0)
-    # Splits that saw nothing (weight 0) may hold uninitialised memory: drop, do not scale.
-    part = tl.where(weight[:, None] > 0, part, 0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + token * out_token_stride + head * out_head_stride + dims,
-        out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
-    )  # fmt: skip
 
 
 def paged_attention_triton(
@@ -210,13 +236,19 @@ def paged_attention_triton(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
     flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
     window: splits cut absolute positions). A windowed or capped layer is a variant of its
-    own (constexpr flags); the window's width is a runtime scalar."""
+    own (constexpr flags); the window's width is a runtime scalar.
+
+    ``batch_invariant``: one tile shape for every step, and every row's positions cut at
+    multiples of ``BATCH_INVARIANT_SPLIT`` and folded in order (``_fold_split``): by one
+    program, or (where the wrapper would split) by the split programs' partials and
+    ``_fold_kv_splits_kernel``. A row's bits then depend on its own position alone."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
@@ -230,7 +262,13 @@ def paged_attention_triton(
     may_split = decode_like and sliding_window is None
     splits = num_kv_splits or (decode_kv_splits(query, n_kv_heads, max_context) if may_split else 1)
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
-    block_m, tile_n, num_warps = tile_shape(group, head_dim, decode_like, dot_fp32)
+    if batch_invariant:
+        block_m, tile_n, num_warps = batch_invariant_tile_shape(group, head_dim, dot_fp32)
+        per_split = BATCH_INVARIANT_SPLIT
+        splits = triton.cdiv(max_context, per_split) if splits > 1 else 1
+    else:
+        block_m, tile_n, num_warps = tile_shape(group, head_dim, decode_like, dot_fp32)
+        per_split = triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
     block_q = block_m // group
     out = torch.zeros_like(query)
     if n_tokens == 0 or n_seqs == 0:
@@ -238,9 +276,9 @@ def paged_attention_triton(
     if splits > 1:
         partial = torch.empty(n_tokens, n_q_heads, splits, head_dim, device=query.device)
         lse = torch.full((n_tokens, n_q_heads, splits), float("-inf"), device=query.device)
-        target, per_split = partial, triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
+        target = partial
     else:
-        target, lse, per_split = out, out, max_context
+        target, lse = out, out
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
@@ -252,21 +290,11 @@ def paged_attention_triton(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
         DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
+        SOFT_CAP=logits_soft_cap is not None, FIXED_SPLITS=batch_invariant, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        _merge_kv_splits(partial, lse, out)
+        merge_kv_splits(partial, lse, out, in_order=batch_invariant)
     return out
-
-
-def _merge_kv_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch the merge of ``partial [T, Hq, splits, D]`` into ``out [T, Hq, D]``."""
-    n_tokens, n_q_heads, splits, head_dim = partial.shape
-    _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
-        partial, lse, out, splits, head_dim, partial.stride(0), partial.stride(1),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
 
 
 def paged_attention(
@@ -279,14 +307,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
     and short chunks with SDPA for long prefill chunks; the reference when asked for.
-    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer."""
+    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer.
+    ``batch_invariant``: each row's result the same bits in any batch, chunk or prefix hit
+    (the Triton and numba paths; the reference batches its matmuls and is refused)."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if batch_invariant:
+        extra["batch_invariant"] = True
     path = kernel_path(query, has_numba=True)
     if path == "triton":
         return paged_attention_triton(*args, **extra)
@@ -294,4 +327,6 @@ def paged_attention(
         from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu
 
         return paged_attention_cpu(*args, **extra)
+    if batch_invariant:
+        raise ValueError("paged_attention: the reference path is not batch invariant")
     return paged_attention_ref(*args, **extra)
