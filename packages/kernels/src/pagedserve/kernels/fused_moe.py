@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import is_cuda, use_triton
+from pagedserve.kernels.linear import linear
 from pagedserve.kernels.silu_and_mul import silu_and_mul
 
 
@@ -134,9 +135,13 @@ def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
         )
 
 
-def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16) -> torch.Tensor:
+def fused_moe_triton(
+    hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16, ordered_sum: bool = False
+) -> torch.Tensor:
     """Launch wrapper: align, gate_up grouped GEMM, silu_and_mul, down grouped GEMM (weighted),
-    sum over the k slots. Weights must be contiguous in their last dimension."""
+    sum over the k slots (``ordered_sum``: slot after slot, elementwise, not a reduction
+    whose order the reduce kernel picks by shape). Weights must be contiguous in their last
+    dimension."""
     _check(hidden, w13, w2, topk_weights, topk_ids)
     n_tokens, top_k = topk_ids.shape
     if n_tokens == 0:
@@ -148,32 +153,66 @@ def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16)
     gate_up = _grouped_gemm(hidden, w13, sorted_ids, block_expert, weights, top_k, True, block_m)
     act = silu_and_mul(gate_up)
     down = _grouped_gemm(act, w2, sorted_ids, block_expert, weights, top_k, False, block_m)
-    return down.view(n_tokens, top_k, -1).float().sum(1).to(hidden.dtype)
+    slots = down.view(n_tokens, top_k, -1).float()
+    if not ordered_sum:
+        return slots.sum(1).to(hidden.dtype)
+    out = slots[:, 0].clone()
+    for j in range(1, top_k):
+        out += slots[:, j]
+    return out.to(hidden.dtype)
 
 
-def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """Reference (and CPU path): per expert that some token chose, its rows at once, in fp32;
-    a loop over experts, never over tokens."""
-    _check(hidden, w13, w2, topk_weights, topk_ids)
+def _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act) -> torch.Tensor:
+    """Per expert that some token chose, its rows at once (``gemm(x, w) = x @ w.T`` in fp32,
+    ``act``: silu_and_mul), weighted and added into each token's row in expert order; a loop
+    over experts, never over tokens."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.flatten()
     token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
         topk_ids.shape[1]
     )
     weights = topk_weights.flatten().float()
-    inter = w2.shape[2]
     for expert in torch.unique(flat_ids).tolist():
         pairs = (flat_ids == expert).nonzero().flatten()
-        x = hidden[token_of[pairs]].float()
-        gate_up = x @ w13[expert].float().t()
-        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (act.to(hidden.dtype).float() @ w2[expert].float().t()) * weights[pairs, None]
+        gate_up = gemm(hidden[token_of[pairs]].float(), w13[expert])
+        y = gemm(act(gate_up).to(hidden.dtype).float(), w2[expert]) * weights[pairs, None]
         out.index_add_(0, token_of[pairs], y)
     return out.to(hidden.dtype)
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """The MoE MLP of ``hidden [T, H]`` through the chosen experts; returns ``[T, H]``."""
+def _torch_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.float().t()
+
+
+def _batch_invariant_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return linear(x, w.float().contiguous(), batch_invariant=True)
+
+
+def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Reference (and CPU path): per expert that some token chose, its rows at once, in fp32;
+    a loop over experts, never over tokens."""
+    _check(hidden, w13, w2, topk_weights, topk_ids)
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, _torch_gemm, _torch_silu_and_mul)
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, batch_invariant=False) -> torch.Tensor:
+    """The MoE MLP of ``hidden [T, H]`` through the chosen experts; returns ``[T, H]``.
+
+    ``batch_invariant``: each token's row the same bits whatever the other tokens. On a GPU
+    (and under the interpreter) the grouped GEMMs' tiles already are (a row's sum runs over
+    the same K steps in any tile), so only the k slots' sum is made sequential. On a CPU the
+    reference's experts loop with kernels.linear's batch-invariant GEMM and the numba
+    silu_and_mul (one loop per row): an expert's row count is the batch's."""
     if use_triton(hidden):
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(
+            hidden, w13, w2, topk_weights, topk_ids, ordered_sum=batch_invariant
+        )
+    if not batch_invariant:
+        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+    _check(hidden, w13, w2, topk_weights, topk_ids)
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, _batch_invariant_gemm, silu_and_mul)
