@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import fused_moe
+from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelLoadError
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
 from pagedserve.models.weights import CheckpointTensor, default_weight_loader
 
@@ -67,6 +69,7 @@ class SparseMoeBlock(nn.Module):
         for param in (self.experts.w13_weight, self.experts.w2_weight):
             param.loaded_elsewhere = True  # type: ignore[attr-defined]  # check_loaded checks
         self._loaded: set[tuple[int, int]] = set()
+        self.batch_invariant = building_batch_invariant()
 
     def load_expert(
         self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard: tuple[int, int]
@@ -91,11 +94,17 @@ class SparseMoeBlock(nn.Module):
             raise ModelLoadError(f"checkpoint is missing expert weights of {where}: {missing[:6]}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        if self.batch_invariant:  # a near-tie between two experts must not follow the batch
+            router_logits = linear(x, self.gate.weight, batch_invariant=True)
+        else:
+            router_logits = self.gate(x)
+        probs = torch.softmax(router_logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = fused_moe(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        out = fused_moe(
+            x, self.experts.w13_weight, self.experts.w2_weight, weights, ids, self.batch_invariant
+        )
         if self.tp_size > 1 and self.all_reduce is not None:
             out = self.all_reduce(out)
         return out

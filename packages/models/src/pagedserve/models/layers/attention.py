@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import encoder_attention, paged_attention, store_kv
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 
 
 @dataclass
@@ -36,7 +37,8 @@ class PagedAttention(nn.Module):
     """Store this step's K/V into the cache, then attend through the block tables.
 
     ``sliding_window`` (None: global) is this layer's window, as the model's config gives it
-    per layer; ``logits_soft_cap`` caps its scores (Gemma 2)."""
+    per layer; ``logits_soft_cap`` caps its scores (Gemma 2). Batch invariant when the model
+    is built so (layers/batch_invariance.py)."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.batch_invariant = building_batch_invariant()
 
     def forward(
         self,
@@ -79,6 +82,7 @@ class PagedAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            batch_invariant=self.batch_invariant,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
