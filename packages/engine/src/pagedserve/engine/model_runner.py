@@ -140,6 +140,7 @@ class ModelRunner:
                 layer_windows=mc.sliding_windows,
                 logits_soft_cap=mc.attention_logits_soft_cap,
                 cache_dtype=self.kv_cache_dtype,
+                batch_invariant=mc.batch_invariant,
             )
         self.drafter = drafter
         self.input_batch = InputBatch()
