@@ -63,6 +63,32 @@ def decode_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> 
     return kv_split_count(query.shape[0], n_kv_heads, max_context, multi_processor_count(query))
 
 
+def launch_shape(
+    query: torch.Tensor,
+    n_kv_heads: int,
+    max_context: int,
+    decode_like: bool,
+    windowed: bool,
+    num_kv_splits: int | None,
+    batch_invariant: bool,
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, TILE_N, warps, KV splits, positions per split) of a launch. Splits: the
+    caller's ``num_kv_splits``, else ``decode_kv_splits`` for a decode-shaped batch without a
+    window, else 1. Batch invariant: the one tile, and when the launch splits, one program per
+    fixed split of ``BATCH_INVARIANT_SPLIT`` positions (1: a program walks them all)."""
+    group, head_dim = query.shape[1] // n_kv_heads, query.shape[2]
+    dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
+    may_split = decode_like and not windowed
+    splits = num_kv_splits or (decode_kv_splits(query, n_kv_heads, max_context) if may_split else 1)
+    if batch_invariant:
+        block_m, tile_n, warps = batch_invariant_tile_shape(group, head_dim, dot_fp32)
+        splits = triton.cdiv(max_context, BATCH_INVARIANT_SPLIT) if splits > 1 else 1
+        return block_m, tile_n, warps, splits, BATCH_INVARIANT_SPLIT
+    block_m, tile_n, warps = tile_shape(group, head_dim, decode_like, dot_fp32)
+    per_split = triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
+    return block_m, tile_n, warps, splits, per_split
+
+
 def score_scales(scale: float, logits_soft_cap: float | None) -> tuple[float, float, float]:
     """The kernel's three score scalars: ``scale * log2(e)`` (scores in exp2 units),
     ``scale / cap`` and ``cap * log2(e)`` (soft-capping; 0 for the last when uncapped)."""

@@ -29,13 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_launch import (
-    BATCH_INVARIANT_SPLIT,
-    batch_invariant_tile_shape,
-    decode_kv_splits,
-    score_scales,
-    tile_shape,
-)
+from pagedserve.kernels.attention_launch import launch_shape, score_scales
 from pagedserve.kernels.dispatch import is_cuda, kernel_path
 from pagedserve.kernels.kv_splits import _fold_split, _normalised, merge_kv_splits
 from pagedserve.kernels.paged_attention_ref import _check, paged_attention_ref
@@ -245,40 +239,29 @@ def paged_attention_triton(
     window: splits cut absolute positions). A windowed or capped layer is a variant of its
     own (constexpr flags); the window's width is a runtime scalar.
 
-    ``batch_invariant``: one tile shape for every step, and every row's positions cut at
-    multiples of ``BATCH_INVARIANT_SPLIT`` and folded in order (``_fold_split``): by one
-    program, or (where the wrapper would split) by the split programs' partials and
-    ``_fold_kv_splits_kernel``. A row's bits then depend on its own position alone."""
+    ``batch_invariant``: one tile for every step, every row's positions cut at fixed
+    multiples and folded in order, by one program or by split programs' partials and the
+    fold kernel (kv_splits.py): a row's bits depend on its own position alone."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
+    query = query if query.stride(-1) == 1 else query.contiguous()
     n_tokens, n_q_heads, head_dim = query.shape
     n_seqs, block_size, n_kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
-    decode_like = n_tokens == n_seqs
-    max_context = block_tables.shape[1] * block_size
-    may_split = decode_like and sliding_window is None
-    splits = num_kv_splits or (decode_kv_splits(query, n_kv_heads, max_context) if may_split else 1)
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
-    if batch_invariant:
-        block_m, tile_n, num_warps = batch_invariant_tile_shape(group, head_dim, dot_fp32)
-        per_split = BATCH_INVARIANT_SPLIT
-        splits = triton.cdiv(max_context, per_split) if splits > 1 else 1
-    else:
-        block_m, tile_n, num_warps = tile_shape(group, head_dim, decode_like, dot_fp32)
-        per_split = triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
+    block_m, tile_n, num_warps, splits, per_split = launch_shape(
+        query, n_kv_heads, block_tables.shape[1] * block_size, n_tokens == n_seqs,
+        sliding_window is not None, num_kv_splits, batch_invariant,
+    )  # fmt: skip
     block_q = block_m // group
     out = torch.zeros_like(query)
     if n_tokens == 0 or n_seqs == 0:
         return out
+    target, lse = out, out  # with splits: the partials and their log-sum-exps
     if splits > 1:
-        partial = torch.empty(n_tokens, n_q_heads, splits, head_dim, device=query.device)
+        target = torch.empty(n_tokens, n_q_heads, splits, head_dim, device=query.device)
         lse = torch.full((n_tokens, n_q_heads, splits), float("-inf"), device=query.device)
-        target = partial
-    else:
-        target, lse = out, out
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
@@ -293,7 +276,7 @@ def paged_attention_triton(
         SOFT_CAP=logits_soft_cap is not None, FIXED_SPLITS=batch_invariant, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        merge_kv_splits(partial, lse, out, in_order=batch_invariant)
+        merge_kv_splits(target, lse, out, in_order=batch_invariant)
     return out
 
 
