@@ -1,6 +1,7 @@
 """Kernel micro-benchmarks: one table, time and achieved bandwidth (or FLOP/s) per kernel.
 
 Run from the repo root: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python kernels/bench.py``.
+MLA's decode runs DeepSeek-V3's shape on one rank of 8 (16 heads over 576-value latents).
 On CUDA: Triton vs the torch reference, and Triton's bandwidth as a share of the device's
 copy bandwidth measured here with a torch copy. On CPU: the reference only (it is the CPU
 engine's hot path; the interpreter is not worth timing). Workload: Llama-3-8B-like shapes
@@ -20,6 +21,7 @@ import torch
 
 from pagedserve.kernels.gelu_tanh import gelu_tanh_ref, gelu_tanh_triton
 from pagedserve.kernels.layer_norm import layer_norm_ref, layer_norm_triton
+from pagedserve.kernels.mla_decode import mla_paged_decode_ref, mla_paged_decode_triton
 from pagedserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from pagedserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref, rotary_embedding_triton
@@ -144,6 +146,7 @@ def cases():
         0,
     )
     yield from attention_cases()
+    yield from mla_cases()
     n = 64 if CUDA else 8
     logits = torch.randn(n, m.vocab, device=DEVICE)
     params = (torch.full((n,), 0.8, device=DEVICE), torch.full((n,), 50, device=DEVICE, dtype=torch.int32),
@@ -183,6 +186,29 @@ def attention_cases():
             b.args(),
             kv_bytes,
             flops,
+        )
+
+
+def mla_cases():
+    """MLA's absorbed decode over the latent cache, DeepSeek-V3's shape on one rank of 8 (16
+    heads, kv_lora_rank 512 + rope 64); on CPU a smaller batch. Bytes: the latents read once."""
+    heads, kv_lora_rank, width = 16, 512, 576
+    shapes = {
+        "decode": ([(4096, 1)] * 64 if CUDA else [(512, 1)] * 16),
+        "decode long": ([(32768, 1)] * 4 if CUDA else [(4096, 1)] * 2),
+    }
+    for name, seqs in shapes.items():
+        b = make_paged_batch(seqs, heads, 1, width, 16, MODEL.dtype, DEVICE)
+        args = (b.query, b.k_cache, b.block_tables, b.seq_lens, 192**-0.5, kv_lora_rank)
+        context = sum(s for s, _ in seqs)
+        yield (
+            f"mla_paged_decode {name}",
+            f"B={len(seqs)} ctx={seqs[0][0]} H={heads}",
+            mla_paged_decode_triton,
+            mla_paged_decode_ref,
+            args,
+            context * width * b.k_cache.element_size(),
+            2 * (width + kv_lora_rank) * heads * context,
         )
 
 

@@ -23,6 +23,7 @@ DEFAULTS = {
     "layer_norm": "pagedserve.kernels.layer_norm:layer_norm_triton",
     "rotary_embedding": "pagedserve.kernels.rotary_embedding:rotary_embedding_triton",
     "silu_and_mul": "pagedserve.kernels.silu_and_mul:silu_and_mul_triton",
+    "swigluoai_and_mul": "pagedserve.kernels.swigluoai_and_mul:swigluoai_and_mul_triton",
     "gelu_tanh": "pagedserve.kernels.gelu_tanh:gelu_tanh_triton",
     "gelu": "pagedserve.kernels.gelu:gelu_triton",
     "encoder_attention": "pagedserve.kernels.encoder_attention:encoder_attention_triton",
@@ -37,6 +38,8 @@ DEFAULTS = {
     "lora_shrink": "pagedserve.kernels.lora:lora_shrink_triton",
     "lora_expand": "pagedserve.kernels.lora:lora_expand_triton",
     "gguf_linear": "pagedserve.kernels.gguf_linear:gguf_linear_triton",
+    "mla_paged_decode": "pagedserve.kernels.mla_decode:mla_paged_decode_triton",
+    "store_latent": "pagedserve.kernels.store_latent:store_latent_triton",
 }
 OVERRIDES: dict[str, str] = {}  # set once, from the command line, before collection
 

@@ -32,6 +32,7 @@ class ModelShape:
     gpt2: bool = False  # layer_norm + gelu_tanh, no rotary; else rms_norm + rotary + silu
     sliding_window: int | None = None  # every attention step also launched with this window
     logits_soft_cap: float | None = None  # ... and with scores soft-capped (Gemma 2)
+    sinks: bool = False  # every attention launch with a sink per query head (gpt-oss)
 
     @property
     def group(self) -> int:
@@ -45,6 +46,9 @@ MODELS = [
     ModelShape("gpt2", 12, 12, 64, 768, 3072, 50257, gpt2=True),
     # Mistral 7B v0.1: llama3-8b's heads, every layer windowed (its own attention variants)
     ModelShape("mistral-7b", 32, 8, 128, 4096, 14336, 32000, sliding_window=4096),
+    # gpt-oss-20b: attention sinks on every layer, every other layer a 128-token window; its
+    # MLP is all experts (MOE_SHAPES), so the dense activation launched here stands unused
+    ModelShape("gpt-oss-20b", 64, 8, 64, 2880, 2880, 201088, sliding_window=128, sinks=True),
 ]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BLOCK_SIZES = [16, 32]
@@ -54,9 +58,9 @@ HALF_CACHE_MODELS = ("smollm2", "llama3-8b")
 
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
-    "silu_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
+    "silu_and_mul", "swigluoai_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
     "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
-    "encoder_attention", "gelu", "linear",
+    "encoder_attention", "gelu", "linear", "mla_decode", "store_latent",
 )  # fmt: skip
 # Encoder models (pooling: embeddings, cross-encoders): (name, heads, head_dim, hidden,
 # intermediate). all-MiniLM-L6-v2; BERT-base / bge-base / XLM-RoBERTa-base.
@@ -65,6 +69,13 @@ ENCODER_SHAPES = [("minilm-l6", 12, 32, 384, 1536), ("bert-base", 12, 64, 768, 3
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
 # dtypes and the strides' divisibility, not on the sizes themselves.
 MOE_SHAPES = [("mixtral-8x7b", 8, 2), ("qwen3-30b-a3b", 128, 8)]
+# gpt-oss-20b's experts: 32, top 4, biased, the clamped SwiGLU (its own variants of both GEMMs)
+GPT_OSS_MOE = ("gpt-oss-20b", 32, 4)
+
+
+# (name, heads a rank, kv_lora_rank, rope_dim): DeepSeek-V2-Lite has 16 heads, V3 128 (16 a
+# rank over 8); both cache 512 + 64 latent values. Heads are a runtime size: one shape covers.
+MLA_SHAPE = ("deepseek-v3-tp8", 16, 512, 64)
 
 
 def _wrappers():
@@ -93,16 +104,17 @@ def attention_launches(
     """Every attention step shape through paged_attention_triton, then store_kv; with
     ``cache_dtype``, over a cache of that type (``--kv-cache-dtype``)."""
     mods = _wrappers()
+    sinks = dict(sinks=torch.randn(m.n_q_heads)) if m.sinks else {}  # fp32, as models hold them
     for step, seqs in attention_steps(block_size).items():
         batch = make_paged_batch(
             seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype,
             cache_dtype=cache_dtype,
         )  # fmt: skip
-        mods["paged_attention"].paged_attention_triton(*batch.args())
+        mods["paged_attention"].paged_attention_triton(*batch.args(), **sinks)
         record(f"{label} {step}")
         if m.sliding_window is not None:  # windowed (and capped) layers: variants of their own
             window = dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap)
-            mods["paged_attention"].paged_attention_triton(*batch.args(), **window)
+            mods["paged_attention"].paged_attention_triton(*batch.args(), **window, **sinks)
             record(f"{label} {step} window")
     store_launches(m, dtype, block_size, n_tokens=3, cache_dtype=cache_dtype)
     record(f"{label} store")
@@ -114,6 +126,7 @@ def batch_invariant_launches(m: ModelShape, dtype: torch.dtype, block_size: int,
     fixed-tile GEMM of each projection, the lm_head and a MoE router (a decode's rows and a
     prefill's: one variant)."""
     mods = _wrappers()
+    sinks = dict(sinks=torch.randn(m.n_q_heads)) if m.sinks else {}  # their fold starts there
     windows = [{}]
     if m.sliding_window is not None:
         windows.append(dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap))
@@ -121,7 +134,7 @@ def batch_invariant_launches(m: ModelShape, dtype: torch.dtype, block_size: int,
         batch = make_paged_batch(seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype)
         for window in windows:
             mods["paged_attention"].paged_attention_triton(
-                *batch.args(), batch_invariant=True, **window
+                *batch.args(), batch_invariant=True, **window, **sinks
             )
             record(f"{label} {step} batch-invariant" + (" window" if window else ""))
     shapes = [*projection_shapes(m).values(), (m.vocab, m.hidden), (8, m.hidden)]
@@ -173,6 +186,8 @@ def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens:
         mods["rotary_embedding"].rotary_embedding_triton(torch.arange(n_tokens), q, k, cos_sin)
         gate_up = torch.randn(n_tokens, 2 * m.intermediate).to(dtype)
         mods["silu_and_mul"].silu_and_mul_triton(gate_up)
+        if m.sinks:  # gpt-oss's experts' activation (its one launch per model and dtype)
+            mods["swigluoai_and_mul"].swigluoai_and_mul_triton(gate_up, 1.702, 7.0)
     caches = [torch.empty(6, block_size, m.n_kv_heads, m.head_dim, dtype=dtype) for _ in range(2)]
     pairs = torch.tensor([[1, 4], [2, 5], [3, 0]])[: 1 + n_tokens % 3]
     mods["copy_blocks"].copy_blocks_triton(caches[:1], caches[1:], pairs)
@@ -313,16 +328,23 @@ def spec_decode_launches(m: ModelShape, rows: int, k: int = 3) -> None:
 
 def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
     """The two grouped GEMMs (gate_up per token, down per pair with the routing weight) of
-    each MoE shape, with routing that leaves some experts empty."""
+    each MoE shape, with routing that leaves some experts empty; gpt-oss's with its biases and
+    clamped SwiGLU."""
     mods = _wrappers()
-    for name, n_experts, top_k in MOE_SHAPES:
+    for name, n_experts, top_k in [*MOE_SHAPES, GPT_OSS_MOE]:
         n_tokens, hidden, inter = 5, 256, 512
         x = torch.randn(n_tokens, hidden).to(dtype)
         w13 = torch.randn(n_experts, 2 * inter, hidden).to(dtype)
         w2 = torch.randn(n_experts, hidden, inter).to(dtype)
         ids = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(n_tokens)])
         weights = torch.rand(n_tokens, top_k)
-        mods["fused_moe"].fused_moe_triton(x, w13, w2, weights, ids)
+        extra = {}
+        if (name, n_experts, top_k) == GPT_OSS_MOE:
+            extra = dict(
+                w13_bias=torch.randn(n_experts, 2 * inter).to(dtype),
+                w2_bias=torch.randn(n_experts, hidden).to(dtype), activation="swigluoai",
+            )  # fmt: skip
+        mods["fused_moe"].fused_moe_triton(x, w13, w2, weights, ids, **extra)
         record(f"{name} {label}")
 
 
@@ -341,6 +363,40 @@ def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
         mods["layer_norm"].layer_norm_triton(x, weight, weight.clone(), 1e-12)
         mods["gelu"].gelu_triton(torch.randn(3, intermediate).to(dtype))
         record(f"{name} {label}")
+
+
+def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: str) -> None:
+    """Multi-head latent attention's own launches: the absorbed decode over the latent cache
+    (plain and split-KV), the latent store (k_pe a strided view of the kv_a projection), the
+    interleaved (GPT-J) rotary on q_pe / k_pe views, the latent norm, and copy-on-write of
+    caches without values."""
+    mods = _wrappers()
+    name, heads, kv_lora_rank, rope_dim = MLA_SHAPE
+    width = kv_lora_rank + rope_dim
+    for step in ("decode", "split-kv"):
+        seqs = attention_steps(block_size)[step]
+        batch = make_paged_batch(seqs, heads, 1, width, block_size, dtype)
+        mods["mla_decode"].mla_paged_decode_triton(
+            batch.query, batch.k_cache, batch.block_tables, batch.seq_lens, 192**-0.5,
+            kv_lora_rank,
+        )  # fmt: skip
+        record(f"{name} {label} bs{block_size} {step}")
+    n_tokens, nope = 3, 128
+    kv_a = torch.randn(n_tokens, width).to(dtype)
+    cache = torch.empty(4, block_size, 1, width, dtype=dtype)
+    slots = torch.randint(-1, 4 * block_size, (n_tokens,))
+    kv_c = mods["rms_norm"].rms_norm_triton(
+        kv_a[:, :kv_lora_rank], torch.ones(kv_lora_rank).to(dtype), 1e-6
+    )
+    k_pe = kv_a[:, kv_lora_rank:].view(n_tokens, 1, rope_dim)
+    q_pe = torch.randn(n_tokens, heads, nope + rope_dim).to(dtype)[..., nope:]
+    cos_sin = torch.randn(64, rope_dim)
+    mods["rotary_embedding"].rotary_embedding_triton(
+        torch.arange(n_tokens), q_pe, k_pe, cos_sin, False
+    )
+    mods["store_latent"].store_latent_triton(kv_c, k_pe, cache, slots)
+    mods["copy_blocks"].copy_blocks_triton([cache], [], torch.tensor([[1, 3]]))
+    record(f"{name} {label} bs{block_size} layer")
 
 
 def engine_launches(
@@ -367,6 +423,8 @@ def engine_launches(
                 attention_launches(
                     m, torch.float32, block_sizes["fp32"][0], record, label, DTYPES[name]
                 )
-    for dtype_name in block_sizes:
+    for dtype_name, sizes in block_sizes.items():
         moe_launches(DTYPES[dtype_name], record, dtype_name)
         encoder_launches(DTYPES[dtype_name], record, dtype_name)
+        for block_size in sizes:
+            mla_launches(DTYPES[dtype_name], block_size, record, dtype_name)

@@ -1,8 +1,9 @@
 """The engine on the Triton path equals the engine on the reference path, token for token.
 
 Every device op of a forward pass (store_kv, paged attention, rms_norm / layer_norm, rotary,
-silu_and_mul / gelu_tanh), the sampler's kernels and copy_blocks (n=2 forks write into a shared
-block) run through Triton — in its interpreter on CPU, compiled on a GPU — and the generated
+silu_and_mul / gelu_tanh; DeepSeek's store_latent, MLA decode and fused MoE; gpt-oss's
+attention with sinks and its experts' clamped SwiGLU), the sampler's kernels and copy_blocks
+(n=2 forks write into a shared block) run through Triton — in its interpreter on CPU, compiled on a GPU — and the generated
 tokens must equal those of the reference path. This proves the dispatch wiring end to end: the
 kernels are not only right on their own, the engine actually calls them with the right inputs.
 """
@@ -29,6 +30,10 @@ WRAPPERS = [
     ("pagedserve.kernels.sampling", "sample_tokens_triton"),
     ("pagedserve.kernels.penalties", "apply_penalties_triton"),
     ("pagedserve.kernels.copy_blocks", "copy_blocks_triton"),
+    ("pagedserve.kernels.store_latent", "store_latent_triton"),
+    ("pagedserve.kernels.mla_decode", "mla_paged_decode_triton"),
+    ("pagedserve.kernels.fused_moe", "fused_moe_triton"),
+    ("pagedserve.kernels.swigluoai_and_mul", "swigluoai_and_mul_triton"),
 ]
 EXPECTED = {
     "llama": {
@@ -52,6 +57,19 @@ EXPECTED = {
     },
 }
 EXPECTED["qwen3"] = EXPECTED["llama"]
+# DeepSeek: latent attention (its store and decode kernels; prefills run torch's attention),
+# copy-on-write of latent caches, a dense first layer, then the fused MoE
+EXPECTED["deepseek_v2"] = EXPECTED["llama"] - {"store_kv_triton", "paged_attention_triton"} | {
+    "store_latent_triton",
+    "mla_paged_decode_triton",
+    "fused_moe_triton",
+}
+
+# gpt-oss: every MLP is its experts (no dense silu_and_mul), their activation the clamped SwiGLU
+EXPECTED["gpt_oss"] = EXPECTED["llama"] - {"silu_and_mul_triton"} | {
+    "fused_moe_triton",
+    "swigluoai_and_mul_triton",
+}
 
 
 def _count_calls(monkeypatch) -> Counter:
@@ -90,7 +108,7 @@ def _generate(path: str, monkeypatch, kernels: str) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "deepseek_v2", "gpt_oss"])
 def test_triton_path_generates_the_reference_tokens(arch, tmp_path, monkeypatch):
     path = str(make_tiny_checkpoint(arch, tmp_path / arch))
     calls = _count_calls(monkeypatch)

@@ -1,6 +1,7 @@
 """fused_moe (the Triton grouped GEMMs, or --impl) and its reference against a literal
 per-token, per-slot loop, over expert counts 4-64, top-k 1-8, skewed routing and experts that
-no token chose; and moe_align's layout itself."""
+no token chose; gpt-oss's experts (biases on both projections, the clamped SwiGLU); and
+moe_align's layout itself."""
 
 import contracts
 import pytest
@@ -14,17 +15,30 @@ from pagedserve.kernels.fused_moe import fused_moe_ref, moe_align
 contract = pytest.mark.contract("fused_moe")
 
 
-def spec(hidden, w13, w2, topk_weights, topk_ids):
-    """The definition, one (token, slot) at a time, in fp32 (the activation rounded to the
-    input dtype, as the kernels hand it from the first projection to the second)."""
+def spec(hidden, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, oai=None):
+    """The definition, one (token, slot) at a time, in fp32 (the first projection's output
+    and the activation rounded to the input dtype, as the kernels store them between
+    launches). ``oai``: (alpha, limit) of gpt-oss's clamped SwiGLU, else silu(gate) * up."""
     inter = w2.shape[2]
     out = torch.zeros(hidden.shape, dtype=torch.float32)
     for t in range(hidden.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             gate_up = w13[e].float() @ hidden[t].float()
-            act = (F.silu(gate_up[:inter]) * gate_up[inter:]).to(hidden.dtype).float()
-            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ act)
+            if w13_bias is not None:
+                gate_up = gate_up + w13_bias[e].float()
+            gate_up = gate_up.to(hidden.dtype).float()  # the first projection's output dtype
+            gate, up = gate_up[:inter], gate_up[inter:]
+            if oai is None:
+                act = F.silu(gate) * up
+            else:
+                alpha, limit = oai
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            down = w2[e].float() @ act.to(hidden.dtype).float()
+            if w2_bias is not None:
+                down = down + w2_bias[e].float()
+            out[t] += float(topk_weights[t, j]) * down
     return out.to(hidden.dtype)
 
 
@@ -92,3 +106,37 @@ def test_moe_align_groups_pairs_by_expert_in_padded_tiles():
     used = [(e, t) for e, t in zip(block_expert.tolist(), tiles, strict=True) if e >= 0]
     assert used == [(0, [3, pad]), (1, [0, 2]), (1, [5, pad]), (3, [1, 4])]
     assert all(t == [pad, pad] for e, t in zip(block_expert.tolist(), tiles, strict=True) if e < 0)
+
+
+def gpt_oss_case(n_experts, top_k, n_tokens, dtype, seed=3):
+    """Biased experts whose first projection's outputs reach past the clamp (limit 2 on
+    outputs of spread ~3): both ends of both clamps are met."""
+    x, w13, w2, weights, ids = case(n_experts, top_k, n_tokens, dtype, True, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (w13.float() * 3).to(dtype)
+    biases = dict(
+        w13_bias=torch.randn(n_experts, w13.shape[1], generator=gen).to(dtype).to(DEVICE),
+        w2_bias=torch.randn(n_experts, w2.shape[1], generator=gen).to(dtype).to(DEVICE),
+    )
+    return (x, w13, w2, weights, ids), biases
+
+
+@contract
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("experts_top_k", GRID[:2], ids=lambda g: f"e{g[0]}k{g[1]}")
+def test_gpt_oss_experts_biases_and_clamped_swiglu(experts_top_k, dtype):
+    args, biases = gpt_oss_case(*experts_top_k, pick(19, 200), dtype)
+    options = dict(activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=2.0, **biases)
+    out = contracts.implementation("fused_moe")(*args, **options)
+    cpu = [a.cpu() for a in args]
+    expect = spec(*cpu, biases["w13_bias"].cpu(), biases["w2_bias"].cpu(), oai=(1.702, 2.0))
+    assert_close(out, expect.to(DEVICE))
+    unclamped = spec(*cpu, biases["w13_bias"].cpu(), biases["w2_bias"].cpu(), oai=(1.702, 1e9))
+    assert not torch.allclose(expect, unclamped, atol=1e-2)  # the clamp bends this case
+
+
+def test_reference_with_biases_and_clamped_swiglu_matches_the_specification():
+    args, biases = gpt_oss_case(8, 2, 23, torch.float32, seed=4)
+    options = dict(activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=2.0, **biases)
+    expect = spec(*args, biases["w13_bias"], biases["w2_bias"], oai=(1.702, 2.0))
+    assert_close(fused_moe_ref(*args, **options), expect)

@@ -1,5 +1,6 @@
-"""store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, gelu_tanh, gelu: the Triton
-kernel (or the implementation given with --impl) against the reference."""
+"""store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, swigluoai_and_mul,
+gelu_tanh, gelu: the Triton kernel (or the implementation given with --impl) against the
+reference."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from pagedserve.kernels.rms_norm import rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv_ref
+from pagedserve.kernels.swigluoai_and_mul import swigluoai_and_mul_ref
 
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 HIDDEN = pick([64, 100], [64, 100, 2048, 4096, 5120])
@@ -117,6 +119,16 @@ def test_rotary_embedding(heads, head_dim, rot_dim, is_neox, dtype):
 def test_silu_and_mul(d, dtype):
     x = randn(2, TOKENS, 2 * d, dtype=dtype) * 3
     assert_close(implementation("silu_and_mul")(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.contract("swigluoai_and_mul")
+@dtypes
+@pytest.mark.parametrize("d", pick([64, 100], [128, 1000, 2880]))
+def test_swigluoai_and_mul(d, dtype):
+    """gpt-oss's clamped SwiGLU, its inputs spread past the clamp (limit 7) on both sides."""
+    x = randn(2, TOKENS, 2 * d, dtype=dtype) * 6
+    out = implementation("swigluoai_and_mul")(x, 1.702, 7.0)
+    assert_close(out, swigluoai_and_mul_ref(x, 1.702, 7.0))
 
 
 @pytest.mark.contract("gelu_tanh")

@@ -1,4 +1,4 @@
-"""gguf_linear (weights in GGUF blocks: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): the
+"""gguf_linear (weights in GGUF blocks: the float types and every block type): the
 Triton kernel (or the implementation given with --impl) against the reference, on rows whose
 quant and scale bits are random (every bit pattern a file can hold)."""
 

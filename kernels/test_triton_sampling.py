@@ -85,3 +85,18 @@ def test_copy_blocks(block_shape, dtype):
     implementation("copy_blocks")(caches[:layers], caches[layers:], pairs)
     copy_blocks.copy_blocks_ref(expect[:layers], expect[layers:], pairs)
     assert all(torch.equal(a, b) for a, b in zip(caches, expect))
+
+
+@pytest.mark.contract("copy_blocks")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_blocks_of_layers_without_values(dtype):
+    """MLA's layers cache one latent tensor each: they come as key caches, no value caches,
+    and every other block stays as it was."""
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(10, 8, 1, 48, generator=gen).to(dtype).to(DEVICE) for _ in range(3)]
+    expect = [c.clone() for c in caches]
+    pairs = torch.tensor([[1, 4], [9, 0], [3, 2]], device=DEVICE)
+    implementation("copy_blocks")(caches, [], pairs)
+    for cache in expect:
+        cache[pairs[:, 1]] = cache[pairs[:, 0]]
+    assert all(torch.equal(a, b) for a, b in zip(caches, expect))

@@ -4,8 +4,10 @@ A workload of decode steps (batch sizes 1 to max_num_seqs, contexts from a few t
 max_model_len), mixed prefill steps and whole prompts goes through the real launch wrappers on
 CPU tensors, taken as a target GPU's (``launch_capture``). Triton's jit cache hook records the
 key of every variant a launch would compile and compiles nothing. Every paged-attention key of
-the workload must be among those ``paged_attention_warmup`` produced; every other kernel must
-need one variant per model, whatever the batch (so the first forward compiles it for good).
+the workload must be among those ``paged_attention_warmup`` produced, and every key of MLA's
+decode (the workload's decode steps over DeepSeek's latent cache) among
+``mla_decode_warmup``'s; every other kernel must need one variant per model, whatever the
+batch (so the first forward compiles it for good).
 
     python kernels/warmup_coverage.py           # exit status 0 when covered
 """
@@ -18,11 +20,19 @@ from itertools import product
 
 import torch
 import triton
-from engine_launches import MODELS, ModelShape, layer_launches, sampler_launches, store_launches
+from engine_launches import (
+    MLA_SHAPE,
+    MODELS,
+    ModelShape,
+    layer_launches,
+    sampler_launches,
+    store_launches,
+)
 from launch_capture import TARGETS, Target, compiling_for, jit_cache_keys
 
+from pagedserve.kernels.mla_decode import mla_paged_decode_triton
 from pagedserve.kernels.paged_attention import paged_attention_triton
-from pagedserve.kernels.warmup import paged_attention_warmup
+from pagedserve.kernels.warmup import mla_decode_warmup, paged_attention_warmup
 
 ATTENTION = {"_paged_attention_kernel", "_merge_kv_splits_kernel", "_fold_kv_splits_kernel"}
 
@@ -68,20 +78,44 @@ def attention_keys(
 ) -> tuple[set, set]:
     """(keys the warm-up made, keys the workload needs). A model with a window serves every
     step through its global layers and through its windowed ones (as Gemma's alternate)."""
-    kinds = [dict(logits_soft_cap=m.logits_soft_cap)]
+    sinks = dict(sinks=torch.zeros(m.n_q_heads)) if m.sinks else {}
+    kinds = [dict(logits_soft_cap=m.logits_soft_cap, **sinks)]
     if m.sliding_window is not None:
-        kinds.append(dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap))
+        kinds.append(
+            dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap, **sinks)
+        )
     with compiling_for(target), jit_cache_keys() as warm:
         paged_attention_warmup(
             m.n_q_heads, m.n_kv_heads, m.head_dim, dtype, block_size, max_model_len, "cpu",
             layer_windows=(None, m.sliding_window), logits_soft_cap=m.logits_soft_cap,
             batch_invariant=batch_invariant,
+            sinks=m.sinks,
         )  # fmt: skip
     with compiling_for(target), jit_cache_keys() as served:
         for seqs in steps:
             for kind in kinds:
                 args = step_args(m, seqs, dtype, block_size)
                 paged_attention_triton(*args, **kind, batch_invariant=batch_invariant)
+    return set(warm), set(served)
+
+
+def mla_keys(dtype, block_size, max_model_len, steps, target) -> tuple[set, set]:
+    """(keys MLA's warm-up made, keys the workload's decode steps need) for DeepSeek's shape;
+    the query as the model builds it (a concatenation: contiguous)."""
+    _, heads, kv_lora_rank, rope_dim = MLA_SHAPE
+    width = kv_lora_rank + rope_dim
+    with compiling_for(target), jit_cache_keys() as warm:
+        mla_decode_warmup(heads, kv_lora_rank, rope_dim, dtype, block_size, max_model_len, "cpu")
+    cache = torch.zeros(2, block_size, 1, width, dtype=dtype)
+    with compiling_for(target), jit_cache_keys() as served:
+        for seqs in steps:
+            if any(q != 1 for _, q in seqs):
+                continue  # prefills take the expanded path: torch's attention
+            query = torch.zeros(len(seqs), heads, width, dtype=dtype)
+            width_blocks = triton.cdiv(max(s for s, _ in seqs), block_size)
+            tables = torch.zeros(len(seqs), width_blocks, dtype=torch.int32)
+            seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
+            mla_paged_decode_triton(query, cache, tables, seq_lens, width**-0.5, kv_lora_rank)
     return set(warm), set(served)
 
 
@@ -114,6 +148,10 @@ def check(target: Target, max_num_seqs: int = 256, max_model_len: int = 8192) ->
                         f"{m.name} {dtype} bs{block_size}{mode}: {len(missing)} of "
                         f"{len(served)} served variants not warmed up, e.g. {sorted(missing)[:1]}"
                     )
+                if m is MODELS[0] and not batch_invariant:  # MLA decode: once per dtype, bs
+                    warm, served = mla_keys(dtype, block_size, max_model_len, steps, target)
+                    if len(served) < 2 or served - warm:  # decode and split decode
+                        problems.append(f"MLA {dtype} bs{block_size}: {served - warm} not warm")
             by_size = other_kernel_keys(m, dtype, target)
             first = by_size[1]
             for n_tokens, keys in by_size.items():

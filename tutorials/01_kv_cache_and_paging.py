@@ -15,7 +15,7 @@ from pagedserve.blockmgr import KVCacheManager
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.kv_cache import bytes_per_block
-from pagedserve.models import ModelConfig
+from pagedserve.models import ModelConfig, kv_cache_spec
 from pagedserve.models.default_model import ensure_default_model
 from pagedserve.models.testing import make_tiny_checkpoint
 
@@ -27,9 +27,7 @@ from pagedserve.models.testing import make_tiny_checkpoint
 # blockmgr do the arithmetic for a block of one token.
 
 config = ModelConfig(model=str(ensure_default_model()))
-per_token = bytes_per_block(
-    config.num_layers, 1, config.num_kv_heads, config.head_dim, config.torch_dtype
-)
+per_token = bytes_per_block(kv_cache_spec(config), 1, config.torch_dtype)
 print("== 1. The size of the KV cache ==")
 print(
     f"SmolLM2-135M: {config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "

@@ -107,6 +107,8 @@ while True:
     )
     engine.step()
     sampled = seen["sampled"]
+    if isinstance(sampled, int):  # a step with no proposals samples one token, an int
+        sampled = [sampled]
     print(f"  a step proposed {show(seen['plan'][2])}, emitted {show(sampled)}")
     rejected = len(sampled) <= len(seen["plan"][2])  # fewer than all proposals + 1
     spilled = seen["after"][1] < seen["blocks during"][0]  # a block only rejected tokens used

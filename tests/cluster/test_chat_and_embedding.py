@@ -82,7 +82,7 @@ def test_one_endpoint_answers_chat_and_embeddings(tiny_checkpoint, tiny_pooling_
         )
         assert chat.status_code == 200 and chat.json()["model"] == "chat"
         embedding = client.post("/v1/embeddings", json={"model": "embed", "input": ["a", "b"]})
-        assert embedding.status_code == 200 and embedding.json()["model"] == "embed"
+        assert embedding.status_code == 200 and embedding.json()["model"] == "embed", embedding.text
         assert len(embedding.json()["data"]) == 2
         crossed = client.post("/v1/embeddings", json={"model": "chat", "input": "a"})
         assert crossed.status_code == 400 and crossed.json()["error"]["param"] == "model"

@@ -87,7 +87,11 @@ def differences(
     return found
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+# multi-head latent attention is refused by the mode (tests/engine/test_batch_invariant_config.py)
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
+
+
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a not in MLA_ARCHS])
 def test_tiny_models_give_the_same_bits_in_any_batch(tiny_checkpoint, arch):
     assert differences(tiny_checkpoint(arch), True, vocab=512) == []
 

@@ -40,6 +40,14 @@ def test_what_it_cannot_keep_invariant_is_refused(tiny_checkpoint, options, fiel
         args.create_configs()
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_multi_head_latent_attention_is_refused(tiny_checkpoint, arch):
+    args = EngineArgs(model=tiny_checkpoint(arch), batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant: kv_lora_rank: "):
+        args.create_configs()
+    assert not EngineArgs(model=tiny_checkpoint(arch)).create_configs()[0].batch_invariant
+
+
 def test_the_reference_kernels_are_refused(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "ref")
     args = EngineArgs(model=tiny_checkpoint("llama"), batch_invariant=True)

@@ -17,7 +17,22 @@ from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.cpu_runner import MAX_FUSED_ROWS, CPUModelRunner
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.kernels.cpu import decoder_layer, dense_linear
+from pagedserve.models.gguf_testing import write_gguf
 from pagedserve.models.testing import make_tiny_checkpoint
+
+
+def _gguf_mixture(name: str) -> str:
+    """A GGUF of mixed block types: fused qkv of three types (one of them F32) and of two,
+    gate_up of two and of one (stacked), every layer's projections in blocks."""
+    layer0 = name.startswith("blk.0.")
+    kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+    return {
+        "attn_q": "Q4_K", "attn_k": "Q4_K" if layer0 else "Q5_K",
+        "attn_v": "Q6_K" if layer0 else "F32", "attn_output": "Q4_0",
+        "ffn_gate": "Q5_0", "ffn_up": "Q8_0" if layer0 else "Q5_0",
+        "ffn_down": "Q6_K" if layer0 else "IQ4_XS", "token_embd": "Q8_0", "output": "Q6_K",
+    }[kind]  # fmt: skip
+
 
 WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
 LONG = dict(max_position_embeddings=1024)
@@ -32,6 +47,8 @@ CASES = {
     # 16-bit caches: the store rounds as torch does, the attention widens what it reads
     "llama, fp16 cache": ("llama", {}, [17, 3, 9], "float16"),
     "qwen2, bf16 cache": ("qwen2", {}, [17, 3], "bfloat16"),
+    # a GGUF file's layers read their blocks: every GEMM shared over the threads
+    "llama gguf, mixed block types": ("llama", WIDE, [17, 3, 9], "auto", _gguf_mixture),
 }
 
 
@@ -42,9 +59,16 @@ def _numba_path(monkeypatch):
 
 
 def _decoding_engine(
-    tmp_path, arch: str, overrides: dict, prompt_lens: list[int], kv_cache_dtype: str = "auto"
+    tmp_path,
+    arch: str,
+    overrides: dict,
+    prompt_lens: list[int],
+    kv_cache_dtype: str = "auto",
+    gguf_recipe=None,
 ):
     path = make_tiny_checkpoint(arch, tmp_path / arch, **overrides)
+    if gguf_recipe is not None:
+        path = write_gguf(path, tmp_path / f"{arch}.gguf", gguf_recipe)
     llm = LLM(
         model=str(path), block_size=8, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype
     )
@@ -98,8 +122,8 @@ def _assert_same_forward(engine, model_input, monkeypatch) -> int:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_layer_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, case):
-    arch, overrides, prompt_lens, *kv_cache_dtype = CASES[case]
-    engine = _decoding_engine(tmp_path, arch, overrides, prompt_lens, *kv_cache_dtype)
+    arch, overrides, prompt_lens, *extra = CASES[case]
+    engine = _decoding_engine(tmp_path, arch, overrides, prompt_lens, *extra)
     n_layers = len(engine.runner.model.model.layers)
     decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())
     assert decode.input_ids.shape[0] == len(prompt_lens)

@@ -8,19 +8,31 @@ import pytest
 import torch
 
 from pagedserve.engine.kv_cache import (
+    allocate_kv_caches,
     bytes_per_block,
     gpu_kv_cache_budget,
     log_cache_size,
     num_blocks_for_memory,
 )
+from pagedserve.models import KVCacheSpec, ModelConfig, kv_cache_spec
 
 GIB = 1 << 30
 
 
 def test_bytes_per_block_counts_keys_and_values_of_every_layer():
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32, 16-token blocks.
-    assert bytes_per_block(30, 16, 3, 64, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
-    assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+    smollm2 = KVCacheSpec(num_layers=30, num_kv_heads=3, head_size=64, tensors_per_layer=2)
+    assert bytes_per_block(smollm2, 16, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
+    assert bytes_per_block(smollm2, 16, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+
+
+def test_a_latent_cache_is_one_tensor_of_the_latent_per_layer():
+    # DeepSeek-V3: 61 layers, each token caches kv_lora_rank 512 + rope 64 values, once
+    v3 = KVCacheSpec(num_layers=61, num_kv_heads=1, head_size=576, tensors_per_layer=1)
+    assert bytes_per_block(v3, 16, torch.bfloat16) == 61 * 16 * 576 * 2
+    caches = allocate_kv_caches(v3, num_blocks=3, block_size=16, dtype=torch.bfloat16, device="cpu")
+    assert len(caches) == 61 and all(len(layer) == 1 for layer in caches)
+    assert caches[0][0].shape == (3, 16, 1, 576)
 
 
 def test_num_blocks_for_memory_floors_and_refuses_zero():
@@ -81,3 +93,10 @@ def test_the_gpu_profile_step_is_the_schedulers_token_budget(tiny_checkpoint):
     assert cache.profile_num_tokens == scheduler.max_num_batched_tokens == 384
     _, cache, scheduler = EngineArgs(model=path).create_configs()
     assert cache.profile_num_tokens == scheduler.max_num_batched_tokens
+
+
+def test_a_models_spec_holds_its_ranks_share_of_the_kv_heads(tiny_checkpoint):
+    config = ModelConfig(model=tiny_checkpoint("llama"))  # 2 layers, 2 KV heads of 16
+    assert kv_cache_spec(config) == KVCacheSpec(2, 2, 16, tensors_per_layer=2)
+    assert kv_cache_spec(config, tp_size=2) == KVCacheSpec(2, 1, 16, tensors_per_layer=2)
+    assert not kv_cache_spec(config).is_latent

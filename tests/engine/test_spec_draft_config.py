@@ -13,6 +13,7 @@ from pagedserve.engine.spec_decode import SpeculativeConfig, SpeculativeConfigEr
 from pagedserve.engine.spec_decode.draft_model import draw_draft_tokens
 from pagedserve.kernels.rejection_sample import rejection_sample
 from pagedserve.kernels.sampling import sampling_probs
+from pagedserve.models import KVCacheSpec
 from pagedserve.scheduler import Request
 
 
@@ -62,8 +63,8 @@ def test_the_kv_budget_is_split_between_target_and_draft(tiny_checkpoint):
     args = dict(model=target, block_size=8, kv_cache_memory=budget)
     alone = LLMEngine(EngineArgs(**args))
     both = LLMEngine(EngineArgs(**args, speculative_config={"model": draft}))
-    target_bytes = bytes_per_block(2, 8, 2, 16, torch.float32)
-    draft_bytes = bytes_per_block(2, 8, 4, 16, torch.float32)
+    target_bytes = bytes_per_block(KVCacheSpec(2, 2, 16, 2), 8, torch.float32)
+    draft_bytes = bytes_per_block(KVCacheSpec(2, 4, 16, 2), 8, torch.float32)
     assert alone.runner.num_blocks == budget // target_bytes
     assert both.runner.num_blocks == budget // (target_bytes + draft_bytes)
     k_cache = both.speculator.draft.kv_caches[0][0]

@@ -12,6 +12,7 @@ from test_tensor_parallel import one_thread, tp_llm  # noqa: F401  (a fixture)
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.kv_cache import bytes_per_block
+from pagedserve.models import KVCacheSpec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -37,8 +38,9 @@ def test_speculation_over_two_ranks_gives_the_single_process_tokens(
             assert stats.spec_decode_num_accepted_tokens > 0
             if spec_config is draft:  # the target as its own draft: all accepted
                 assert stats.spec_decode_acceptance_rate > 0.95
-                shard = bytes_per_block(2, 8, 1, 16, torch.float32)  # 2 KV heads over 2 ranks
-                whole = bytes_per_block(2, 8, 2, 16, torch.float32)
+                # 2 KV heads over 2 ranks; the draft (not sharded) holds both
+                shard = bytes_per_block(KVCacheSpec(2, 1, 16, 2), 8, torch.float32)
+                whole = bytes_per_block(KVCacheSpec(2, 2, 16, 2), 8, torch.float32)
                 assert llm.engine.runner.num_blocks == budget // (shard + whole)
             kv = llm.engine.kv_cache_manager
             assert kv.num_free_blocks == kv.num_blocks

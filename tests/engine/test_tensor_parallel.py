@@ -3,8 +3,9 @@
 - The sharded layers, loaded rank by rank from a safetensors file through lazy slices, combine
   (concatenate column shards, sum row shards) to the unsharded layer's output.
 - ``LLM(..., tensor_parallel_size=2)`` gives the single-process greedy tokens on the tiny
-  models, including KV-head replication, a vocabulary that does not divide, chunked prefill
-  and prefix caching; with 3 ranks it does on SmolLM2 (9 heads, 3 KV heads).
+  models (MoE and DeepSeek's latent attention among them), including KV-head replication, a
+  vocabulary that does not divide, chunked prefill and prefix caching; with 3 ranks it does on
+  SmolLM2 (9 heads, 3 KV heads).
 - A worker that dies or stops answering fails the engine with a clear error, never a hang; an
   idle engine keeps its workers alive past the collective timeout.
 """
@@ -181,6 +182,12 @@ TINY_CASES = {
     "qwen3": ("qwen3", {}),  # per-head q/k norm, head_dim != hidden / heads
     "gpt2": ("gpt2", {}),  # fused c_attn, Conv1D weights, row-parallel biases
     "mixtral": ("mixtral", {}),  # every expert's intermediate features split over the ranks
+    "qwen2_moe": ("qwen2_moe", {}),  # the gated shared expert's partial sums join the experts'
+    # MLA: heads split, the latent cache whole on each rank; shared experts; V2's and V3's routers
+    "deepseek_v2": ("deepseek_v2", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    # sinks split with their heads; the experts' gate/up bias split, the down bias on rank 0
+    "gpt_oss": ("gpt_oss", {}),
     # one KV head replicated on both ranks; 509 tokens: the second rank's slice is padded
     "llama-1kv-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),
 }
@@ -199,8 +206,13 @@ def test_two_ranks_equal_one_process_on_tiny_models(tiny_checkpoint, one_thread,
     with tp_llm(path, 2, **engine_args) as llm:
         assert _greedy(llm, prompts) == expected
         workers = list(llm.engine.runner.workers.procs.values())
-        heads = llm.engine.runner.driver.kv_caches[0][0].shape[2]
-        assert heads == max(1, llm.engine.model_config.num_kv_heads // 2)
+        driver = llm.engine.runner.driver
+        heads = driver.kv_caches[0][0].shape[2]
+        if arch.startswith("deepseek"):  # one latent a layer, no values; half the heads a rank
+            assert heads == 1 and len(driver.kv_caches[0]) == 1
+            assert driver.model.model.layers[0].self_attn.num_heads == 2
+        else:
+            assert heads == max(1, llm.engine.model_config.num_kv_heads // 2)
     assert [p.returncode for p in workers] == [0]  # a clean stop, not a kill
 
 

@@ -54,7 +54,27 @@ def test_moe_token_is_the_same_bits_among_others():
     whole = fused_moe(x, w13, w2, weights, ids, batch_invariant=True)
     torch.testing.assert_close(whole, fused_moe_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=0)
     for t in (0, 20, 40):
-        alone = fused_moe(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], True)
+        alone = fused_moe(
+            x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], batch_invariant=True
+        )
+        assert torch.equal(alone, whole[t : t + 1]), t
+
+
+def test_gpt_oss_moe_token_is_the_same_bits_among_others():
+    """gpt-oss's experts: biases after both projections and the clamped SwiGLU."""
+    n_experts, top_k = 8, 4
+    x = _randn(41, 64, seed=13)
+    w13 = _randn(n_experts, 128, 64, seed=14, scale=0.2)
+    w2 = _randn(n_experts, 64, 64, seed=15, scale=0.2)
+    b13, b2 = _randn(n_experts, 128, seed=16), _randn(n_experts, 64, seed=17)
+    weights, ids = _randn(41, n_experts, seed=18).softmax(-1).topk(top_k, dim=-1)
+    gpt_oss = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai", swiglu_limit=7.0)
+    whole = fused_moe(x, w13, w2, weights, ids, **gpt_oss, batch_invariant=True)
+    expected = fused_moe_ref(x, w13, w2, weights, ids, **gpt_oss)
+    torch.testing.assert_close(whole, expected, atol=1e-4, rtol=1e-5)
+    for t in (0, 20, 40):
+        one = (x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1])
+        alone = fused_moe(*one, **gpt_oss, batch_invariant=True)
         assert torch.equal(alone, whole[t : t + 1]), t
 
 

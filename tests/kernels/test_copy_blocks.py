@@ -68,3 +68,16 @@ def test_triton_matches_ref(triton_copy_blocks, dtype):
     copy_blocks_module.copy_blocks_ref(expect_k, expect_v, PAIRS)
     copy_triton(k, v, PAIRS.to(torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(k + v, expect_k + expect_v))
+
+
+def test_layers_without_value_caches_copy_their_one_tensor():
+    """MLA's latent cache: one tensor per layer, passed as the key caches with no values."""
+    k, _ = _caches(n_layers=2, shape=(4, 1, 24))
+    expect = [c.clone() for c in k]
+    for src, dst in PAIRS.tolist():
+        for cache in expect:
+            cache[dst] = cache[src]
+    copy_blocks_module.copy_blocks(k, [], PAIRS)
+    assert all(torch.equal(a, b) for a, b in zip(k, expect))
+    with pytest.raises(ValueError, match="2 key caches but 1 value caches"):
+        copy_blocks_module.copy_blocks_ref(k, k[:1], PAIRS)

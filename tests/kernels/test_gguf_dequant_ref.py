@@ -27,14 +27,14 @@ def test_random_blocks_decode_as_gguf_decodes_them(name):
     assert np.array_equal(ours.numpy(), expected)
 
 
-@pytest.mark.parametrize("name", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_blocks_gguf_quantized_decode_close_to_the_values(name):
     values = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
     raw = quants.quantize(values, GGMLQuantizationType[name])
     ours = gguf_dequantize_ref(torch.from_numpy(raw.view(np.uint8)), GGUF_TYPE_IDS[name])
     assert np.array_equal(ours.numpy(), quants.dequantize(raw, GGMLQuantizationType[name]))
     # 4-bit rounding moves a weight by up to half a step of (max - min) / 15 of its block
-    assert np.abs(ours.numpy() - values).max() < (0.5 if name.startswith("Q4") else 0.05)
+    assert np.abs(ours.numpy() - values).max() < (0.5 if name[:2] in ("Q4", "Q5") else 0.05)
 
 
 def test_the_reference_linear_is_x_times_the_decoded_weight():
@@ -49,4 +49,4 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
     with pytest.raises(ValueError, match="multiple of 256"):
         row_bytes(GGUF_TYPE_IDS["Q6_K"], 576)
     with pytest.raises(ValueError, match="not supported"):
-        gguf_dequantize_ref(torch.zeros(1, 34, dtype=torch.uint8), 6)  # Q5_0
+        gguf_dequantize_ref(torch.zeros(1, 66, dtype=torch.uint8), 16)  # IQ2_XXS

@@ -47,6 +47,17 @@ def k_quant_mixture(name: str) -> str:
     }[name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]]  # fmt: skip
 
 
+def the_other_block_types(name: str) -> str:
+    """The types llama.cpp's Q2_K..Q5_K_M and IQ4 files add: Q5_0 / Q5_1 (its fallback for
+    rows that are not whole 256-weight blocks), Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS."""
+    layer0 = name.startswith("blk.0.")
+    return {
+        "attn_q": "Q5_K", "attn_k": "Q3_K", "attn_v": "Q5_0", "attn_output": "Q2_K",
+        "ffn_gate": "Q5_1" if layer0 else "IQ4_XS", "ffn_up": "IQ4_NL", "ffn_down": "Q5_K",
+        "token_embd": "Q5_0", "output": "Q3_K",
+    }[name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]]  # fmt: skip
+
+
 def float_types_and_q8_0(name: str) -> str:
     """The float types a GGUF can hold, around Q8_0 (qkv fuses F16, BF16 and F32 parts)."""
     kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
@@ -61,6 +72,11 @@ CASES = {  # id: (tiny arch, config overrides, recipe)
         "llama",
         {"hidden_size": 256, "intermediate_size": 512},
         k_quant_mixture,
+    ),
+    "llama-other-block-types": (
+        "llama",
+        {"hidden_size": 256, "intermediate_size": 512},
+        the_other_block_types,
     ),
     "qwen2-float-types-q8_0": ("qwen2", {}, float_types_and_q8_0),
 }
@@ -109,6 +125,22 @@ def test_served_gguf_computes_transformers_dequantized_model(served, case):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     assert out.outputs[0].token_ids == transformers_greedy(hf, PROMPT, 8)
+
+
+def test_multiplying_from_the_blocks_gives_the_reference_paths_tokens(gguf_file, monkeypatch):
+    """On a CPU each GGUF layer multiplies from its blocks (numba: a decoded weight row per
+    output feature for decode rows, decoded tiles and MKL for a prefill); the reference path
+    (``PAGEDSERVE_KERNELS=ref``) dequantizes every layer whole on each call. Three prompts
+    decoded together, every block type: the same greedy tokens."""
+    _, path = gguf_file("llama-other-block-types")
+    prompts = [{"prompt_token_ids": PROMPT[i:]} for i in (0, 7, 21)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for kernels in ("", "ref"):
+        monkeypatch.setenv("PAGEDSERVE_KERNELS", kernels)
+        outs = LLM(model=path, block_size=8).generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[0] == tokens[1]
 
 
 def test_weights_stay_in_their_blocks(served):
@@ -184,9 +216,9 @@ def test_bad_gguf_files_are_refused_at_load_naming_the_file(gguf_file, tiny_chec
     with pytest.raises(ModelLoadError, match="truncated") as e:
         ModelConfig(model=cut)
     assert cut in str(e.value)
-    q5 = write_gguf(tiny_checkpoint("llama"), tmp_path / "q5.gguf", lambda name: "Q5_0")
-    with pytest.raises(ModelLoadError, match="type Q5_0, which pagedserve does not serve"):
-        ModelConfig(model=str(q5))
+    mxfp4 = write_gguf(tiny_checkpoint("llama"), tmp_path / "mxfp4.gguf", lambda name: "MXFP4")
+    with pytest.raises(ModelLoadError, match="type MXFP4, which pagedserve does not serve"):
+        ModelConfig(model=str(mxfp4))
     writer = gguf.GGUFWriter(str(tmp_path / "phi2.gguf"), "phi2")
     writer.add_tensor("token_embd.weight", torch.zeros(8, 32).numpy())
     for step in (

@@ -56,7 +56,9 @@ def test_not_a_model_folder(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["T5ForConditionalGeneration"]})
+    )
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         ModelConfig(model=str(tmp_path))
 

@@ -36,6 +36,7 @@ def check_batch_invariant(config: ModelConfig) -> None:
     refusals = {
         "runner": config.runner_type == "pooling",
         "quantization": config.quantization is not None or config.gguf_file is not None,
+        "kv_lora_rank": bool(config.hf_config.get("kv_lora_rank")),
         "dtype": device.type == "cpu" and path == "numba" and config.torch_dtype != torch.float32,
         "PAGEDSERVE_KERNELS": path == "ref",
     }
@@ -43,6 +44,9 @@ def check_batch_invariant(config: ModelConfig) -> None:
         "runner": "a pooling model is not covered yet; serve it without --batch-invariant",
         "quantization": "the quantized and GGUF GEMMs pick their tiles by the batch; serve an "
         "unquantized checkpoint",
+        "kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3: its absorbed decode splits "
+        "the KV axis by the batch, its prefill is torch's attention) is not covered yet; serve "
+        "the model without --batch-invariant",
         "dtype": "on a CPU the batch-invariant GEMM is the fp32 numba kernel; use --dtype "
         "float32 (the CPU's default)",
         "PAGEDSERVE_KERNELS": "the reference kernels batch their matmuls (and numba is needed on "

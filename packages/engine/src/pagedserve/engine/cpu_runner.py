@@ -10,8 +10,8 @@ so a step may switch paths (16 rows fused, 17 not) without changing a token. Eve
 layer, and every other step, runs the model's own modules.
 
 What it can stand in for is decided once, here, at load (the model is final by then: loaded,
-quantized and LoRA-wrapped): a layer whose linear layers hold one fp32 weight each (no
-quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
+quantized and LoRA-wrapped): a layer whose linear layers hold one fp32 weight each, or a GGUF
+file's rows of blocks each (no other quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
 the qkv projection only (Qwen2) and no score soft cap. The fused kernel reads numpy views of
 the layer's own tensors, so a weight changed in place is seen; a parameter replaced by
 another object is not (nothing in pagedserve does that after load).
@@ -30,7 +30,8 @@ from torch import nn
 from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
-from pagedserve.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pagedserve.models.quantization_gguf import GGUFLinearMethod
 
 MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
 
@@ -41,6 +42,12 @@ class CPUModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fused_layers = fused_layer_weights(self.model)
+        if self.fused_layers and kernel_path(torch.empty(0), True) == "numba":
+            reads_blocks = [w is not None and w.reads_blocks for w in self.fused_layers]
+            if any(reads_blocks):  # the base runner compiled the fp32 layer only
+                from pagedserve.kernels.cpu.decoder_layer import warm_up
+
+                warm_up((self.kv_cache_dtype,), gguf=True)
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         hidden_states = self._forward_fused(model_input) if self.fused_layers else None
@@ -101,17 +108,16 @@ def _layer_weights(layer: nn.Module):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     if (
-        type(mlp) is not LlamaMLP
+        type(attn) is not LlamaAttention
+        or type(mlp) is not LlamaMLP
         or attn.q_norm is not None
         or attn.attn.logits_soft_cap is not None
     ):
         return None
-    linears = (
-        _dense_weight(attn.qkv_proj, bias_allowed=True),
-        _dense_weight(attn.o_proj),
-        _dense_weight(mlp.gate_up_proj),
-        _dense_weight(mlp.down_proj),
-    )
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = tuple(_dense_weight(p, bias_allowed=p is attn.qkv_proj) for p in projections)
+    if any(w is None for w in linears):  # a GGUF file's layer: all four in their blocks
+        linears = tuple(_gguf_weight(p, bias_allowed=p is attn.qkv_proj) for p in projections)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     cos_sin = attn.rotary_emb.cos_sin_cache
     tensors = (*(n.weight for n in norms), cos_sin, attn.qkv_proj.bias)
@@ -129,6 +135,18 @@ def _layer_weights(layer: nn.Module):
         (cos_sin, attn.rotary_emb.is_neox),
         (attn.attn.scale, attn.attn.sliding_window, None),
     )
+
+
+def _gguf_weight(linear: nn.Module, bias_allowed: bool = False) -> list | None:
+    """The layer's GGUF parts, ``[(uint8 rows, type id), ...]``, when it is a single-rank GGUF
+    linear layer (quantization_gguf.py), else None."""
+    if type(linear.linear_method) is not GGUFLinearMethod or linear.tp_size != 1:
+        return None
+    if linear.bias is not None and not bias_allowed:
+        return None
+    if linear.weight_parts is None:
+        return [(linear.weight, linear.weight_type)]
+    return list(zip(linear.weight_parts, linear.weight_part_types, strict=True))
 
 
 def _dense_weight(linear: nn.Module, bias_allowed: bool = False) -> torch.Tensor | None:

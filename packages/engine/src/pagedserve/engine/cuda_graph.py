@@ -112,6 +112,7 @@ class DecodeInputBuffers:
         )
         # query_start_loc of a decode batch is 0, 1, ..., n whatever the tokens: written once
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.query_start_loc_cpu = torch.arange(rows + 1, dtype=torch.int32)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._pad_rows(0, rows)  # capture runs on these: padding rows only
         if self.device_buffers is not self.host:
@@ -160,6 +161,7 @@ class DecodeInputBuffers:
             block_tables=d["block_tables"][:bucket],
             seq_lens=d["seq_lens"][:bucket],
             query_start_loc=self.query_start_loc[: bucket + 1],
+            query_start_loc_cpu=self.query_start_loc_cpu[: bucket + 1],
         )
         return d["input_ids"][:bucket], d["positions"][:bucket], meta
 

@@ -261,6 +261,8 @@ def attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMeta
         block_tables=to_device(batch.block_tables, device),
         seq_lens=to_device(batch.seq_lens, device),
         query_start_loc=to_device(batch.query_start_loc, device),
+        query_start_loc_cpu=torch.from_numpy(batch.query_start_loc),
+        seq_lens_cpu=torch.from_numpy(batch.seq_lens),
     )
 
 

@@ -1,5 +1,7 @@
-"""The KV cache tensors, how many blocks fit in a memory budget, and the block manager that
-keeps their bookkeeping."""
+"""The KV cache tensors, how many blocks fit in a memory budget, the attention variants
+compiled for them, and the block manager that keeps their bookkeeping. A model's
+``KVCacheSpec`` (pagedserve.models.kv_cache_spec) says what each layer caches: keys and values,
+or multi-head latent attention's one latent."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import logging
 import torch
 
 from pagedserve.blockmgr import KVCacheManager, NoKVCacheManager
+from pagedserve.kernels import copy_blocks, mla_decode_warmup, paged_attention_warmup
+from pagedserve.models import KVCacheSpec, ModelConfig
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -24,12 +28,9 @@ def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
     return model_dtype if cache_dtype == "auto" else _CACHE_DTYPES[cache_dtype]
 
 
-def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes one block takes across all layers, keys and values together."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers: keys and values together, or the latent."""
+    return block_size * spec.bytes_per_token(dtype)
 
 
 def num_blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:
@@ -68,27 +69,59 @@ def gpu_kv_cache_budget(
 
 
 def allocate_kv_caches(
-    num_layers: int,
+    spec: KVCacheSpec,
     num_blocks: int,
     block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (k_cache, v_cache) pair per layer, each ``[num_blocks, block_size, Hkv, D]``.
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, a ``(k_cache, v_cache)`` pair each ``[num_blocks, block_size, Hkv, D]``, or
+    for multi-head latent attention the one ``(latent_cache,)`` ``[num_blocks, block_size, 1,
+    kv_lora_rank + rope_dim]`` (``spec.tensors_per_layer``).
 
-    The caches start as zeros: attention never reads a slot before ``store_kv`` wrote it, and
-    the tests that want to prove that fill unused slots with NaN themselves.
+    The caches start as zeros: attention never reads a slot before the layer stored into it,
+    and the tests that want to prove that fill unused slots with NaN themselves.
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = spec.block_shape(num_blocks, block_size)
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
+        tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.tensors_per_layer))
+        for _ in range(spec.num_layers)
     ]
+
+
+def copy_cache_blocks(kv_caches: list[tuple[torch.Tensor, ...]], src_to_dst: torch.Tensor) -> None:
+    """Copy-on-write's block copies in every layer's cache tensors (keys and values, or the
+    latent alone)."""
+    values = [layer[1] for layer in kv_caches if len(layer) > 1]
+    copy_blocks([layer[0] for layer in kv_caches], values, src_to_dst)
+
+
+def warm_up_attention(
+    config: ModelConfig,
+    spec: KVCacheSpec,
+    num_heads: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """On a GPU, compile every attention variant serving can launch over this cache now, not
+    mid-request: paged attention's, or MLA's decode over a latent cache. ``num_heads``: the
+    query heads of one rank."""
+    if device.type != "cuda":
+        return
+    if spec.is_latent:
+        kv_lora_rank = int(config.hf_config["kv_lora_rank"])
+        mla_decode_warmup(
+            num_heads, kv_lora_rank, spec.head_size - kv_lora_rank, config.torch_dtype,
+            block_size, config.max_model_len, device, cache_dtype=cache_dtype,
+        )  # fmt: skip
+        return
+    paged_attention_warmup(
+        num_heads, spec.num_kv_heads, spec.head_size, config.torch_dtype, block_size,
+        config.max_model_len, device, layer_windows=config.sliding_windows,
+        logits_soft_cap=config.attention_logits_soft_cap, cache_dtype=cache_dtype,
+        sinks=config.has_attention_sinks, batch_invariant=config.batch_invariant,
+    )  # fmt: skip
 
 
 def log_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> None:

@@ -39,20 +39,26 @@ from pagedserve.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
     bytes_per_block,
+    copy_cache_blocks,
     gpu_kv_cache_budget,
     kv_cache_torch_dtype,
     log_cache_size,
     num_blocks_for_memory,
+    warm_up_attention,
 )
 from pagedserve.engine.lora import LoRAConfig, LoRAManager
 from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.engine.sample_step import LogitsLayout, sample_step
 from pagedserve.engine.sampler import Sampler
-from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.dispatch import use_triton
-from pagedserve.models import AttentionMetadata, ModelConfig, ParallelContext, load_model
-from pagedserve.models.layers.attention import EncoderAttentionMetadata
-from pagedserve.models.parallel import kv_heads_per_rank
+from pagedserve.models import (
+    AttentionMetadata,
+    EncoderAttentionMetadata,
+    ModelConfig,
+    ParallelContext,
+    kv_cache_spec,
+    load_model,
+)
 from pagedserve.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -81,8 +87,9 @@ class ModelRunner:
     """Owns the model and the KV cache tensors; runs one forward per step.
 
     Under tensor parallelism there is one runner per rank, built with that rank's
-    ``ParallelContext``: it holds the rank's shard of the weights and of the KV heads, and every
-    rank agrees on the smallest block count any of them can hold.
+    ``ParallelContext``: it holds the rank's shard of the weights and of the KV heads (or the
+    whole latent, for multi-head latent attention: ``kv_cache_spec``), and every rank agrees on
+    the smallest block count any of them can hold.
 
     With a ``graph_config`` whose padding is on for this device, the cache holds one block more
     than ``num_blocks`` (the one the KVCacheManager hands out): block ``num_blocks`` is the
@@ -114,6 +121,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_torch_dtype(
             cache_config.cache_dtype, model_config.torch_dtype
         )
+        self.kv_cache_spec = kv_cache_spec(model_config, self.par.tp_size)
         self.model = self._load_model()
         self.lora_manager = (  # its slots are allocated before the KV cache is sized
             LoRAManager(self.model, model_config, lora_config) if lora_config else None
@@ -127,20 +135,14 @@ class ModelRunner:
             from pagedserve.kernels.cpu.warmup import warm_up
 
             warm_up((self.kv_cache_dtype,))
-        if self.device.type == "cuda" and self.num_blocks:  # every attention variant now
-            mc, heads = model_config, model_config.num_attention_heads // self.par.tp_size
-            paged_attention_warmup(
-                heads,
-                self._kv_heads_per_rank(),
-                mc.head_dim,
-                mc.torch_dtype,
+        if self.num_blocks:  # on a GPU: every attention variant compiled now, not mid-serving
+            warm_up_attention(
+                model_config,
+                self.kv_cache_spec,
+                model_config.num_attention_heads // self.par.tp_size,
                 cache_config.block_size,
-                mc.max_model_len,
+                self.kv_cache_dtype,
                 self.device,
-                layer_windows=mc.sliding_windows,
-                logits_soft_cap=mc.attention_logits_soft_cap,
-                cache_dtype=self.kv_cache_dtype,
-                batch_invariant=mc.batch_invariant,
             )
         self.drafter = drafter
         self.input_batch = InputBatch()
@@ -168,34 +170,22 @@ class ModelRunner:
     def _load_model(self):
         return load_model(self.model_config, self.par)
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        mc = self.model_config
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         return allocate_kv_caches(
-            mc.num_layers,
+            self.kv_cache_spec,
             num_blocks,
             self.cache_config.block_size,
-            self._kv_heads_per_rank(),
-            mc.head_dim,
             self.kv_cache_dtype,
             self.device,
         )
 
-    def _kv_heads_per_rank(self) -> int:
-        return kv_heads_per_rank(self.model_config.num_kv_heads, self.par.tp_size)
-
     def _num_blocks(self) -> int:
         """KV cache blocks: ``num_blocks`` if given, else ``kv_cache_memory`` bytes, else on a GPU
         what a profiling step leaves of ``gpu_memory_utilization``, else (CPU) 1 GiB."""
-        cc, mc = self.cache_config, self.model_config
+        cc = self.cache_config
         if cc.num_blocks is not None:
             return cc.num_blocks
-        block_bytes = bytes_per_block(
-            mc.num_layers,
-            cc.block_size,
-            self._kv_heads_per_rank(),
-            mc.head_dim,
-            self.kv_cache_dtype,
-        )
+        block_bytes = bytes_per_block(self.kv_cache_spec, cc.block_size, self.kv_cache_dtype)
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -226,13 +216,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         caches = allocate_kv_caches(
-            mc.num_layers,
-            num_blocks,
-            cc.block_size,
-            self._kv_heads_per_rank(),
-            mc.head_dim,
-            self.kv_cache_dtype,
-            dev,
+            self.kv_cache_spec, num_blocks, cc.block_size, self.kv_cache_dtype, dev
         )
         meta = attention_metadata(batch, dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
@@ -379,7 +363,7 @@ class ModelRunner:
         """
         if blocks_to_copy:
             pairs = torch.tensor(blocks_to_copy, dtype=torch.long, device=self.device)
-            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+            copy_cache_blocks(self.kv_caches, pairs)
         bucket = model_input.padded_batch_size
         if self.lora_manager is not None:
             self.lora_manager.set_batch(model_input.lora_token_slot)

@@ -202,7 +202,7 @@ class OutputProcessor:
             group.metrics.first_token_time = group.metrics.last_token_time = now
             tokens.num_prompt_tokens += len(group.prompt_token_ids)
             touched[group] = None
-        return self._outputs(touched, now)
+        return [self._output(group, now) for group in touched if group.has_new_output]
 
     def _record_prompt_logprobs(self, output: ModelRunnerOutput) -> None:
         """Each request's prompt logprobs of this step (a request that asked is one sequence

@@ -13,6 +13,7 @@ from pagedserve.kernels.gelu import gelu, gelu_ref
 from pagedserve.kernels.gelu_tanh import gelu_tanh, gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm, layer_norm_ref
 from pagedserve.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from pagedserve.kernels.mla_decode import mla_paged_decode, mla_paged_decode_ref
 from pagedserve.kernels.paged_attention import paged_attention, paged_attention_ref
 from pagedserve.kernels.penalties import apply_penalties, apply_penalties_ref
 from pagedserve.kernels.rms_norm import rms_norm, rms_norm_ref
@@ -20,8 +21,10 @@ from pagedserve.kernels.rotary_embedding import rotary_embedding, rotary_embeddi
 from pagedserve.kernels.sampling import sample_tokens, sample_tokens_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from pagedserve.kernels.store_kv import store_kv, store_kv_ref
+from pagedserve.kernels.store_latent import store_latent, store_latent_ref
+from pagedserve.kernels.swigluoai_and_mul import swigluoai_and_mul, swigluoai_and_mul_ref
 from pagedserve.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
-from pagedserve.kernels.warmup import paged_attention_warmup
+from pagedserve.kernels.warmup import mla_decode_warmup, paged_attention_warmup
 
 __all__ = [
     "apply_penalties",
@@ -44,6 +47,9 @@ __all__ = [
     "lora_expand_ref",
     "lora_shrink",
     "lora_shrink_ref",
+    "mla_decode_warmup",
+    "mla_paged_decode",
+    "mla_paged_decode_ref",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_warmup",
@@ -57,5 +63,9 @@ __all__ = [
     "silu_and_mul_ref",
     "store_kv",
     "store_kv_ref",
+    "store_latent",
+    "store_latent_ref",
+    "swigluoai_and_mul",
+    "swigluoai_and_mul_ref",
     "use_triton",
 ]

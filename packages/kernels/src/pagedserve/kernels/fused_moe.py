@@ -6,6 +6,11 @@ returns ``sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` with
 gate_up layout), ``w2`` its down projection. Routing (softmax, top-k, renormalisation) is the
 model's: this op takes the chosen experts and weights.
 
+gpt-oss's experts add two things, as keyword arguments: biases (``w13_bias [E, 2I]`` after the
+first projection, ``w2_bias [E, H]`` after the second, before the routing weight), and their
+activation, ``activation="swigluoai"``: the clamped SwiGLU of swigluoai_and_mul.py, with its
+``swiglu_alpha`` and ``swiglu_limit``, in place of silu_and_mul.
+
 As vLLM's fused MoE: the (token, slot) pairs are sorted by expert and each expert's group
 padded to a multiple of ``BLOCK_M`` (``moe_align``, torch ops on the device, no host sync), so
 a tile of rows belongs to one expert; one grouped GEMM per projection then runs every expert's
@@ -17,6 +22,8 @@ written.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -24,18 +31,21 @@ import triton.language as tl
 from pagedserve.kernels.dispatch import is_cuda, use_triton
 from pagedserve.kernels.linear import linear
 from pagedserve.kernels.silu_and_mul import silu_and_mul
+from pagedserve.kernels.swigluoai_and_mul import swigluoai_and_mul, swigluoai_and_mul_ref
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_weights_ptr,
-    num_pairs, n_out, k_in, a_row_stride, w_expert_stride, w_row_stride, out_row_stride,
+    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_weights_ptr,
+    num_pairs, n_out, k_in, a_row_stride, w_expert_stride, w_row_stride, bias_expert_stride,
+    out_row_stride,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M sorted (token, slot) pairs of one expert x BLOCK_N outputs.
-    ``out[pair] = A[row] @ W[e]^T (* weight[pair])``; A's row is the pair's token
-    (``A_PER_TOKEN``, the first projection) or the pair itself (the second)."""
+    ``out[pair] = (A[row] @ W[e]^T (+ bias[e])) (* weight[pair])``; A's row is the pair's
+    token (``A_PER_TOKEN``, the first projection) or the pair itself (the second)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -63,6 +73,9 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * bias_expert_stride + cols, mask=col_ok)
+            acc += bias.to(tl.float32)[None, :]
         if MUL_WEIGHT:
             acc *= tl.load(pair_weights_ptr + tl.where(valid, pair, 0), mask=valid)[:, None]
         out_off = tl.where(valid, pair, 0).to(tl.int64)[:, None] * out_row_stride + cols[None, :]
@@ -103,7 +116,7 @@ def moe_align(
     return sorted_pair_ids, block_expert
 
 
-def _grouped_gemm(a, w, sorted_ids, block_expert, weights, top_k, per_token, block_m):
+def _grouped_gemm(a, w, bias, sorted_ids, block_expert, weights, top_k, per_token, block_m):
     num_pairs = weights.numel()
     n_out, k_in = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n_out, dtype=a.dtype, device=a.device)
@@ -112,15 +125,19 @@ def _grouped_gemm(a, w, sorted_ids, block_expert, weights, top_k, per_token, blo
     block_k = max(16, min(32 if dot_fp32 else 64, triton.next_power_of_2(k_in)))
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, weights, num_pairs, n_out, k_in,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOP_K=top_k, A_PER_TOKEN=per_token, MUL_WEIGHT=not per_token,
+        a, w, out if bias is None else bias, out, sorted_ids, block_expert, weights, num_pairs,
+        n_out, k_in, a.stride(0), w.stride(0), w.stride(1),
+        0 if bias is None else bias.stride(0), out.stride(0),
+        TOP_K=top_k, A_PER_TOKEN=per_token, MUL_WEIGHT=not per_token, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
     )  # fmt: skip
     return out
 
 
-def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+def _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation) -> None:
     n_experts, two_inter, size = w13.shape
     if hidden.dim() != 2 or hidden.shape[1] != size or two_inter % 2:
         raise ValueError(f"fused_moe: hidden {tuple(hidden.shape)} vs w13 {tuple(w13.shape)}")
@@ -133,16 +150,29 @@ def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
             f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
             f"{tuple(topk_weights.shape)} must both be [T, k] for T = {hidden.shape[0]}"
         )
+    for name, bias, shape in (("w13", w13_bias, w13.shape[:2]), ("w2", w2_bias, w2.shape[:2])):
+        if bias is not None and bias.shape != shape:
+            raise ValueError(f"fused_moe: {name}_bias {tuple(bias.shape)}, expected {tuple(shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation {activation!r}, one of {ACTIVATIONS}")
+
+
+def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float):
+    if activation == "swigluoai":
+        return swigluoai_and_mul(gate_up, alpha, limit)
+    return silu_and_mul(gate_up)
 
 
 def fused_moe_triton(
-    hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16, ordered_sum: bool = False
-) -> torch.Tensor:
-    """Launch wrapper: align, gate_up grouped GEMM, silu_and_mul, down grouped GEMM (weighted),
-    sum over the k slots (``ordered_sum``: slot after slot, elementwise, not a reduction
-    whose order the reduce kernel picks by shape). Weights must be contiguous in their last
-    dimension."""
-    _check(hidden, w13, w2, topk_weights, topk_ids)
+    hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16, *, w13_bias=None, w2_bias=None,
+    activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+    ordered_sum: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Launch wrapper: align, gate_up grouped GEMM, the activation, down grouped GEMM
+    (weighted), sum over the k slots (``ordered_sum``: slot after slot, elementwise, not a
+    reduction whose order the reduce kernel picks by shape). Weights must be contiguous in
+    their last dimension."""
+    _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
     n_tokens, top_k = topk_ids.shape
     if n_tokens == 0:
         return torch.zeros_like(hidden)
@@ -150,9 +180,10 @@ def fused_moe_triton(
     w13, w2 = w13.contiguous(), w2.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, w13.shape[0], block_m)
     weights = topk_weights.flatten().to(torch.float32).contiguous()
-    gate_up = _grouped_gemm(hidden, w13, sorted_ids, block_expert, weights, top_k, True, block_m)
-    act = silu_and_mul(gate_up)
-    down = _grouped_gemm(act, w2, sorted_ids, block_expert, weights, top_k, False, block_m)
+    pairs = (sorted_ids, block_expert, weights, top_k)
+    gate_up = _grouped_gemm(hidden, w13, w13_bias, *pairs, True, block_m)
+    act = _activate(gate_up, activation, swiglu_alpha, swiglu_limit)
+    down = _grouped_gemm(act, w2, w2_bias, *pairs, False, block_m)
     slots = down.view(n_tokens, top_k, -1).float()
     if not ordered_sum:
         return slots.sum(1).to(hidden.dtype)
@@ -162,10 +193,10 @@ def fused_moe_triton(
     return out.to(hidden.dtype)
 
 
-def _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act) -> torch.Tensor:
+def _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act, w13_bias, w2_bias):
     """Per expert that some token chose, its rows at once (``gemm(x, w) = x @ w.T`` in fp32,
-    ``act``: silu_and_mul), weighted and added into each token's row in expert order; a loop
-    over experts, never over tokens."""
+    the expert's bias added, ``act`` the activation), weighted and added into each token's row
+    in expert order; a loop over experts, never over tokens."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.flatten()
     token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
@@ -175,8 +206,12 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act) -> torch.Tensor
     for expert in torch.unique(flat_ids).tolist():
         pairs = (flat_ids == expert).nonzero().flatten()
         gate_up = gemm(hidden[token_of[pairs]].float(), w13[expert])
-        y = gemm(act(gate_up).to(hidden.dtype).float(), w2[expert]) * weights[pairs, None]
-        out.index_add_(0, token_of[pairs], y)
+        if w13_bias is not None:
+            gate_up += w13_bias[expert].float()
+        y = gemm(act(gate_up).to(hidden.dtype).float(), w2[expert])
+        if w2_bias is not None:
+            y += w2_bias[expert].float()
+        out.index_add_(0, token_of[pairs], y * weights[pairs, None])
     return out.to(hidden.dtype)
 
 
@@ -193,26 +228,45 @@ def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
-def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe_ref(
+    hidden, w13, w2, topk_weights, topk_ids, *, w13_bias=None, w2_bias=None,
+    activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+) -> torch.Tensor:  # fmt: skip
     """Reference (and CPU path): per expert that some token chose, its rows at once, in fp32;
     a loop over experts, never over tokens."""
-    _check(hidden, w13, w2, topk_weights, topk_ids)
-    return _experts(hidden, w13, w2, topk_weights, topk_ids, _torch_gemm, _torch_silu_and_mul)
+    _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    if activation == "swigluoai":
+        act = partial(swigluoai_and_mul_ref, alpha=swiglu_alpha, limit=swiglu_limit)
+    else:
+        act = _torch_silu_and_mul
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, _torch_gemm, act, w13_bias, w2_bias)
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids, batch_invariant=False) -> torch.Tensor:
+def fused_moe(
+    hidden, w13, w2, topk_weights, topk_ids, *, w13_bias=None, w2_bias=None,
+    activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+    batch_invariant: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """The MoE MLP of ``hidden [T, H]`` through the chosen experts; returns ``[T, H]``.
+    ``w13_bias``/``w2_bias``/``activation``: gpt-oss's (the module docstring).
 
     ``batch_invariant``: each token's row the same bits whatever the other tokens. On a GPU
     (and under the interpreter) the grouped GEMMs' tiles already are (a row's sum runs over
     the same K steps in any tile), so only the k slots' sum is made sequential. On a CPU the
-    reference's experts loop with kernels.linear's batch-invariant GEMM and the numba
-    silu_and_mul (one loop per row): an expert's row count is the batch's."""
+    reference's experts loop with kernels.linear's batch-invariant GEMM and the activation
+    row by row (the numba silu_and_mul; swigluoai's torch ops, elementwise): an expert's row
+    count is the batch's."""
+    extra = dict(
+        w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+    )  # fmt: skip
     if use_triton(hidden):
         return fused_moe_triton(
-            hidden, w13, w2, topk_weights, topk_ids, ordered_sum=batch_invariant
+            hidden, w13, w2, topk_weights, topk_ids, **extra, ordered_sum=batch_invariant
         )
     if not batch_invariant:
-        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
-    _check(hidden, w13, w2, topk_weights, topk_ids)
-    return _experts(hidden, w13, w2, topk_weights, topk_ids, _batch_invariant_gemm, silu_and_mul)
+        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, **extra)
+    _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    act = partial(_activate, activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
+    gemm = _batch_invariant_gemm
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act, w13_bias, w2_bias)

@@ -13,23 +13,25 @@ of the 32 or 256 weights of a block hit the same cache line.
 
 The reference dequantizes the whole matrix to fp32 (``gguf_dequantize_ref``), rounds it to
 the activations' dtype (the kernel's operand, so the two agree to accumulation order) and
-calls one GEMM: on a CPU that is the engine's path, and what it costs against other CPU
-choices is measured in docs/quantization.md.
+calls one GEMM. On a CPU the engine multiplies from the blocks with numba instead
+(cpu/gguf_linear.py: a decoded weight row dotted against a decode step's rows, decoded tiles
+and MKL for a prefill), held to the same reference.
 """
 
 from __future__ import annotations
+
+from functools import cache
+from types import ModuleType
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_dequantize_ref, gguf_type
 from pagedserve.kernels.weight_only_linear import tile_shape
 
 F32, F16, BF16 = GGUF_TYPE_IDS["F32"], GGUF_TYPE_IDS["F16"], GGUF_TYPE_IDS["BF16"]
-Q4_0, Q4_1, Q8_0 = GGUF_TYPE_IDS["Q4_0"], GGUF_TYPE_IDS["Q4_1"], GGUF_TYPE_IDS["Q8_0"]
-Q4_K, Q6_K = GGUF_TYPE_IDS["Q4_K"], GGUF_TYPE_IDS["Q6_K"]
 
 
 @triton.jit
@@ -49,6 +51,116 @@ def _signed(byte):
 
 
 @triton.jit
+def _iq4_level(q):
+    """IQ4_NL's level for nibble ``q`` (gguf_dequant.IQ4_LEVELS): four levels per int32 word,
+    each stored + 128 in one byte (Triton has no constant arrays)."""
+    word = tl.where(
+        q < 4, 1059919873, tl.where(q < 8, 1986682191, tl.where(q < 12, -1499886207, -237386315))
+    )
+    return ((word >> ((q & 3) * 8)) & 0xFF) - 128
+
+
+@triton.jit
+def _nibble(w_ptr, qs, j, mask):
+    """Weight ``j`` (0..31) of 16 bytes of nibbles at ``qs``: low nibbles, then high ones."""
+    return (_byte(w_ptr, qs + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+
+
+@triton.jit
+def _decode_32(w_ptr, h_ptr, row, k, mask, QTYPE: tl.constexpr):
+    """fp32 weights of the types with 32-weight blocks."""
+    j = k % 32
+    if QTYPE == 8:  # Q8_0
+        base = row + (k // 32) * 34
+        w = _half(h_ptr, base, mask) * _signed(_byte(w_ptr, base + 2 + j, mask)).to(tl.float32)
+    elif QTYPE == 2 or QTYPE == 20:  # Q4_0, IQ4_NL
+        base = row + (k // 32) * 18
+        q = _nibble(w_ptr, base + 2, j, mask)
+        level = (q - 8) if QTYPE == 2 else _iq4_level(q)
+        w = _half(h_ptr, base, mask) * level.to(tl.float32)
+    elif QTYPE == 3:  # Q4_1
+        base = row + (k // 32) * 20
+        q = _nibble(w_ptr, base + 4, j, mask).to(tl.float32)
+        w = _half(h_ptr, base, mask) * q + _half(h_ptr, base + 2, mask)
+    else:  # Q5_0, Q5_1: the fifth bits in a uint32 after the fp16 fields
+        fields = 2 if QTYPE == 6 else 4
+        base = row + (k // 32) * (22 if QTYPE == 6 else 24)
+        high = (_byte(w_ptr, base + fields + j // 8, mask) >> (j % 8)) & 1
+        q = _nibble(w_ptr, base + fields + 4, j, mask) | (high << 4)
+        if QTYPE == 6:
+            w = _half(h_ptr, base, mask) * (q - 16).to(tl.float32)
+        else:
+            w = _half(h_ptr, base, mask) * q.to(tl.float32) + _half(h_ptr, base + 2, mask)
+    return w
+
+
+@triton.jit
+def _k_scale_min(w_ptr, scales, sub, mask):
+    """Q4_K's / Q5_K's 6-bit scale and min of sub-block ``sub`` from the 12 bytes at ``scales``."""
+    first = sub < 4
+    b1 = _byte(w_ptr, scales + tl.where(first, sub, sub + 4), mask)
+    b2 = _byte(w_ptr, scales + tl.where(first, sub + 4, sub - 4), mask)
+    b3 = _byte(w_ptr, scales + sub, mask)
+    scale = tl.where(first, b1 & 63, (b1 & 0xF) | ((b2 >> 6) << 4)).to(tl.float32)
+    minimum = tl.where(first, b2 & 63, (b1 >> 4) | ((b3 >> 6) << 4)).to(tl.float32)
+    return scale, minimum
+
+
+@triton.jit
+def _decode_k(w_ptr, h_ptr, row, k, mask, QTYPE: tl.constexpr):
+    """fp32 weights of the 256-weight types (the K-quants and IQ4_XS): weight ``e`` of its
+    block, ``lane`` its place in its 32-weight run, ``run`` that run's 2-bit field."""
+    e = k % 256
+    lane = e % 32
+    run = (e % 128) // 32
+    if QTYPE == 10:  # Q2_K
+        base = row + (k // 256) * 84
+        q = (_byte(w_ptr, base + 16 + 32 * (e // 128) + lane, mask) >> (2 * run)) & 3
+        sm = _byte(w_ptr, base + e // 16, mask)
+        d = _half(h_ptr, base + 80, mask) * (sm & 0xF).to(tl.float32)
+        w = d * q.to(tl.float32) - _half(h_ptr, base + 82, mask) * (sm >> 4).to(tl.float32)
+    elif QTYPE == 11:  # Q3_K
+        base = row + (k // 256) * 110
+        low = (_byte(w_ptr, base + 32 + 32 * (e // 128) + lane, mask) >> (2 * run)) & 3
+        high = (_byte(w_ptr, base + lane, mask) >> (e // 32)) & 1
+        s = e // 16
+        scale = ((_byte(w_ptr, base + 96 + s % 8, mask) >> (4 * (s // 8))) & 0xF) | (
+            ((_byte(w_ptr, base + 104 + s % 4, mask) >> (2 * (s // 4))) & 3) << 4
+        )
+        d = _half(h_ptr, base + 108, mask) * (scale - 32).to(tl.float32)
+        w = d * (low - 4 + 4 * high).to(tl.float32)
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
+        sub = e // 32
+        base = row + (k // 256) * (144 if QTYPE == 12 else 176)
+        qs = base + (16 if QTYPE == 12 else 48) + (e // 64) * 32 + lane
+        q = (_byte(w_ptr, qs, mask) >> ((sub % 2) * 4)) & 0xF
+        if QTYPE == 13:
+            q = q | (((_byte(w_ptr, base + 16 + lane, mask) >> sub) & 1) << 4)
+        scale, minimum = _k_scale_min(w_ptr, base + 4, sub, mask)
+        d = _half(h_ptr, base, mask) * scale
+        w = d * q.to(tl.float32) - _half(h_ptr, base + 2, mask) * minimum
+    elif QTYPE == 14:  # Q6_K
+        base = row + (k // 256) * 210
+        half = e // 128
+        low = (
+            _byte(w_ptr, base + 64 * half + 32 * (run % 2) + lane, mask) >> (4 * (run // 2))
+        ) & 0xF
+        high = (_byte(w_ptr, base + 128 + 32 * half + lane, mask) >> (2 * run)) & 3
+        scale = _signed(_byte(w_ptr, base + 192 + e // 16, mask)).to(tl.float32)
+        w = (_half(h_ptr, base + 208, mask) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
+    else:  # IQ4_XS
+        base = row + (k // 256) * 136
+        sub = e // 32
+        q = _nibble(w_ptr, base + 8 + 16 * sub, lane, mask)
+        scale = ((_byte(w_ptr, base + 4 + sub // 2, mask) >> (4 * (sub % 2))) & 0xF) | (
+            ((_byte(w_ptr, base + 2 + sub // 4, mask) >> (2 * (sub % 4))) & 3) << 4
+        )
+        d = _half(h_ptr, base, mask) * (scale - 32).to(tl.float32)
+        w = d * _iq4_level(q).to(tl.float32)
+    return w
+
+
+@triton.jit
 def _decode_tile(w_ptr, h_ptr, row, k, mask, QTYPE: tl.constexpr):
     """fp32 weights of the tile: ``row`` is each element's row start (bytes, or elements for
     the float types), ``k`` its input feature."""
@@ -59,42 +171,10 @@ def _decode_tile(w_ptr, h_ptr, row, k, mask, QTYPE: tl.constexpr):
     elif QTYPE == 30:  # BF16: the top half of an fp32
         bits = tl.load(w_ptr + row + k, mask=mask, other=0).to(tl.int32) & 0xFFFF
         w = (bits << 16).to(tl.float32, bitcast=True)
-    elif QTYPE == 8:  # Q8_0
-        base = row + (k // 32) * 34
-        w = _half(h_ptr, base, mask) * _signed(_byte(w_ptr, base + 2 + k % 32, mask)).to(tl.float32)
-    elif QTYPE == 2 or QTYPE == 3:  # Q4_0, Q4_1
-        j = k % 32
-        base = row + (k // 32) * (18 if QTYPE == 2 else 20)
-        qs = base + (2 if QTYPE == 2 else 4)
-        q = ((_byte(w_ptr, qs + j % 16, mask) >> ((j // 16) * 4)) & 0xF).to(tl.float32)
-        if QTYPE == 2:
-            w = _half(h_ptr, base, mask) * (q - 8.0)
-        else:
-            w = _half(h_ptr, base, mask) * q + _half(h_ptr, base + 2, mask)
-    elif QTYPE == 12:  # Q4_K
-        e = k % 256
-        base = row + (k // 256) * 144
-        sub = e // 32
-        q = (_byte(w_ptr, base + 16 + (e // 64) * 32 + e % 32, mask) >> ((sub % 2) * 4)) & 0xF
-        first = sub < 4
-        b1 = _byte(w_ptr, base + 4 + tl.where(first, sub, sub + 4), mask)
-        b2 = _byte(w_ptr, base + 4 + tl.where(first, sub + 4, sub - 4), mask)
-        b3 = _byte(w_ptr, base + 4 + sub, mask)
-        scale = tl.where(first, b1 & 63, (b1 & 0xF) | ((b2 >> 6) << 4)).to(tl.float32)
-        minimum = tl.where(first, b2 & 63, (b1 >> 4) | ((b3 >> 6) << 4)).to(tl.float32)
-        d = _half(h_ptr, base, mask) * scale
-        dm = _half(h_ptr, base + 2, mask) * minimum
-        w = d * q.to(tl.float32) - dm
-    else:  # Q6_K
-        e = k % 256
-        base = row + (k // 256) * 210
-        half = e // 128
-        g = (e % 128) // 32
-        lane = e % 32
-        low = (_byte(w_ptr, base + 64 * half + 32 * (g % 2) + lane, mask) >> (4 * (g // 2))) & 0xF
-        high = (_byte(w_ptr, base + 128 + 32 * half + lane, mask) >> (2 * g)) & 3
-        scale = _signed(_byte(w_ptr, base + 192 + e // 16, mask)).to(tl.float32)
-        w = (_half(h_ptr, base + 208, mask) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
+    elif QTYPE == 2 or QTYPE == 3 or QTYPE == 6 or QTYPE == 7 or QTYPE == 8 or QTYPE == 20:
+        w = _decode_32(w_ptr, h_ptr, row, k, mask, QTYPE)
+    else:
+        w = _decode_k(w_ptr, h_ptr, row, k, mask, QTYPE)
     return w
 
 
@@ -200,10 +280,23 @@ def gguf_linear_ref(
     return out.to(x.dtype)
 
 
+@cache
+def _numba_gemm() -> ModuleType:
+    """The CPU's GGUF GEMM (cpu/gguf_linear.py), imported on the first CPU call (numba is not
+    loaded on a GPU)."""
+    from pagedserve.kernels.cpu import gguf_linear as cpu_gguf_linear
+
+    return cpu_gguf_linear
+
+
 def gguf_linear(
     x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x W^T + bias`` for GGUF rows; Triton on a GPU, the reference on a CPU."""
-    if use_triton(x):
+    """``x W^T + bias`` for GGUF rows: Triton on a GPU; on a CPU the numba GEMM from the blocks
+    for fp32 activations (cpu/gguf_linear.py), else the reference."""
+    path = kernel_path(x, has_numba=True)
+    if path == "triton":
         return gguf_linear_triton(x, qweight, qtype, bias)
+    if path == "numba" and x.dtype is torch.float32:
+        return _numba_gemm().gguf_linear_numba(x, qweight, qtype, bias)
     return gguf_linear_ref(x, qweight, qtype, bias)

@@ -76,13 +76,14 @@ def _merge_kv_splits_kernel(
 
 @triton.jit(do_not_specialize=["n_splits", "lse_token_stride", "lse_head_stride"])
 def _fold_kv_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr, n_splits, head_dim,
+    partial_ptr, lse_ptr, out_ptr, sinks_ptr, n_splits, head_dim,
     partial_token_stride, partial_head_stride, lse_token_stride, lse_head_stride,
     out_token_stride, out_head_stride,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     """The batch-invariant reduce: one (token, head)'s splits folded in split order with
-    ``_fold_split``, exactly as a program that walks every split folds them."""
+    ``_fold_split``, exactly as a program that walks every split folds them (from the head's
+    sink, SINKS, as that program does: a state of max ``sink`` and weight 1)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
@@ -91,6 +92,9 @@ def _fold_kv_splits_kernel(
     part_row = partial_ptr + token * partial_token_stride + head * partial_head_stride
     m_run = tl.full([1], float("-inf"), tl.float32)
     w_run = tl.zeros([1], tl.float32)
+    if SINKS:  # exp2 units, as the attention kernel reads it
+        m_run = tl.load(sinks_ptr + head + tl.arange(0, 1)).to(tl.float32) * 1.4426950408889634
+        w_run = tl.full([1], 1.0, tl.float32)
     acc_run = tl.zeros([1, BLOCK_D], tl.float32)
     for split in range(0, n_splits):
         lse = tl.load(lse_row + split)
@@ -102,10 +106,15 @@ def _fold_kv_splits_kernel(
 
 
 def merge_kv_splits(
-    partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, in_order: bool = False
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    in_order: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch the merge of ``partial [T, Hq, splits, D]`` into ``out [T, Hq, D]``; with
-    ``in_order``, the batch-invariant fold."""
+    ``in_order``, the batch-invariant fold, which starts from ``sinks [Hq]`` where given (the
+    default merge's splits carry the sink in split 0's partial: ``sinks`` is not read)."""
     n_tokens, n_q_heads, splits, head_dim = partial.shape
     args = (
         partial, lse, out, splits, head_dim, partial.stride(0), partial.stride(1),
@@ -113,7 +122,10 @@ def merge_kv_splits(
     )  # fmt: skip
     block_d = triton.next_power_of_2(head_dim)
     if in_order:
-        _fold_kv_splits_kernel[(n_tokens, n_q_heads)](*args, BLOCK_D=block_d)
+        sink_ptr = out if sinks is None else sinks
+        _fold_kv_splits_kernel[(n_tokens, n_q_heads)](
+            partial, lse, out, sink_ptr, *args[3:], BLOCK_D=block_d, SINKS=sinks is not None
+        )
     else:
         _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
             *args, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d

@@ -13,7 +13,11 @@ lets token i see positions ``i - W < p <= i`` only: W positions, its own include
 transformers' sliding-window mask and vLLM's ``window_size = (W - 1, 0)``. Positions before
 the first new token's horizon are never read, so their blocks may be freed (a block-table
 entry there may point anywhere). ``logits_soft_cap`` c (Gemma 2) maps each scaled score s
-to ``c * tanh(s / c)`` before the softmax.
+to ``c * tanh(s / c)`` before the softmax. ``sinks`` (gpt-oss) are a learned logit per query
+head, ``[Hq]``, that joins every row's softmax denominator and attends to nothing: a row's
+weights are ``exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``, so they may sum to less than one
+(a head can "attend to nowhere"). The sink is a logit as the scores are after scaling (and
+capping); it is read in fp32.
 
 Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
@@ -57,17 +61,16 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_range(
     q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi, read_lo,
-    scale_log2, cap_inv, cap_log2, window, cache_block_stride, cache_slot_stride,
+    m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride, cache_slot_stride,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of the tile's rows over KV positions ``kv_lo .. kv_hi - 1``, TILE_N
-    at a time from ``kv_lo``: ``(m, l, acc)`` in exp2 units, ``acc`` unnormalised. READ_FROM:
-    positions before ``read_lo`` (before every row's window) are not read (a walk that starts
-    at a multiple of TILE_N below the first row's horizon)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    at a time from ``kv_lo``, from the state ``(m_i, l_i)`` (-inf and 0, or a sink's) and a zero
+    accumulator: ``(m, l, acc)`` in exp2 units, ``acc`` unnormalised. READ_FROM: positions
+    before ``read_lo`` (before every row's window) are not read (a walk that starts at a
+    multiple of TILE_N below the first row's horizon)."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(kv_lo, kv_hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
@@ -122,25 +125,30 @@ def _attend_range(
 )  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim, kv_positions_per_split,
-    window,
+    out_ptr, lse_ptr, sinks_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim,
+    kv_positions_per_split, window,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, out_split_stride,
     lse_token_stride, lse_head_stride, cache_block_stride, cache_slot_stride,
     cache_head_stride, block_table_stride,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-    FIXED_SPLITS: tl.constexpr,
+    SINKS: tl.constexpr, FIXED_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
     tile are (token, head-in-group) pairs, so each K/V tile is loaded once per group.
     SLIDING: each row sees its last ``window`` positions only, and the walk starts at the
     tile's first row's horizon. SOFT_CAP: scores soft-capped (``cap_inv`` is scale / cap,
-    ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. Both are constexpr so that a
-    global, uncapped layer compiles exactly the kernel it did without them (their masks in
-    the loop cost registers: 8-12 bytes of spills on sm80 at head_dim 128 as runtime
-    branches). FIXED_SPLITS (batch invariant): see ``_fixed_splits``."""
+    ``cap_log2`` cap * log2(e)); else scaled by ``scale_log2``. SINKS: each row's softmax
+    starts from its head's sink, as if from one more key of that score and a zero value
+    (split 0 only: the merge adds the splits' sums, so the sink must enter once). All three
+    are constexpr so that a global, uncapped layer compiles exactly the kernel it did without
+    them (their masks in the loop cost registers: 8-12 bytes of spills on sm80 at head_dim
+    128 as runtime branches). FIXED_SPLITS (batch invariant): every row's positions cut at
+    multiples of ``kv_positions_per_split`` and folded in order (``_fold_split``), by this
+    program or, with WRITE_PARTIAL, by ``_fold_kv_splits_kernel``; a sink is the fold's
+    starting state there, not a split's, so it enters at the same place for every row."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -169,6 +177,11 @@ def _paged_attention_kernel(
         horizon = n_cached + q_tile * BLOCK_Q - window + 1  # the first row's (SLIDING)
         block_row_ptr = block_tables_ptr + seq * block_table_stride
         head_off = kv_head * cache_head_stride + dims[None, :]
+        m_0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_0 = tl.zeros([BLOCK_M], tl.float32)
+        sink = m_0
+        if SINKS:  # the sink in exp2 units: as a state, m = sink and l = exp2(sink - m) = 1
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
         if FIXED_SPLITS:
             read_lo = tl.maximum(horizon, 0) if SLIDING else 0
             walk_lo = read_lo - read_lo % TILE_N  # the same tile steps for every row
@@ -177,22 +190,23 @@ def _paged_attention_kernel(
                 m_i, l_i, acc = _attend_range(
                     q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
                     tl.maximum(split * per, walk_lo), tl.minimum(kv_end, split * per + per),
-                    read_lo, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
-                    cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE, DOT_FP32, SLIDING,
-                    SOFT_CAP, SLIDING,
+                    read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                    cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
+                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING,
                 )  # fmt: skip
                 out, lse = _normalised(m_i, l_i, acc)
             else:  # every split in order, each folded as it ends
-                m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                w_run = tl.zeros([BLOCK_M], tl.float32)
+                m_run, w_run = m_0, l_0
+                if SINKS:  # the fold starts from the sink, before the first split
+                    m_run, w_run = sink, tl.full([BLOCK_M], 1.0, tl.float32)
                 acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
                 for part in range(walk_lo // per, tl.cdiv(kv_end, per)):
                     m_i, l_i, acc = _attend_range(
                         q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
                         tl.maximum(part * per, walk_lo), tl.minimum(kv_end, part * per + per),
-                        read_lo, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
-                        cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE, DOT_FP32,
-                        SLIDING, SOFT_CAP, SLIDING,
+                        read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                        cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N,
+                        BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING,
                     )  # fmt: skip
                     out_s, lse_s = _normalised(m_i, l_i, acc)
                     m_run, w_run, acc_run = _fold_split(m_run, w_run, acc_run, out_s, lse_s)
@@ -202,11 +216,14 @@ def _paged_attention_kernel(
             kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
             if SLIDING:  # nothing before the first row's horizon is read
                 kv_start = tl.maximum(kv_start, horizon)
+            if SINKS:  # in split 0 only
+                m_0 = tl.where(split == 0, sink, m_0)
+                l_0 = tl.where(split == 0, 1.0, l_0)
             m_i, l_i, acc = _attend_range(
                 q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_start,
-                kv_stop, kv_start, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
-                cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE, DOT_FP32, SLIDING,
-                SOFT_CAP, False,
+                kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
+                DOT_FP32, SLIDING, SOFT_CAP, False,
             )  # fmt: skip
             out, lse = _normalised(m_i, l_i, acc)
         out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
@@ -230,19 +247,17 @@ def paged_attention_triton(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
     flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
-    window: splits cut absolute positions). A windowed or capped layer is a variant of its
-    own (constexpr flags); the window's width is a runtime scalar.
-
-    ``batch_invariant``: one tile for every step, every row's positions cut at fixed
-    multiples and folded in order, by one program or by split programs' partials and the
-    fold kernel (kv_splits.py): a row's bits depend on its own position alone."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    window: splits cut absolute positions). A windowed, capped or sinks layer is a variant
+    of its own (constexpr flags); the window's width is a runtime scalar. ``batch_invariant``:
+    ``launch_shape``'s one tile and fixed splits, folded in order (kv_splits.py)."""
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -265,18 +280,19 @@ def paged_attention_triton(
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        *score_scales(scale, logits_soft_cap), n_seqs, head_dim, per_split, sliding_window or 0,
-        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
-        target.stride(2) if splits > 1 else 0,
+        out if sinks is None else sinks, *score_scales(scale, logits_soft_cap), n_seqs,
+        head_dim, per_split, sliding_window or 0, query.stride(0), query.stride(1),
+        target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
         DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, FIXED_SPLITS=batch_invariant, num_warps=num_warps,
+        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
+        FIXED_SPLITS=batch_invariant, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        merge_kv_splits(target, lse, out, in_order=batch_invariant)
+        merge_kv_splits(target, lse, out, in_order=batch_invariant, sinks=sinks)
     return out
 
 
@@ -290,17 +306,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
     and short chunks with SDPA for long prefill chunks; the reference when asked for.
-    ``sliding_window`` / ``logits_soft_cap``: None for a global, uncapped layer.
-    ``batch_invariant``: each row's result the same bits in any batch, chunk or prefix hit
-    (the Triton and numba paths; the reference batches its matmuls and is refused)."""
+    ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: None for a global, uncapped layer
+    without sinks. ``batch_invariant``: each row's result the same bits in any batch, chunk
+    or prefix hit (the Triton and numba paths; the reference batches its matmuls and is
+    refused)."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if batch_invariant:
         extra["batch_invariant"] = True
     path = kernel_path(query, has_numba=True)

@@ -5,7 +5,8 @@ vectorised path) and the Triton kernel are both compared against this in the ker
 Each line is one clause of the contract (``paged_attention``'s docstring): for each sequence,
 gather its keys and values through its block table, let each new token see the cached
 positions up to its own (and, with a sliding window, no further back than the window),
-cap the scores (``logits_soft_cap``), softmax in fp32, weighted sum, cast to the query's dtype.
+cap the scores (``logits_soft_cap``), softmax in fp32 (with each head's sink, when given, one
+more logit in the denominator that weighs no value), weighted sum, cast to the query's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def paged_attention_literal(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``paged_attention``; one sequence at a time."""
     out = torch.zeros_like(query)  # rows no sequence owns stay zero
@@ -52,6 +54,9 @@ def paged_attention_literal(
         if sliding_window is not None:
             hidden |= pos[None, None, :] <= q_pos[None, :, None] - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # head h's sink joins every row's softmax, then is dropped
+            sink_logits = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            scores = torch.cat([scores, sink_logits], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., : len(pos)]
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out

@@ -6,6 +6,8 @@ docstring; the Triton kernel and its launch wrapper live there, this file holds 
 part, kept apart because the kernel and the reference together passed 400 lines once sliding
 windows and soft-capping joined). Decode rows are batched into two matmuls over a gather of
 each sequence's context; a longer chunk goes to SDPA's flash kernel, one sequence at a time.
+Attention sinks enter SDPA as one more key: a zero key and value whose score the float mask
+sets to the head's sink.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
+def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks=None) -> None:
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: query {tuple(query.shape)} must be [T, Hq, D] and caches "
@@ -33,6 +35,11 @@ def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> 
             f"paged_attention: {n_seqs} seq_lens need query_start_loc [{n_seqs + 1}] and "
             f"block_tables [{n_seqs}, max_blocks]; got {tuple(query_start_loc.shape)}, "
             f"{tuple(block_tables.shape)}"
+        )
+    if sinks is not None and sinks.shape != (n_q_heads,):
+        raise ValueError(
+            f"paged_attention: sinks {tuple(sinks.shape)} must be [Hq] = [{n_q_heads}], one "
+            "logit per query head"
         )
 
 
@@ -70,7 +77,16 @@ def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
-def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, window, cap):
+def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores``; with ``sink`` (each row's head's sink, shaped
+    to broadcast to ``scores[..., :1]``) in the denominator, its own weight dropped."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sink.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, window, cap, sinks):
     """All q_len == 1 rows at once: one gather per cache, two batched matmuls, fp32 softmax.
     Under a window each row reads its last ``window`` positions only."""
     n_seqs, n_q_heads, head_dim = query.shape
@@ -83,12 +99,13 @@ def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, window, 
     n_read = seq_lens.long() if first is None else seq_lens.long() - first
     past_end = torch.arange(k.shape[2], device=k.device) >= n_read[:, None]
     scores.masked_fill_(past_end[None, :, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, n, G, D]
+    sink = None if sinks is None else sinks.view(n_kv_heads, 1, -1, 1)  # as the scores' heads
+    out = torch.matmul(_softmax(scores, sink), v)  # [Hkv, n, G, D]
     return out.transpose(0, 1).reshape(n_seqs, n_q_heads, head_dim).to(query.dtype)
 
 
 def _prefill_ref(
-    query, k_cache, v_cache, block_table, seq_len, scale, window=None, cap=None
+    query, k_cache, v_cache, block_table, seq_len, scale, window=None, cap=None, sinks=None
 ) -> torch.Tensor:
     """One sequence with q_len > 1: SDPA over exactly the cached tokens it sees.
 
@@ -110,19 +127,34 @@ def _prefill_ref(
     q_pos = torch.arange(seq_end - q_len, seq_end, device=query.device)[:, None]
     k_pos = torch.arange(first, seq_end, device=query.device)[None, :]
     mask = None
-    if window is not None or seq_end > q_len or cap is not None:
+    if window is not None or seq_end > q_len or cap is not None or sinks is not None:
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window
     if cap is not None:
         scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        sink = None if sinks is None else sinks.view(1, -1, 1, 1)
+        probs = _softmax(scores.masked_fill(~mask, float("-inf")), sink)
         out = torch.matmul(probs, v)
     else:
+        if sinks is not None:
+            k, v, mask = _with_sink_key(k, v, mask, sinks)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
         )
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _with_sink_key(k, v, mask, sinks):
+    """``k``, ``v`` ``[1, Hq, L, D]`` and the visibility ``mask [q_len, L]`` with the sinks
+    as one more key: a zero key and value, and a float mask that adds 0 to a visible score,
+    -inf to a hidden one and the head's sink to the extra key's (whose dot product is 0)."""
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+    bias = torch.zeros(mask.shape[0], mask.shape[1] + 1, device=k.device)
+    bias[:, :-1].masked_fill_(~mask, float("-inf"))
+    bias = bias.expand(k.shape[1], *bias.shape).clone()  # [Hq, q_len, L + 1]
+    bias[:, :, -1] = sinks.float()[:, None]
+    return k, v, bias[None]
 
 
 def paged_attention_ref(
@@ -135,9 +167,10 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference and CPU hot path: decode rows batched, one SDPA per longer sequence."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     out = torch.zeros_like(query)
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
@@ -147,13 +180,21 @@ def paged_attention_ref(
         rows = starts[decode]
         out[rows] = _decode_ref(
             query[rows], k_cache, v_cache, block_tables[decode], seq_lens[decode], scale,
-            window, cap,
+            window, cap, sinks,
         )  # fmt: skip
     prefill = (q_lens > 1).nonzero().flatten().tolist()
     bounds = starts.tolist()
     for b in prefill:
         start, end = bounds[b], bounds[b + 1]
         out[start:end] = _prefill_ref(
-            query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale, window, cap
+            query[start:end],
+            k_cache,
+            v_cache,
+            block_tables[b],
+            seq_lens[b],
+            scale,
+            window,
+            cap,
+            sinks,
         )
     return out

@@ -25,10 +25,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * d + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """Launch wrapper: one program per (row, column tile) of the output."""
+def launch_gated_activation(kernel, name: str, x: torch.Tensor, *scalars) -> torch.Tensor:
+    """Launch a gated activation's ``kernel(x, out, d, x_row_stride, *scalars, BLOCK)`` over
+    ``x [..., 2d]`` (gate first) into a new ``[..., d]``: one program per (row, column tile).
+    Shared by silu_and_mul and swigluoai_and_mul."""
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul: last dim must be even, got {x.shape[-1]}")
+        raise ValueError(f"{name}: last dim must be even, got {x.shape[-1]}")
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
@@ -37,8 +39,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if out.numel():
         block = min(1024, triton.next_power_of_2(d))
         grid = (x2.shape[0], triton.cdiv(d, block))
-        _silu_and_mul_kernel[grid](x2, out, d, x2.stride(0), BLOCK=block)
+        kernel[grid](x2, out, d, x2.stride(0), *scalars, BLOCK=block)
     return out.view(*x.shape[:-1], d)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """Launch wrapper: one program per (row, column tile) of the output."""
+    return launch_gated_activation(_silu_and_mul_kernel, "silu_and_mul", x)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

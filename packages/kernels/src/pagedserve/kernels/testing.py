@@ -98,7 +98,11 @@ def make_paged_batch(
 
 
 # Byte offsets of the fp16 fields (scales, mins) in one block of each GGUF block type.
-_GGUF_HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+_GGUF_HALF_OFFSETS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_XS": (0,),
+}  # fmt: skip
 
 
 def random_gguf_rows(

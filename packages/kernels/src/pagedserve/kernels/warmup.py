@@ -23,7 +23,13 @@ a multiple of 16 (every model here) both strides divide by 16 and give one varia
 A model with sliding-window layers (or soft-capped scores) adds the windowed variants: a decode
 step and a prefill step (a windowed decode never splits its KV axis); the window's width is a
 runtime scalar, so one window compiles for all. The batch-invariant mode has fewer: its one
-tile serves decode and prefill alike, and its splits are fixed (the fold loops over them).
+tile serves decode and prefill alike, and its splits are fixed (the fold loops over them). A
+model with attention sinks (gpt-oss) has them on every layer: each of its variants is launched
+with sinks (fp32, as the model holds them), and none without.
+
+Multi-head latent attention's decode (mla_decode.py) has the same kind of variants: a decode
+step without splits and one for each reachable split count, its head tiles standing for the
+KV heads in the split choice (``mla_decode_warmup``). Its prefill runs torch's own attention.
 
 Every other kernel has one variant per model and dtype and is compiled by the first forward
 (the profiling step, on a GPU).
@@ -38,6 +44,7 @@ import triton
 
 from pagedserve.kernels.attention_launch import kv_split_count
 from pagedserve.kernels.dispatch import is_cuda, multi_processor_count, use_triton
+from pagedserve.kernels.mla_decode import mla_paged_decode_triton, mla_tile_shape
 from pagedserve.kernels.paged_attention import paged_attention_triton
 
 
@@ -60,6 +67,7 @@ def paged_attention_warmup(
     logits_soft_cap: float | None = None,
     cache_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
+    sinks: bool = False,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
     returns the number of launches. Does nothing off a GPU (CPU tensors outside
@@ -69,7 +77,7 @@ def paged_attention_warmup(
     the KV cache's element type when it differs from the model's (``--kv-cache-dtype``);
     ``batch_invariant``: the batch-invariant mode's variants instead (one tile for every step:
     a program that walks its fixed splits, split programs and their fold; windowed, the
-    first)."""
+    first); ``sinks``: whether the model's layers have attention sinks."""
     probe = torch.empty(0, device=device)
     if not (is_cuda(probe) and use_triton(probe)):
         return 0
@@ -82,6 +90,7 @@ def paged_attention_warmup(
     block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     seq_lens = torch.full((1,), 2, dtype=torch.int32, device=device)
     windows = {w for w in layer_windows if w is not None}
+    sink_logits = torch.zeros(n_q_heads, device=device) if sinks else None
     variants = [(None, 1, 1), (None, 2, 1), *((None, 1, s) for s in splits)]  # decode, prefill
     if batch_invariant:
         variants = [(None, 1, 1), (None, 1, 2)]
@@ -93,7 +102,40 @@ def paged_attention_warmup(
         query_start_loc = torch.tensor([0, n_tokens], dtype=torch.int32, device=device)
         paged_attention_triton(
             query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits,
-            sliding_window=window, logits_soft_cap=logits_soft_cap,
+            sliding_window=window, logits_soft_cap=logits_soft_cap, sinks=sink_logits,
             batch_invariant=batch_invariant,
         )  # fmt: skip
+    return len(variants)
+
+
+def mla_decode_warmup(
+    n_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device | str,
+    cache_dtype: torch.dtype | None = None,
+) -> int:
+    """Launch MLA's decode once per variant (no split, then every reachable split count) on a
+    one-sequence batch; returns the number of launches. As ``paged_attention_warmup``, nothing
+    off a GPU or where dispatch would not pick Triton. ``n_heads``: one rank's query heads."""
+    probe = torch.empty(0, device=device)
+    if not (is_cuda(probe) and use_triton(probe)):
+        return 0
+    max_blocks = triton.cdiv(max_model_len, block_size)
+    dot_fp32 = dtype == torch.float32
+    head_tiles = triton.cdiv(n_heads, mla_tile_shape(kv_lora_rank, dot_fp32)[0])
+    splits = reachable_kv_splits(head_tiles, max_blocks * block_size, multi_processor_count(probe))
+    width = kv_lora_rank + rope_dim
+    cache = torch.zeros(2, block_size, 1, width, dtype=cache_dtype or dtype, device=device)
+    block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+    seq_lens = torch.full((1,), 2, dtype=torch.int32, device=device)
+    query = torch.zeros(1, n_heads, width, dtype=dtype, device=device)
+    variants = [1, *splits]
+    for kv_splits in variants:
+        mla_paged_decode_triton(
+            query, cache, block_tables, seq_lens, width**-0.5, kv_lora_rank, kv_splits
+        )
     return len(variants)

@@ -2,6 +2,7 @@
 
 from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from pagedserve.models.interface import ModelForCausalLM, ModelForPooling
+from pagedserve.models.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from pagedserve.models.layers.attention import AttentionMetadata, EncoderAttentionMetadata
 from pagedserve.models.loader import load_model
 from pagedserve.models.parallel import ParallelContext
@@ -12,6 +13,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "EncoderAttentionMetadata",
+    "KVCacheSpec",
     "ModelConfig",
     "ModelForCausalLM",
     "ModelForPooling",
@@ -20,6 +22,7 @@ __all__ = [
     "Pooler",
     "PoolingType",
     "apply_chat_template",
+    "kv_cache_spec",
     "load_model",
     "load_tokenizer",
 ]

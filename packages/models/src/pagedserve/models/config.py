@@ -33,6 +33,9 @@ QUANTIZATION_METHODS = ("int8", "fp8")
 # Methods a checkpoint's config.json names in ``quantization_config.quant_method`` that
 # pagedserve loads as they are stored (quantization_int4.py, quantization_fp8.py).
 CHECKPOINT_QUANTIZATION_METHODS = ("awq", "gptq", "fp8")
+# Formats in which only an architecture's experts are stored, dequantized by its own loader at
+# load: its linear layers are unquantized (gpt-oss's MXFP4 experts, mxfp4.py).
+EXPERT_QUANTIZATION_METHODS = {"mxfp4": "GptOssForCausalLM"}
 
 
 class ModelLoadError(ValueError):
@@ -45,6 +48,14 @@ def check_quantization(method: str | None, hf_config: dict) -> str | None:
     ``--quantization`` that disagrees with the checkpoint. A quantized checkpoint's own
     method is used when none is asked for (as vLLM does)."""
     stored = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if stored in EXPERT_QUANTIZATION_METHODS:
+        owner = EXPERT_QUANTIZATION_METHODS[stored]
+        if owner not in (hf_config.get("architectures") or []):
+            raise ModelLoadError(
+                f"quantization_config.quant_method = {stored!r} is the format of {owner}'s "
+                f"experts; pagedserve does not load it for {hf_config.get('architectures')}"
+            )
+        stored = None  # the experts are dequantized at load; the linear layers are as stored
     known = sorted(set(QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION_METHODS))
     if method is not None and method not in known:
         raise ModelLoadError(
@@ -248,8 +259,10 @@ class ModelConfig:
 
     @property
     def checkpoint_quantization(self) -> dict[str, Any] | None:
-        """config.json's ``quantization_config`` when the checkpoint is stored quantized."""
-        return self.hf_config.get("quantization_config") or None
+        """config.json's ``quantization_config`` when the checkpoint's linear layers are stored
+        quantized (not when only its experts are: EXPERT_QUANTIZATION_METHODS)."""
+        qc = self.hf_config.get("quantization_config") or None
+        return None if qc and qc.get("quant_method") in EXPERT_QUANTIZATION_METHODS else qc
 
     @property
     def max_position_embeddings(self) -> int:
@@ -326,7 +339,7 @@ class ModelConfig:
         c, n = self.hf_config, self.num_layers
         if c.get("layer_types"):
             sliding = [t == "sliding_attention" for t in c["layer_types"]]
-        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
             first = int(c.get("max_window_layers") or 0)
             sliding = [bool(c.get("use_sliding_window")) and i >= first for i in range(n)]
         elif self.architecture == "Gemma2ForCausalLM":
@@ -352,6 +365,12 @@ class ModelConfig:
         """Gemma 2's cap on attention scores (``attn_logit_softcapping``), None elsewhere."""
         cap = self.hf_config.get("attn_logit_softcapping")
         return float(cap) if cap else None
+
+    @property
+    def has_attention_sinks(self) -> bool:
+        """Whether every layer's softmax has a learned logit per head in its denominator
+        (gpt-oss's ``sinks``; the kernels' ``sinks`` argument)."""
+        return self.architecture == "GptOssForCausalLM"
 
     @property
     def kv_cache_window(self) -> int | None:

@@ -27,7 +27,12 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", False),
 }
 # The tensor types pagedserve holds and multiplies in their blocks (pagedserve.kernels.gguf_*).
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# Every type a common llama.cpp file holds: its Q4_K_M and Q5_K_M fall back to Q5_0 / Q5_1 / Q8_0
+# for rows whose width is not a multiple of 256.
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+)  # fmt: skip
 
 
 def open_gguf(path: str | Path):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.config import ModelConfig, ModelLoadError
 from pagedserve.models.gguf_config import gguf_architecture, open_gguf
 from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -139,4 +140,8 @@ def load_gguf_model(config: ModelConfig, model_cls, par: ParallelContext | None 
             module.linear_method.process_weights_after_loading(module)
     if config.torch_device.type == "cuda":
         torch.cuda.empty_cache()
+    elif kernel_path(torch.empty(0), has_numba=True) == "numba":
+        from pagedserve.kernels.cpu.gguf_linear import warm_up
+
+        warm_up()  # numba compiles (or loads) the GGUF GEMM now, not in the first request
     return model.eval()

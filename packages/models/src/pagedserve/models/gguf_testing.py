@@ -4,10 +4,8 @@
 converter would: its metadata keys, its tensor names, Llama's Q/K rows permuted, its
 tokenizer as ``tokenizer.ggml.*`` (a byte-level BPE: the ``gpt2`` tokenizer model) with the
 chat template, and each tensor in the type ``recipe(name)`` picks. The block types gguf can
-encode (F16, BF16, Q8_0, Q4_0, Q4_1) are encoded by ``gguf.quants.quantize``; for Q4_K and
-Q6_K, which it only decodes, ``quantize_q4_k`` / ``quantize_q6_k`` here round to nearest
-(llama.cpp searches for better scales; any valid blocks do for a test, and the tests prove
-these against gguf's own decoder).
+encode are encoded by ``gguf.quants.quantize``; the K-quants and IQ4 types, which it only
+decodes, by the round-to-nearest encoders of gguf_encode.py.
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from pagedserve.models.gguf_encode import encode
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -38,63 +38,6 @@ def gguf_name(hf_name: str) -> str:
         return f"{top[stem]}.{kind}"
     _, _, layer, rest = stem.split(".", 3)
     return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
-
-
-def _fp16(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).astype(np.float32)
-
-
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """``[N, K]`` fp32 -> Q4_K rows: per 32-weight sub-block ``w ~ scale * q - min`` (q 0..15,
-    min >= 0), the eight scales and mins in 6 bits under the super-block's fp16 ``d``/``dmin``."""
-    x = w.astype(np.float32).reshape(-1, 8, 32)
-    lo, hi = np.minimum(x.min(-1), 0.0), x.max(-1)
-    d = _fp16(np.maximum((hi - lo).max(-1) / 15 / 63, 1e-8))
-    dmin = _fp16(np.maximum((-lo).max(-1) / 63, 1e-8))
-    sc = np.clip(np.round((hi - lo) / 15 / d[:, None]), 1, 63).astype(np.uint8)
-    mn = np.clip(np.round(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    step = (d[:, None] * sc)[..., None]
-    q = np.clip(np.round((x + (dmin[:, None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
-    scales = np.concatenate(
-        [sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
-         (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)], axis=-1,
-    )  # fmt: skip
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
-    halves = np.stack([d, dmin], -1).astype(np.float16).view(np.uint8)
-    return np.concatenate([halves, scales, qs], -1).reshape(w.shape[0], -1)
-
-
-def quantize_q6_k(w: np.ndarray) -> np.ndarray:
-    """``[N, K]`` fp32 -> Q6_K rows: per 16 weights an int8 scale under the block's fp16 ``d``,
-    6-bit ``q - 32`` split into 4 low bits (ql) and 2 high bits (qh)."""
-    x = w.astype(np.float32).reshape(-1, 16, 16)
-    d = _fp16(np.maximum(np.abs(x).max((-1, -2)) / 31 / 127, 1e-8))
-    sc = np.clip(np.round(np.abs(x).max(-1) / 31 / d[:, None]), 1, 127).astype(np.int8)
-    step = (d[:, None] * sc)[..., None]
-    u = (np.clip(np.round(x / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
-    low, high = u & 0xF, u >> 4  # [block, half, g, lane]
-    ql = np.concatenate(
-        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], -1
-    )
-    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    tail = [sc.view(np.uint8), d.astype(np.float16).view(np.uint8).reshape(-1, 2)]
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), *tail], -1).reshape(
-        w.shape[0], -1
-    )
-
-
-def encode(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
-    """(data for GGUFWriter.add_tensor, raw_dtype) of ``w`` in ``type_name``."""
-    from gguf import GGMLQuantizationType, quants
-
-    qtype = GGMLQuantizationType[type_name]
-    if type_name == "F32":
-        return w.astype(np.float32), None
-    if type_name == "Q4_K":
-        return quantize_q4_k(w), qtype
-    if type_name == "Q6_K":
-        return quantize_q6_k(w), qtype
-    return quants.quantize(w.astype(np.float32), qtype), qtype
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -6,7 +6,8 @@ A new architecture is an ``nn.Module`` with these three methods, registered in
 - ``forward(input_ids, positions, kv_caches, attn_metadata)``: the new tokens of every scheduled
   sequence, flattened (``[T]`` ids and positions), through the layers over the paged KV cache
   (one ``(k_cache, v_cache)`` pair per layer, written by ``store_kv`` and read by
-  ``paged_attention`` as ``attn_metadata`` describes); returns the hidden states ``[T, H]``.
+  ``paged_attention`` as ``attn_metadata`` describes; or, for multi-head latent attention, one
+  ``(latent_cache,)``: kv_cache_spec.py); returns the hidden states ``[T, H]``.
 - ``compute_logits(hidden)``: the LM head over the rows the runner picked, gathered across
   tensor-parallel ranks, as float32 ``[N, vocab_size]`` (the sampler's precision, whatever the
   model's dtype).
@@ -33,7 +34,7 @@ from pagedserve.models.layers.attention import AttentionMetadata
 from pagedserve.models.pooling import Pooler
 from pagedserve.models.weights import CheckpointTensor
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # (k_cache, v_cache), or MLA's (latent_cache,)
 
 
 @runtime_checkable

@@ -35,6 +35,8 @@ class LlamaAttention(nn.Module):
         head_dim = config.head_dim
         qkv_bias = bool(c.get("attention_bias", False)) or arch == "Qwen2ForCausalLM"
         o_bias = bool(c.get("attention_bias", False)) and arch != "Qwen2ForCausalLM"
+        if arch == "Qwen2MoeForCausalLM":  # its config says (``qkv_bias``, on by default)
+            qkv_bias, o_bias = bool(c.get("qkv_bias", True)), False
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             head_dim,
@@ -92,13 +94,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelContext) -> None:
+    """The gated SiLU MLP; ``intermediate_size`` other than the config's for the shared
+    experts of MoE blocks (Qwen2-MoE, DeepSeek)."""
+
+    def __init__(
+        self, config: ModelConfig, par: ParallelContext, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         c = config.hf_config
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {c.get('hidden_act')!r} (silu is)")
         bias = bool(c.get("mlp_bias", False))
-        inter = c["intermediate_size"]
+        inter = intermediate_size or c["intermediate_size"]
         dtype = config.torch_dtype
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [inter, inter], bias=bias, dtype=dtype, **par.shard_args()
@@ -118,12 +125,21 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, par: ParallelContext, layer_idx: int, mlp_factory=None
+        self,
+        config: ModelConfig,
+        par: ParallelContext,
+        layer_idx: int,
+        mlp_factory=None,
+        attention_factory=None,
     ) -> None:
         super().__init__()
         eps, dtype = config.hf_config["rms_norm_eps"], config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, par, layer_idx)
+        # Llama's attention, or what the model's attention_factory builds (DeepSeek's MLA)
+        if attention_factory is None:
+            self.self_attn = LlamaAttention(config, par, layer_idx)
+        else:
+            self.self_attn = attention_factory(layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         # a dense MLP, or what the model's mlp_factory builds for this layer (MoE blocks)
         self.mlp = LlamaMLP(config, par) if mlp_factory is None else mlp_factory(layer_idx)
@@ -139,7 +155,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, par: ParallelContext, mlp_factory=None) -> None:
+    def __init__(
+        self, config: ModelConfig, par: ParallelContext, mlp_factory=None, attention_factory=None
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
@@ -149,7 +167,8 @@ class LlamaModel(nn.Module):
             **par.shard_args(),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, par, i, mlp_factory) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, par, i, mlp_factory, attention_factory)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
             config.hidden_size, config.hf_config["rms_norm_eps"], config.torch_dtype
@@ -180,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         par = par or ParallelContext()
         self.config = config
-        self.model = LlamaModel(config, par, self.mlp_factory(config, par))
+        self.model = LlamaModel(
+            config, par, self.mlp_factory(config, par), self.attention_factory(config, par)
+        )
         self.tie_word_embeddings = bool(config.hf_config.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size,
@@ -194,6 +215,11 @@ class LlamaForCausalLM(nn.Module):
 
     def mlp_factory(self, config: ModelConfig, par: ParallelContext):
         """None: every layer's MLP is dense. A sparse model returns ``layer_idx -> module``."""
+        return None
+
+    def attention_factory(self, config: ModelConfig, par: ParallelContext):
+        """None: Llama's attention. Another kind (DeepSeek's MLA) returns ``layer_idx ->
+        module``."""
         return None
 
     def forward(

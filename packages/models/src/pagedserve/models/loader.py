@@ -11,14 +11,20 @@ import torch
 from pagedserve.models.adapters import as_pooling_model
 from pagedserve.models.bert import BertForSequenceClassification, BertModel
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.batch_invariance import batch_invariant_layers
 from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagedserve.models.mixtral import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.quantization import (
@@ -34,6 +40,10 @@ MODEL_CLASSES: dict[str, type] = {
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "bert": BertModel,
     "bert_classifier": BertForSequenceClassification,
@@ -63,8 +73,10 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
     ):
         model = model_cls(config, par)
     weights = iterate_weights(config.model)
-    if stored_quantized is None:
-        model.load_weights((name, tensor.to(config.torch_dtype)) for name, tensor in weights)
+    if stored_quantized is None:  # integers (gpt-oss's MXFP4 expert blocks) stay as stored
+        model.load_weights(
+            (name, _in_dtype(tensor, config.torch_dtype)) for name, tensor in weights
+        )
     else:  # packed integers and fp8 stay as stored; each parameter's copy casts the rest
         model.load_weights(weights)
         process_weights_after_loading(model)
@@ -73,3 +85,9 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
     if config.quantization is not None and config.torch_device.type == "cuda":
         torch.cuda.empty_cache()  # the freed full-precision weights count for the KV cache
     return model.eval()
+
+
+def _in_dtype(tensor, dtype: torch.dtype):
+    """A floating-point checkpoint tensor in the model's dtype (lazily, for a handle); any
+    other left as stored."""
+    return tensor.to(dtype) if tensor.dtype.is_floating_point else tensor

@@ -1,8 +1,10 @@
-"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE, over the fused MoE kernel.
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2/3-MoE and DeepSeek, over the fused MoE
+kernel.
 
-A router (``gate``, a linear layer to one logit per expert) picks each token's top-k experts
-from the softmax of its logits (in fp32, as transformers computes it); Mixtral renormalises
-the k weights to sum to one, Qwen3-MoE does when ``norm_topk_prob``. The experts' weights are
+A router (``gate``, a linear layer to one logit per expert, and its rule: moe_routing.py)
+picks each token's top-k experts and their weights; by default the top k of the softmax of
+its logits (in fp32, as transformers computes it), which Mixtral renormalises to sum to one
+and Qwen-MoE does when ``norm_topk_prob``; DeepSeek passes its own router. The experts' weights are
 stacked, ``w13 [E, 2I, H]`` (gate rows then up rows) and ``w2 [E, H, I]``, and
 ``pagedserve.kernels.fused_moe`` runs them all in one grouped GEMM per projection.
 
@@ -22,11 +24,11 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import fused_moe
-from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelLoadError
 from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
-from pagedserve.models.weights import CheckpointTensor, default_weight_loader
+from pagedserve.models.moe_routing import SoftmaxTopKRouter
+from pagedserve.models.weights import CheckpointTensor
 
 # checkpoint projection name -> (our parameter, part): gate and up into w13, down into w2
 EXPERT_PROJECTIONS = {
@@ -38,7 +40,8 @@ EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + stacked experts; ``forward(x [T, H]) -> [T, H]``."""
+    """Router + stacked experts; ``forward(x [T, H]) -> [T, H]``. ``gate``: the router
+    (moe_routing.py); by default the softmax top-``top_k``, renormalised when ``renormalize``."""
 
     def __init__(
         self,
@@ -51,16 +54,15 @@ class SparseMoeBlock(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce=None,
+        gate: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"expert size {intermediate_size} is not divisible by {tp_size}")
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_experts = num_experts
         self.inter, self.inter_per_rank = intermediate_size, intermediate_size // tp_size
         self.tp_rank, self.tp_size, self.all_reduce = tp_rank, tp_size, all_reduce
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
-        self.gate.weight.requires_grad_(False)
-        self.gate.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.gate = gate or SoftmaxTopKRouter(num_experts, top_k, hidden_size, renormalize, dtype)
         shape13 = (num_experts, 2 * self.inter_per_rank, hidden_size)
         self.experts = nn.Module()
         self.experts.w13_weight = loadable_param(shape13, dtype, self.load_expert)
@@ -93,21 +95,52 @@ class SparseMoeBlock(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint is missing expert weights of {where}: {missing[:6]}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:  # a near-tie between two experts must not follow the batch
-            router_logits = linear(x, self.gate.weight, batch_invariant=True)
-        else:
-            router_logits = self.gate(x)
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = fused_moe(
-            x, self.experts.w13_weight, self.experts.w2_weight, weights, ids, self.batch_invariant
-        )
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output: under tensor parallelism, this rank's partial sum."""
+        weights, ids = self.gate(x)
+        experts = self.experts
+        return fused_moe(
+            x, experts.w13_weight, experts.w2_weight, weights, ids,
+            batch_invariant=self.batch_invariant,
+        )  # fmt: skip
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``partial`` (itself with one rank)."""
         if self.tp_size > 1 and self.all_reduce is not None:
-            out = self.all_reduce(out)
-        return out
+            return self.all_reduce(partial)
+        return partial
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.routed(x))
+
+
+class SharedExpertsMoeBlock(SparseMoeBlock):
+    """DeepSeek's MoE: the routed experts plus ``shared_experts``, a dense MLP (of
+    ``n_shared_experts * moe_intermediate_size``) that every token goes through. Under tensor
+    parallelism both are partial sums (the shared MLP is built without its own all-reduce),
+    added before one all-reduce."""
+
+    def __init__(self, shared_experts: nn.Module, **block_args) -> None:
+        super().__init__(**block_args)
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.routed(x) + self.shared_experts(x))
+
+
+class GatedSharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen2-MoE's block: the routed experts plus ``shared_expert`` (a dense MLP of
+    ``shared_expert_intermediate_size``) scaled per token by ``sigmoid(shared_expert_gate(x))``,
+    a learned scalar gate. The gate is the same on every rank, so the scaled partial sums
+    still add up: one all-reduce, as above."""
+
+    def __init__(self, shared_expert: nn.Module, shared_expert_gate: nn.Module, **block_args):
+        super().__init__(**block_args)
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.reduce(self.routed(x) + shared)
 
 
 def split_expert_weights(model: nn.Module, weights):

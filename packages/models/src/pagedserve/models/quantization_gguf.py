@@ -4,8 +4,8 @@ Every 2-D tensor of a GGUF file stays as the file stores it, ``uint8 [rows, row_
 rows of blocks (pagedserve.kernels.gguf_dequant has the layouts), with its ggml type id:
 
 - ``GGUFLinearMethod`` holds a linear layer's weight so and multiplies through
-  ``gguf_linear`` (Triton on a GPU; on a CPU the reference, which decodes the layer's blocks
-  to fp32 on each call and runs one GEMM). A fused layer (qkv, gate_up) whose parts share a
+  ``gguf_linear`` (Triton on a GPU; on a CPU numba, which decodes each weight row from its
+  blocks as it multiplies: cpu/gguf_linear.py). A fused layer (qkv, gate_up) whose parts share a
   type holds them as one matrix, rows stacked; parts of different types (llama.cpp's
   mixtures: Q4_K_M gives V and down Q6_K) stay apart and are multiplied one by one.
 - ``GGUFEmbedding`` gathers its tokens' rows and decodes only those; ``GGUFLMHead`` multiplies

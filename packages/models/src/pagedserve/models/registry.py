@@ -60,6 +60,30 @@ ARCHITECTURES: dict[str, Architecture] = {
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
         "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel",
     ),
+    "Qwen2MoeForCausalLM": Architecture(
+        "qwen2_moe",
+        "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
+        "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel",
+    ),
+    "DeepseekV2ForCausalLM": Architecture(
+        "deepseek_v2",
+        "DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2",
+        "multi-head latent attention over a paged latent cache (576 values a token and layer), "
+        "absorbed decode kernel, YaRN; shared experts, group-limited top-k; fused MoE kernel",
+    ),
+    "DeepseekV3ForCausalLM": Architecture(
+        "deepseek_v3",
+        "DeepSeek-V3, R1 (bf16 weights)",
+        "V2's latent attention; sigmoid routing with the correction bias (noaux_tc), top-4 of "
+        "8 groups; first 3 layers dense",
+    ),
+    "GptOssForCausalLM": Architecture(
+        "gpt_oss",
+        "gpt-oss-20b, gpt-oss-120b",
+        "attention sinks, alternating 128-token sliding-window and full layers, YaRN; "
+        "biased experts with a clamped SwiGLU (fused MoE kernel); MXFP4 experts dequantized "
+        "at load",
+    ),
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights"
     ),

@@ -17,7 +17,7 @@ from typing import Any
 TINY_VOCAB = 512
 TINY_ARCHS = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
-    "gpt2",
+    "gpt2", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
 )  # fmt: skip
 TINY_WINDOW = 16  # the sliding window of the tiny Gemmas' local layers (prompts go past it)
 
@@ -71,12 +71,74 @@ def _llama_family_config(arch: str, overrides: dict[str, Any]):
             head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[0],
         )  # fmt: skip
+    elif arch == "qwen2_moe":  # 8 experts, top 3, and the gated shared expert on both layers
+        cls = transformers.Qwen2MoeConfig
+        common.update(
+            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False,
+        )  # fmt: skip
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        cls = _deepseek_config(arch, common)
+    elif arch == "gpt_oss":
+        cls = _gpt_oss_config(common)
     elif arch in ("gemma2", "gemma3", "phi3"):
         cls = _gemma_phi3_config(arch, common)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
     common.update(overrides)
     return cls(**common)
+
+
+def _deepseek_config(arch: str, common: dict[str, Any]):
+    """Multi-head latent attention with every size distinct (a 32-value latent, 16 rope and 16
+    no-rope query dims, 24 value dims), YaRN (factor 4 over 64 positions; V2 with an attention
+    factor other than 1), a dense first layer then MoE: 8 routed experts in 4 groups, 2 groups
+    kept, top 2, and shared experts. V2 (as V2-Lite) has no query bottleneck and routes
+    group-limited greedy by softmax; V3 has one (q_lora_rank 48) and routes by sigmoid with the
+    correction bias (drawn at random in make_tiny_checkpoint: a zero bias would test nothing)."""
+    import transformers
+
+    common.update(
+        num_key_value_heads=common["num_attention_heads"],  # MLA: one latent, no KV heads
+        max_position_embeddings=256, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=24, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1,
+    )  # fmt: skip
+    yarn = dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+        beta_fast=32, beta_slow=1, mscale=1.0,
+    )  # fmt: skip
+    if arch == "deepseek_v2":
+        common.update(
+            q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5, rope_parameters=dict(yarn, mscale_all_dim=0.5),
+        )  # fmt: skip
+        return transformers.DeepseekV2Config
+    common.update(
+        q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters=dict(yarn, mscale_all_dim=1.0),
+    )  # fmt: skip
+    return transformers.DeepseekV3Config
+
+
+def _gpt_oss_config(common: dict[str, Any]):
+    """A windowed layer (TINY_WINDOW) then a full one, both with sinks (drawn wide in
+    make_tiny_checkpoint, as the experts' biases: transformers starts those at zero), head_dim
+    32 over a hidden size of 64, YaRN without truncation (factor 4 over 64 positions), 8
+    experts of 96 (MXFP4 blocks of 32 divide both projections), top 2, and a SwiGLU limit
+    of 1 that the tiny activations reach."""
+    import transformers
+
+    common.update(
+        head_dim=32, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=1.0, max_position_embeddings=256, attention_bias=True,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+            truncate=False, original_max_position_embeddings=64,
+        ),
+    )  # fmt: skip
+    return transformers.GptOssConfig
 
 
 def _gemma_phi3_config(arch: str, common: dict[str, Any]):
@@ -167,8 +229,47 @@ def make_tiny_checkpoint(
     config = _gpt2_config(overrides) if arch == "gpt2" else _llama_family_config(arch, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # DeepSeek-V3's routing bias starts at zero; make it choose
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+        for name, param in model.named_parameters():  # gpt-oss's: zeros, or too small to tell
+            if name.endswith(("self_attn.sinks", "experts.gate_up_proj_bias", "down_proj_bias")):
+                param.normal_(0.0, 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tiny_tokenizer(out_dir, config.vocab_size)
+    return out_dir
+
+
+def make_mxfp4_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
+    """``source`` (a tiny gpt-oss folder) with its experts' projections stored as OpenAI's
+    release stores them: MXFP4 ``_blocks`` and ``_scales`` ``[E, out, ...]``, and
+    ``quantization_config.quant_method = "mxfp4"``; everything else as it was."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.models.mxfp4 import quantize_mxfp4
+
+    source, out_dir = Path(source), Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    shutil.copytree(source, out_dir)
+    tensors = load_file(out_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))  # [E, out, in]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head",
+        ],
+    }  # fmt: skip
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
 
 

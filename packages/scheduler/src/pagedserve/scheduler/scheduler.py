@@ -400,7 +400,12 @@ class Scheduler:
         return request.lora_int_id in running or len(running) < self.config.max_loras
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in policy order while the budget, the sequence cap and the
+        pool allow; the first that cannot start stops admission. A request preempted in this
+        very step (by ``_make_room_for_priority``) is not taken back: it would recompute from
+        scratch the blocks it just gave up, so it waits for the next step like any victim."""
         max_seqs = self.config.max_num_seqs
+        preempted_now = {id(r) for r in output.preempted}
         while (
             self.waiting
             and budget > 0
@@ -410,6 +415,8 @@ class Scheduler:
             request = self.waiting.first_ready()
             if request is None:
                 break  # every waiting request is held for its grammar
+            if id(request) in preempted_now:
+                break  # a victim of this step waits for the next one
             if not self._adapter_fits(request):
                 break  # the head waits for an adapter slot; nothing behind it jumps the queue
             hits, num_cached = self.kv.get_computed_blocks(

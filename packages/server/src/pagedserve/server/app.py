@@ -114,6 +114,7 @@ def body_route(
         return await create(request, state, body)
 
     route.__name__ = create.__name__
+    route.runner = runner  # what served_post_paths reads: the kind of model the route needs
     return route
 
 

@@ -29,9 +29,17 @@ BASE_URL = "http://pagedserve.batch"  # the in-process app's address (never on a
 
 
 def served_post_paths(app) -> frozenset[str]:
-    """The paths of the app's POST routes: the urls a batch line may name."""
+    """The paths of the app's POST routes that its models serve: the urls a batch line may
+    name. A route for one kind of model (``runner``: generate or pooling, set by
+    ``body_route``) counts only when a served model is of that kind, so /v1/embeddings is
+    not a batch url of a server of generative models."""
+    kinds = {state.engine.model_config.runner_type for state in app.state.models.states()}
     return frozenset(
-        route.path for route in app.routes if isinstance(route, Route) and "POST" in route.methods
+        route.path
+        for route in app.routes
+        if isinstance(route, Route)
+        and "POST" in route.methods
+        and getattr(route.endpoint, "runner", None) in (None, *kinds)
     )
 
 

@@ -189,7 +189,7 @@ def plan_prompt(
         defaults=defaults,
         prompt_logprobs=body.prompt_logprobs,
         structured_outputs=answer_only(tool_constraint or constraint, mode, blamed or ""),
-        keep_special_tokens=not tools.skip_special_tokens,
+        keep_special_tokens=not tools.skip_special_tokens or mode is ReasoningMode.HARMONY,
         thinking=thinking,
     )
     plan = ReplyPlan(tools, mode, body.include_reasoning)

@@ -90,12 +90,12 @@ class ServerConfig:
         "how tool calls are read from a reply under tool_choice auto: auto (the format the chat "
         "template writes calls in; hermes for a template without tools), hermes, llama3_json, "
         "mistral, pythonic, llama4_pythonic, qwen3_coder, deepseek_v3, deepseek_v31, granite, "
-        "internlm, glm45",
+        "internlm, glm45, openai",
     )
     reasoning_parser: str | None = option(
         None,
         "split a reasoning model's thinking from its answer (reasoning_content): deepseek_r1, "
-        "qwen3, think",
+        "qwen3, think, openai_gptoss",
     )
     responses_store: str | None = option(
         None,

@@ -8,6 +8,10 @@ The models think between ``<think>`` and ``</think>``; they differ in who writes
   in the prompt. A reply with no ``</think>`` is all thinking (cut short while thinking).
 - ``think`` (any model that opens ``<think>`` itself): the reply is thinking only if it opens
   with ``<think>`` (or the prompt left one open); any other reply is all answer.
+- ``openai_gptoss`` (gpt-oss) writes no tags but OpenAI's harmony messages: its analysis
+  channel is the thinking, the rest the answer (harmony.py; its tool calls go on to the
+  ``openai`` tool parser). Its replies are read with their special tokens kept; an output
+  constraint or a thinking budget, written for tags, is refused under it.
 
 No thinking is expected when the request says ``chat_template_kwargs: {"enable_thinking":
 false}`` (Qwen3's switch; ``reasoning_effort: "none"`` sets it, as in vLLM), or when the prompt
@@ -32,6 +36,7 @@ from typing import Any
 
 from pagedserve.engine.structured_output import StructuredOutputsParams
 from pagedserve.server.errors import bad_request
+from pagedserve.server.harmony import HarmonySplitter
 from pagedserve.server.tool_parsers.base import held_back
 
 START, END = "<think>", "</think>"
@@ -42,6 +47,7 @@ class ReasoningMode(enum.Enum):
     OPEN = "open"  # the reply starts in the thinking (a leading <think> is the tag, not text)
     OPTIONAL = "optional"  # the reply thinks only if it opens with <think>
     CLOSED = "closed"  # no thinking: the whole reply is the answer
+    HARMONY = "harmony"  # harmony messages (gpt-oss): the analysis channel is the thinking
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,12 @@ class ReasoningParser:
 
     name: str
     starts_thinking: bool
+    harmony: bool = False
 
     def mode(self, prompt_tail: str, template_kwargs: dict[str, Any]) -> ReasoningMode:
         """The mode of a request whose rendered prompt ends with ``prompt_tail``."""
+        if self.harmony:
+            return ReasoningMode.HARMONY
         if template_kwargs.get("enable_thinking") is False:
             return ReasoningMode.CLOSED
         opened, closed = prompt_tail.rfind(START), prompt_tail.rfind(END)
@@ -70,8 +79,14 @@ REASONING_PARSERS = {
         ReasoningParser("deepseek_r1", starts_thinking=True),
         ReasoningParser("qwen3", starts_thinking=True),
         ReasoningParser("think", starts_thinking=False),
+        ReasoningParser("openai_gptoss", starts_thinking=True, harmony=True),
     )
 }
+
+
+def reasoning_splitter(mode: ReasoningMode) -> ReasoningSplitter | HarmonySplitter:
+    """A fresh splitter of one reply in ``mode``."""
+    return HarmonySplitter() if mode is ReasoningMode.HARMONY else ReasoningSplitter(mode)
 
 
 class ReasoningSplitter:
@@ -137,7 +152,7 @@ class ReasoningSplitter:
 
 def split_reply(mode: ReasoningMode, text: str) -> tuple[str, str, bool]:
     """A whole reply as (thinking, answer, whether the thinking closed)."""
-    splitter = ReasoningSplitter(mode)
+    splitter = reasoning_splitter(mode)
     reasoning, answer = splitter.feed(text)
     more_reasoning, more_answer = splitter.finish()
     return reasoning + more_reasoning, answer + more_answer, splitter.ended
@@ -175,6 +190,12 @@ def answer_only(
     Unchanged without a reasoning parser (``mode`` None) or thinking."""
     if constraint is None or mode is None or mode is ReasoningMode.CLOSED:
         return constraint
+    if mode is ReasoningMode.HARMONY:
+        raise bad_request(
+            "an output constraint under --reasoning-parser openai_gptoss is not supported: "
+            "it would hold the harmony messages' markup, not the final answer",
+            param,
+        )
     answer = [ANSWER_GAP, _as_format(constraint, param)]
     if mode is ReasoningMode.OPEN:
         thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": END}
@@ -228,6 +249,8 @@ def thinking_budget(
         return {}
     if budget < 0:
         raise bad_request(f"{param} must be a non-negative integer or -1 (unlimited)", param)
+    if mode is ReasoningMode.HARMONY or (parser and REASONING_PARSERS[parser].harmony):
+        raise bad_request(f"{param} is for <think> models; gpt-oss's harmony has none", param)
     if parser is None:
         raise bad_request(
             f"{param} needs a reasoning model served with --reasoning-parser, which says where "

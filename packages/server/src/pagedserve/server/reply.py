@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.server.reasoning import ReasoningMode, ReasoningSplitter, reasoning_token_count
+from pagedserve.server.harmony import HarmonySplitter
+from pagedserve.server.reasoning import (
+    ReasoningMode,
+    ReasoningSplitter,
+    reasoning_splitter,
+    reasoning_token_count,
+)
 from pagedserve.server.tool_parsers import CallDelta, ParsedCall, ParsedDelta
 
 
@@ -42,7 +48,7 @@ class Reply:
 
 
 class ReplyReader:
-    def __init__(self, splitter: ReasoningSplitter | None, calls) -> None:
+    def __init__(self, splitter: ReasoningSplitter | HarmonySplitter | None, calls) -> None:
         self.splitter = splitter
         self.calls = calls  # a tool parser (tool_parsers), or None: the answer is content
 
@@ -73,7 +79,7 @@ class ReplyPlan:
     include_reasoning: bool = True
 
     def reader(self) -> ReplyReader:
-        splitter = ReasoningSplitter(self.reasoning) if self.reasoning is not None else None
+        splitter = reasoning_splitter(self.reasoning) if self.reasoning is not None else None
         return ReplyReader(splitter, self.tools.reader())
 
     def whole(self, text: str) -> Reply:

@@ -11,7 +11,9 @@ flat batch and run the same forward on their shard. One step is three broadcasts
    model's device (so NCCL carries them on GPUs).
 
 The message lists fields by name from the dataclasses, so a field added to ``ModelInput`` or
-``AttentionMetadata`` travels without changes here.
+``AttentionMetadata`` travels without changes here. A field marked as a host copy (its
+metadata ``host_copy``: ``AttentionMetadata.query_start_loc_cpu``, ``seq_lens_cpu``) rides in
+the pickled message itself, and arrives on the host.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _flatten(obj, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
     values = {}
     for f in fields(obj):
         value, name = getattr(obj, f.name), prefix + f.name
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not f.metadata.get("host_copy"):
             tensors[name] = value
         elif is_dataclass(value):
             values.update(_flatten(value, name + ".", tensors))

@@ -43,12 +43,17 @@ from pagedserve.engine.input_batch import (
     attention_metadata,
     token_slice,
 )
-from pagedserve.engine.kv_cache import allocate_kv_caches, bytes_per_block, kv_cache_torch_dtype
+from pagedserve.engine.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    copy_cache_blocks,
+    kv_cache_torch_dtype,
+    warm_up_attention,
+)
 from pagedserve.engine.sampler import SamplingMetadata, exponential_noise, sampling_columns
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-from pagedserve.kernels import copy_blocks, paged_attention_warmup
 from pagedserve.kernels.sampling import sample_tokens, sampling_probs
-from pagedserve.models import ModelConfig, load_model, load_tokenizer
+from pagedserve.models import ModelConfig, kv_cache_spec, load_model, load_tokenizer
 from pagedserve.models.config import ModelLoadError
 from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -115,7 +120,8 @@ class DraftModelProposer:
         self.device = self.model_config.torch_device
         self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.model_config.torch_dtype)
         self.model = load_model(self.model_config)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_cache_spec = kv_cache_spec(self.model_config)
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.block_size = 0
         # per request verified this step: the draft distributions of its proposals [n, V]
         # (sampling rows only; a greedy row's q is one-hot at its proposal)
@@ -123,30 +129,23 @@ class DraftModelProposer:
 
     def block_bytes(self, block_size: int) -> int:
         """KV bytes one block takes in the draft's cache (the budget split counts them)."""
-        mc = self.model_config
-        return bytes_per_block(
-            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.kv_cache_dtype
-        )
+        return bytes_per_block(self.kv_cache_spec, block_size, self.kv_cache_dtype)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
         """The draft's KV tensors: as many blocks as the target's pool, the same block size."""
         mc = self.model_config
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(
-            mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-            self.kv_cache_dtype, self.device,
-        )  # fmt: skip
+            self.kv_cache_spec, num_blocks, block_size, self.kv_cache_dtype, self.device
+        )
         logger.info(
             "draft model %s: %d layers, KV cache of %d %s blocks beside the target's",
             mc.model, mc.num_layers, num_blocks, str(self.kv_cache_dtype).removeprefix("torch."),
         )  # fmt: skip
-        if self.device.type == "cuda":  # compile the draft's attention variants now
-            paged_attention_warmup(
-                mc.num_attention_heads, mc.num_kv_heads, mc.head_dim, mc.torch_dtype,
-                block_size, mc.max_model_len, self.device,
-                layer_windows=mc.sliding_windows, logits_soft_cap=mc.attention_logits_soft_cap,
-                cache_dtype=self.kv_cache_dtype,
-            )  # fmt: skip
+        warm_up_attention(  # on a GPU: the draft's attention variants compiled now
+            mc, self.kv_cache_spec, mc.num_attention_heads, block_size, self.kv_cache_dtype,
+            self.device,
+        )  # fmt: skip
 
     def placeholders(self, room: int) -> list[int]:
         """The proposal slots to ask the scheduler for: ``min(k, room)`` of them."""
@@ -160,7 +159,7 @@ class DraftModelProposer:
         self.draft_probs = {}
         if scheduled.blocks_to_copy:
             pairs = torch.tensor(scheduled.blocks_to_copy, dtype=torch.long, device=self.device)
-            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+            copy_cache_blocks(self.kv_caches, pairs)
         every = scheduled.scheduled
         items = [item for item in every if item.spec_token_ids]
         logits = self._catch_up(every, items)

@@ -9,7 +9,7 @@ numpy arrays and back, plus the splits and views between them: ~100 us a layer, 
 same kernels run from one compiled function, so the layer costs one call's dispatch:
 
     h, r  = rms_norm(x + residual)                      (layer_ops_numba._rms_norm_kernel)
-    q,k,v = split(h @ W_qkv.T + b_qkv)                  (dense_linear_numba kernels)
+    q,k,v = split(h @ W_qkv.T + b_qkv)                  (dense_linear or gguf_linear kernels)
     q, k  = rotary(q, k);  cache[slots] = k, v          (layer_ops_numba)
     a     = paged_attention(q, cache, the step's plan)  (paged_attention_numba kernels)
     h, r  = rms_norm(a @ W_o.T + r)
@@ -23,8 +23,12 @@ fused projection's rows instead of viewed, which moves values, not rounding. So 
 step between the two paths (a batch of 17 rows goes module by module, a batch of 16 here)
 changes no output; tests/engine/test_cpu_runner.py holds them equal bit for bit.
 
-Only the layer :func:`supports` takes this path: the caller (the model) checks the rest (fp32
-weights without quantization or LoRA, one rank, no per-head norms). The compiled function
+The projections are fp32 matrices, or a GGUF file's rows of blocks (each projection as up to
+three parts of their own types, as ``GGUFLinearMethod`` holds them): ``project`` picks the
+GEMM by the weights' numba type when the layer compiles, so each kind is its own signature and
+a dense model's code is as it was. Only the layer :func:`supports` takes this path: the caller
+(the model) checks the rest (fp32 or GGUF weights without other quantization or LoRA, one
+rank, no per-head norms). The compiled function
 carries the code of every kernel it calls: numba_cache.py stamps the disk cache with all the
 package's numba files, so an edit to any of them recompiles this one too.
 """
@@ -36,9 +40,12 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
+from numba.core import types
+from numba.extending import overload
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.cpu.dense_linear import MAX_ROWS, dense_linear_compiled
+from pagedserve.kernels.cpu.gguf_linear import LANES, PARTS, gguf_parts_compiled
 from pagedserve.kernels.cpu.half import cache_as_numpy
 from pagedserve.kernels.cpu.layer_ops import (
     CACHE_DTYPES,
@@ -48,9 +55,24 @@ from pagedserve.kernels.cpu.layer_ops import (
     _store_kv_kernel,
     supports_caches,
 )
-from pagedserve.kernels.cpu.paged_attention import launch_attention
+from pagedserve.kernels.cpu.paged_attention import NO_SINKS, launch_attention
 from pagedserve.kernels.cpu.paged_attention_plan import StepPlan
 from pagedserve.kernels.cpu.threads import follow_torch_threads
+
+
+def project(x, weight, threads):  # pragma: no cover - compiled
+    """``x @ W.T``: ``weight`` an fp32 ``[out, in]`` matrix, or a GGUF projection ``(parts,
+    types, lanes)`` (``DecoderLayerWeights.of``)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(project, inline="always")
+def _project_impl(x, weight, threads):
+    if isinstance(weight, types.Array):
+        return lambda x, weight, threads: dense_linear_compiled(x, weight, threads)
+    return lambda x, weight, threads: gguf_parts_compiled(
+        x, weight[0], weight[1], weight[2], threads
+    )
 
 
 @numba.njit(cache=True)
@@ -69,9 +91,10 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     """One layer (see the module docstring); returns (the MLP's output, the new residual).
 
     ``norms``: (input, post-attention) RMSNorm weights; ``eps``: theirs; ``weights``: (qkv,
-    o, gate_up, down); ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
+    o, gate_up, down), each for ``project``; ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
     dim); ``rotary``: (positions, cos/sin cache, neox?); ``cache``: (K cache, V cache, slot
-    mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap)."""
+    mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap, sinks:
+    none, the fused layers are of models without them)."""
     w_qkv, w_o, w_gate_up, w_down = weights
     normed = np.empty_like(hidden)
     if has_residual:
@@ -80,7 +103,7 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     else:
         summed = hidden
         _rms_norm_kernel(hidden, hidden, norms[0], eps[0], normed, hidden, False)
-    qkv = dense_linear_compiled(normed, w_qkv, threads)
+    qkv = project(normed, w_qkv, threads)
     if qkv_bias.shape[0]:
         for t in range(qkv.shape[0]):
             qkv[t] += qkv_bias
@@ -91,13 +114,13 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
     attended = np.empty(q.shape, np.float32)  # every row is some work item's: see supports
     launch_attention(q, cache[0], cache[1], *attention, attended)
-    projected = dense_linear_compiled(attended.reshape(q.shape[0], -1), w_o, threads)
+    projected = project(attended.reshape(q.shape[0], -1), w_o, threads)
     normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
     _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
-    gate_up = dense_linear_compiled(normed2, w_gate_up, threads)
+    gate_up = project(normed2, w_gate_up, threads)
     activated = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     _silu_and_mul_kernel(gate_up, activated)
-    return dense_linear_compiled(activated, w_down, threads), summed2
+    return project(activated, w_down, threads), summed2
 
 
 @dataclass(frozen=True)
@@ -108,11 +131,13 @@ class DecoderLayerWeights:
     ``norms``: the input and post-attention RMSNorm weights, ``eps`` theirs; ``linears``: the
     (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
     ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
-    sliding window or 0; ``cap``: the scores' soft cap or 0."""
+    sliding window or 0; ``cap``: the scores' soft cap or 0. A GGUF projection is ``(rows,
+    types, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their ggml type ids, and
+    the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why)."""
 
     norms: tuple[np.ndarray, np.ndarray]
     eps: tuple[np.float32, np.float32]
-    linears: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    linears: tuple
     qkv_bias: np.ndarray
     heads: tuple[int, int, int]
     cos_sin: np.ndarray
@@ -121,24 +146,30 @@ class DecoderLayerWeights:
     window: int
     cap: np.float32
 
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether the projections are a GGUF file's rows of blocks (not fp32 matrices)."""
+        return isinstance(self.linears[0], tuple)
+
     @classmethod
     def of(
         cls,
         norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]],
-        linears: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        linears: tuple,
         qkv_bias: torch.Tensor | None,
         heads: tuple[int, int, int],
         rotary: tuple[torch.Tensor, bool],
         attention: tuple[float, int | None, float | None],
     ) -> DecoderLayerWeights:
-        """From the modules' tensors: ``rotary`` (cos/sin cache, neox?), ``attention``
+        """From the modules' tensors: ``linears`` fp32 weights, or GGUF projections as lists of
+        ``(uint8 rows, type id)`` parts; ``rotary`` (cos/sin cache, neox?), ``attention``
         (scale, sliding window or None, soft cap or None)."""
         (norm_in, eps_in), (norm_post, eps_post) = norms
         scale, window, cap = attention
         return cls(
             (norm_in.detach().numpy(), norm_post.detach().numpy()),
             (np.float32(eps_in), np.float32(eps_post)),
-            tuple(w.detach().numpy() for w in linears),
+            tuple(_projection(w) for w in linears),
             _NO_BIAS if qkv_bias is None else qkv_bias.detach().numpy(),
             tuple(int(n) for n in heads),
             rotary[0].numpy(),
@@ -182,13 +213,25 @@ def decoder_layer_numba(
         layer.eps, layer.linears, layer.qkv_bias, layer.heads,
         (_int64(positions), layer.cos_sin, layer.is_neox),
         (cache_as_numpy(kv_cache[0]), cache_as_numpy(kv_cache[1]), _int64(slot_mapping)),
-        (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap),
+        (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap,
+         NO_SINKS),
         follow_torch_threads(),
     )  # fmt: skip
     return torch.from_numpy(out), torch.from_numpy(summed)
 
 
 _NO_BIAS = np.empty(0, np.float32)
+_NO_ROWS = np.empty((0, 0), np.uint8)
+
+
+def _projection(weight: torch.Tensor | list[tuple[torch.Tensor, int]]):
+    """A projection as ``project`` reads it: an fp32 matrix, or GGUF parts padded to ``PARTS``
+    (one compiled signature for every layer of a GGUF model)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().numpy()
+    pad = PARTS - len(weight)
+    rows = tuple(r.detach().numpy() for r, _ in weight) + (_NO_ROWS,) * pad
+    return rows, tuple(int(t) for _, t in weight) + (-1,) * pad, LANES
 
 
 def _int64(t: torch.Tensor) -> np.ndarray:
@@ -196,18 +239,26 @@ def _int64(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.dtype is torch.int64 else t.to(torch.int64).numpy()
 
 
-def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,), gguf: bool = False) -> None:
     """Compile (or load from numba's disk cache) the fused layer now, not in the first request:
-    one signature per cache dtype (fp32 rows, int64 positions and slots) on a one-token layer.
-    The GEMMs' and the attention's serial and parallel kernels sit behind its branches and
-    compile with it."""
+    one signature per cache dtype (fp32 rows, int64 positions and slots) on a one-token layer,
+    with fp32 weights or (``gguf``) a GGUF file's rows of blocks. The GEMMs' and the
+    attention's serial and parallel kernels sit behind its branches and compile with it."""
     from pagedserve.kernels.cpu.paged_attention_plan import step_plan
 
-    hidden, head_dim = 8, 4
+    hidden, head_dim = 32, 16
+    shapes = (
+        (4 * head_dim, hidden),
+        (hidden, 2 * head_dim),
+        (2 * hidden, hidden),
+        (hidden, hidden),
+    )
+    if gguf:  # Q8_0: 34 bytes per 32 weights
+        linears = tuple([(torch.zeros(n, k // 32 * 34, dtype=torch.uint8), 8)] for n, k in shapes)
+    else:
+        linears = tuple(torch.zeros(n, k) for n, k in shapes)
     weights = DecoderLayerWeights.of(
-        ((torch.ones(hidden), 1e-6), (torch.ones(hidden), 1e-6)),
-        (torch.zeros(4 * head_dim, hidden), torch.zeros(hidden, 2 * head_dim),
-         torch.zeros(2 * hidden, hidden), torch.zeros(hidden, hidden)),
+        ((torch.ones(hidden), 1e-6), (torch.ones(hidden), 1e-6)), linears,
         None, (2, 1, head_dim), (torch.zeros(4, head_dim), True), (1.0, None, None),
     )  # fmt: skip
     one = torch.zeros(1, dtype=torch.int64)

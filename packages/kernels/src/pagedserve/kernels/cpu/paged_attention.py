@@ -16,7 +16,10 @@ attention itself. This kernel is the CPU analogue of the Triton one instead:
   included) cannot reach an output; within a tile, a row's probabilities past its own
   position are exact zeros and the V rows they would weight are skipped;
 - work items run under ``prange`` longest first, handed out one at a time (dynamic
-  scheduling), since causal tiles late in a prompt cost more than early ones.
+  scheduling), since causal tiles late in a prompt cost more than early ones;
+- attention sinks (gpt-oss) start each row's online softmax from its head's sink, as from
+  one more key of that score and a zero value; a decode cut into KV splits counts it in its
+  first split only.
 
 fp32 caches are read as they are; fp16 and bf16 caches are read as their 16-bit patterns
 (numba has no half types) and widened to fp32 bit-exactly in registers. The query is cast
@@ -54,15 +57,16 @@ from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 # instead: the crossover measured on a 2-core AVX-512 CPU with SmolLM2's heads over 200- and
 # 1000-token contexts (tools/bench_cpu_attention.py); flash is ~4x faster on long chunks.
 NUMBA_MAX_Q_LEN = 15
+NO_SINKS = np.empty(0, np.float32)  # a layer without attention sinks (one signature for both)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, item, scale,
-                 window, cap, out, part_acc, part_max, part_sum):  # fmt: skip
+                 window, cap, sinks, out, part_acc, part_max, part_sum):  # fmt: skip
     """One work item ``item = work[i]``: (sequence, first new token, last + 1, first KV
     position, last + 1, partial slot). Slot -1: the item covers all positions, its rows go to
     ``out``; else it is one KV split of a one-token tile and leaves its unnormalised state in
-    the partials."""
+    the partials. ``sinks``: one per query head, or empty."""
     n_q_heads, head_dim = query.shape[1], query.shape[2]
     b, q0, q1, slot = item[0], item[1], item[2], item[5]
     q_start = query_start_loc[b]
@@ -71,6 +75,10 @@ def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     acc = np.zeros((n_rows, head_dim), np.float32)
     m = np.full(n_rows, np.float32(-np.inf), np.float32)
     row_sum = np.zeros(n_rows, np.float32)
+    if sinks.shape[0] and (slot < 0 or item[3] == 0):  # the sink once: in the first split
+        for r in range(n_rows):
+            m[r] = sinks[r % n_q_heads]
+            row_sum[r] = 1.0
     _attend_tile(
         query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
         item[3], item[4], scale, window, cap, acc, m, row_sum,
@@ -88,26 +96,26 @@ def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            work, scale, window, cap, out, part_acc, part_max,
+                            work, scale, window, cap, sinks, out, part_acc, part_max,
                             part_sum):  # fmt: skip
     """Every work item (``work [W, 6]``, see :func:`_attend_item`) under ``prange``."""
     for i in prange(work.shape[0]):
         _attend_item(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, work[i], scale,
-            window, cap, out, part_acc, part_max, part_sum,
+            window, cap, sinks, out, part_acc, part_max, part_sum,
         )  # fmt: skip
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _paged_attention_serial(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            work, scale, window, cap, out, part_acc, part_max,
+                            work, scale, window, cap, sinks, out, part_acc, part_max,
                             part_sum):  # fmt: skip
     """The same items in one thread: for a single item (a batch-1 decode) or one thread,
     where starting a parallel region costs more than it could share."""
     for i in range(work.shape[0]):
         _attend_item(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, work[i], scale,
-            window, cap, out, part_acc, part_max, part_sum,
+            window, cap, sinks, out, part_acc, part_max, part_sum,
         )  # fmt: skip
 
 
@@ -146,18 +154,22 @@ _set_parallel_chunksize = numba.types.ExternalFunction(
 
 @numba.njit(cache=True)
 def launch_attention(
-    query, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap, out
+    query, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap, sinks, out
 ):
     """Run the work items into ``out``, under ``prange`` (handed out one by one, longest first)
     or in this thread, then merge the KV splits. ``layout``: block tables, lengths and starts
-    as the kernels read them. Compiled, so that the fused decoder layer
-    (cpu/decoder_layer.py) calls the very same launch as this module's wrapper."""
+    as the kernels read them; ``sinks``: fp32, one per query head, or empty. Compiled, so
+    that the fused decoder layer (cpu/decoder_layer.py) calls the very same launch as this
+    module's wrapper."""
     block_tables, seq_lens, starts = layout
     n_parts = merges[:, 2].sum() if merges.shape[0] else 0  # one slot per split of a tile
     part_acc = np.empty((n_parts, out.shape[1], out.shape[2]), np.float32)
     part_max = np.empty((n_parts, out.shape[1]), np.float32)
     part_sum = np.empty((n_parts, out.shape[1]), np.float32)
-    args = (query, k_cache, v_cache, block_tables, seq_lens, starts, work, scale, window, cap, out)
+    args = (
+        query, k_cache, v_cache, block_tables, seq_lens, starts, work, scale, window, cap, sinks,
+        out,
+    )  # fmt: skip
     if parallel:
         previous = _set_parallel_chunksize(1)
         _paged_attention_kernel(*args, part_acc, part_max, part_sum)
@@ -168,15 +180,15 @@ def launch_attention(
         _merge_kv_splits(part_acc, part_max, part_sum, merges, out)
 
 
-def _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+def _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks) -> None:
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     if query.is_cuda or k_cache.is_cuda:
         raise ValueError("paged_attention_numba: runs on CPU tensors only")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention_numba: KV caches must be contiguous")
 
 
-def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_cap):
+def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_cap, sinks):
     """The plan's work items over this layer's query and caches; rows no item covers are 0.
     (Every row is some item's when no sequence was left out: then ``out`` need not be zeroed,
     and an fp32 contiguous query, a decode step's, goes in as it is.)"""
@@ -190,7 +202,8 @@ def _attend(query, k_cache, v_cache, plan: StepPlan, scale, window, logits_soft_
         launch_attention(
             q.detach().numpy(), cache_as_numpy(k_cache.detach()),
             cache_as_numpy(v_cache.detach()), plan.layout, plan.work, plan.merges,
-            plan.parallel, np.float32(scale), window, np.float32(logits_soft_cap or 0.0), out,
+            plan.parallel, np.float32(scale), window, np.float32(logits_soft_cap or 0.0),
+            NO_SINKS if sinks is None else sinks.detach().float().contiguous().numpy(), out,
         )  # fmt: skip
     result = torch.from_numpy(out)  # numpy's allocation: ~1.5 us less than torch.empty
     return result if fp32 else result.to(query.dtype)
@@ -209,6 +222,7 @@ def paged_attention_numba(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     batch_invariant: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
 
@@ -218,12 +232,12 @@ def paged_attention_numba(
     few decode rows to keep every thread busy. ``batch_invariant``: the plan of
     :func:`step_plan` whose every row's result is the same bits in any batch (both knobs
     above ignored)."""
-    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     window = sliding_window or 0
     plan = step_plan(
         block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, batch_invariant
     )
-    return _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap)
+    return _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap, sinks)
 
 
 def paged_attention_cpu(
@@ -236,6 +250,7 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
@@ -243,16 +258,16 @@ def paged_attention_cpu(
     ``batch_invariant`` this kernel for every row, in the order of the batch-invariant plan
     (SDPA's blocking follows the prompt's length, so a prompt's rows would not match the
     decode rows of the same positions)."""
-    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     window = sliding_window or 0
     plan = step_plan(
         block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window, batch_invariant
     )
-    out = _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap)
+    out = _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap, sinks)
     for b, start, end in plan.long_seqs:
         out[start:end] = _prefill_ref(
             query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale,
-            sliding_window, logits_soft_cap,
+            sliding_window, logits_soft_cap, sinks,
         )  # fmt: skip
     return out
 
@@ -276,4 +291,4 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
                   (block_tables.numpy(), lens, starts), work, merges)  # fmt: skip
         for parallel in (True, False):
             out = np.zeros(query.shape, np.float32)
-            launch_attention(*arrays, parallel, np.float32(scale), 0, np.float32(0), out)
+            launch_attention(*arrays, parallel, np.float32(scale), 0, np.float32(0), NO_SINKS, out)

@@ -9,13 +9,36 @@ prefix are the same call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from pagedserve.kernels import encoder_attention, paged_attention, store_kv
 from pagedserve.models.layers.batch_invariance import building_batch_invariant
+
+# A field's metadata marking a host-side copy: tensor-parallel ranks receive it inside the step's
+# control message (pickled), not over the device group with the device tensors.
+HOST_COPY = {"host_copy": True}
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """Which sequences of a step decode (one new token) and which run more (a prompt, a prefill
+    chunk, proposals to verify), for layers that treat the two apart (multi-head latent
+    attention: the absorbed decode beside the expanded prefill).
+
+    ``decode_seqs`` [Bd] and ``decode_rows`` [Bd] (int64, on the batch's device): the decoding
+    sequences and their rows in the flat batch; both None when every sequence decodes (a
+    pure-decode step: no index to gather). ``prefills``: ``(sequence, first row, end row,
+    seq_len)`` of each longer one, on the host.
+    """
+
+    num_decodes: int
+    decode_seqs: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+    prefills: list[tuple[int, int, int, int]]
 
 
 @dataclass
@@ -24,21 +47,52 @@ class AttentionMetadata:
 
     slot_mapping [T]: cache slot of each new token (-1: do not store).
     block_tables [B, max_blocks] int32; seq_lens [B] int32: cached tokens incl. the new ones;
-    query_start_loc [B+1] int32: where each sequence's new tokens start in the flat batch.
+    query_start_loc [B+1] int32: where each sequence's new tokens start in the flat batch;
+    query_start_loc_cpu, seq_lens_cpu: the same two on the host, where the runner has them (it
+    always does), so a layer that splits decodes from prefills (``decode_split``) never waits
+    for the device.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor | None = field(default=None, metadata=HOST_COPY)
+    seq_lens_cpu: torch.Tensor | None = field(default=None, metadata=HOST_COPY)
+
+    @cached_property
+    def decode_split(self) -> DecodeSplit:
+        """The step's ``DecodeSplit``, worked out once per step (every layer reads the same)."""
+        starts = _on_host(self.query_start_loc_cpu, self.query_start_loc).long()
+        q_lens = starts[1:] - starts[:-1]
+        decodes = (q_lens == 1).nonzero().flatten()
+        longer = (q_lens > 1).nonzero().flatten().tolist()
+        if longer:
+            seq_lens = _on_host(self.seq_lens_cpu, self.seq_lens).tolist()
+            bounds = starts.tolist()
+            prefills = [(b, bounds[b], bounds[b + 1], seq_lens[b]) for b in longer]
+        else:
+            prefills = []
+        if len(decodes) == len(q_lens):
+            return DecodeSplit(len(decodes), None, None, prefills)
+        device = self.query_start_loc.device
+        seqs = decodes.to(device, non_blocking=True)
+        rows = starts[decodes].to(device, non_blocking=True)
+        return DecodeSplit(len(decodes), seqs, rows, prefills)
+
+
+def _on_host(host: torch.Tensor | None, device: torch.Tensor) -> torch.Tensor:
+    """The host copy where there is one, else (metadata built by hand) the device tensor read."""
+    return device.cpu() if host is None else host
 
 
 class PagedAttention(nn.Module):
     """Store this step's K/V into the cache, then attend through the block tables.
 
     ``sliding_window`` (None: global) is this layer's window, as the model's config gives it
-    per layer; ``logits_soft_cap`` caps its scores (Gemma 2). Batch invariant when the model
-    is built so (layers/batch_invariance.py)."""
+    per layer; ``logits_soft_cap`` caps its scores (Gemma 2); ``sinks`` (gpt-oss), a learned
+    logit per query head of this rank in the softmax's denominator, is the layer's parameter
+    (``attn.sinks``). Batch invariant when the model is built so (layers/batch_invariance.py)."""
 
     def __init__(
         self,
@@ -48,6 +102,7 @@ class PagedAttention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -57,6 +112,7 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.batch_invariant = building_batch_invariant()
+        self.sinks = sinks
 
     def forward(
         self,
@@ -83,6 +139,7 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             batch_invariant=self.batch_invariant,
+            sinks=self.sinks,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -79,10 +79,53 @@ def _longrope_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) 
     return torch.cat(caches)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched ``factor`` times: ``0.1 * mscale *
+    ln(factor) + 1`` (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN (DeepSeek-V2/V3, Qwen long contexts): each frequency blends its interpolated
+    (``/ factor``) and original value by how many turns it makes over the original context
+    (a linear ramp between ``beta_fast`` and ``beta_slow`` turns), and cos and sin are scaled
+    by the attention factor: ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when
+    a config gives both (DeepSeek's), else ``mscale(factor)``."""
+    base, original = float(params["rope_theta"]), int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_position / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling = yarn_mscale(factor)
+
+    def correction_dim(turns: float) -> float:  # the dimension that turns ``turns`` times
+        return rotary_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # how much of its original frequency each pair keeps
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    pos_freqs = base**exponents
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+
+
 def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
     rope_type = params["rope_type"]
     if rope_type in ("longrope", "su"):
         return _longrope_cache(rotary_dim, max_position, params)
+    if rope_type == "yarn":
+        return _yarn_cache(rotary_dim, max_position, params)
     inv_freq = _base_inv_freq(rotary_dim, float(params["rope_theta"]))
     positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
     if rope_type == "linear":
@@ -91,7 +134,8 @@ def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, An
         inv_freq = _llama3_inv_freq(inv_freq, params)
     elif rope_type != "default":
         raise ValueError(
-            f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope are)"
+            f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope, "
+            "yarn are)"
         )
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

@@ -17,6 +17,7 @@ from pagedserve.server.tool_parsers.base import (
 )
 from pagedserve.server.tool_parsers.deepseek import DeepSeekV3Parser, DeepSeekV31Parser
 from pagedserve.server.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from pagedserve.server.tool_parsers.harmony import OpenAIToolParser
 from pagedserve.server.tool_parsers.json_families import (
     GraniteParser,
     HermesParser,
@@ -40,6 +41,7 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
         GraniteParser,
         InternLMParser,
         Glm45Parser,
+        OpenAIToolParser,
     )
 }
 TOOL_CALL_PARSERS["llama4_pythonic"] = PythonicParser  # vLLM's name for Llama 4's use of it
@@ -47,6 +49,7 @@ TOOL_CALL_PARSERS["llama4_pythonic"] = PythonicParser  # vLLM's name for Llama 4
 # What a chat template writes when it renders an assistant's tool call (every string of an entry
 # in its source), most specific first.
 TEMPLATE_SIGNATURES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("<|channel|>commentary", "functions."), "openai"),  # gpt-oss's harmony
     (("<｜tool▁call▁begin｜>", "```json"), "deepseek_v3"),
     (("<｜tool▁call▁begin｜>",), "deepseek_v31"),
     (("<function=",), "qwen3_coder"),

@@ -1,0 +1,109 @@
+"""The CPU's GGUF GEMM (cpu/gguf_linear.py) and its block decoders (cpu/gguf_blocks.py), for
+every type a GGUF file holds, against the reference on rows whose quant and scale bits are
+random: each decoded row bit for bit ``gguf_dequantize_ref``'s (itself held to gguf's own
+decoder: tests/kernels/test_gguf_dequant_ref.py), ``x @ W.T`` within the GEMM tolerance for a
+decode step's rows and a prefill's, on one thread and two, and a row's result the same bits
+alone or among fifteen others."""
+
+import numpy as np
+import pytest
+import torch
+from tolerances import assert_close
+
+from pagedserve.kernels.cpu import gguf_linear as cpu
+from pagedserve.kernels.cpu.gguf_blocks import decode_row
+from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, GGUF_TYPES, gguf_dequantize_ref
+from pagedserve.kernels.gguf_linear import gguf_linear_ref
+from pagedserve.kernels.testing import random_gguf_rows
+
+TYPES = list(GGUF_TYPE_IDS)
+ROWS = [1, 3, cpu.MAX_ROWS, cpu.MAX_ROWS + 1, 40]  # decode rows, then prefill tiles
+
+
+def _operands(name: str, rows: int, n: int, k: int, seed: int = 0):
+    qtype = GGUF_TYPE_IDS[name]
+    qweight = random_gguf_rows(qtype, n, k, seed=seed)
+    # the K-quants' random 6-bit scales make their weights ~30x larger: inputs scaled down
+    spread = 1.0 if GGUF_TYPES[qtype].block_size < 256 else 1 / 32
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)) * k**-0.5
+    return x * spread, qweight, qtype
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The GEMM follows torch's thread count (cpu/threads.py): run under each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", [t for t in TYPES if t != "F32"])
+def test_every_decoded_row_is_the_references_bits(name):
+    qtype = GGUF_TYPE_IDS[name]
+    rows = random_gguf_rows(qtype, 3, 768 if GGUF_TYPES[qtype].block_size == 256 else 576)
+    expected = gguf_dequantize_ref(rows, qtype).numpy()
+    decoded = np.full_like(expected, np.nan)
+    for r in range(3):
+        decode_row(rows[r].numpy(), qtype, decoded[r], cpu.LANES)
+    assert np.array_equal(decoded, expected)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("name", TYPES)
+def test_every_type_matches_the_reference(name, rows, threads):
+    """70 output features: four blocks of 16 shared out, a partial group of four at the end."""
+    x, qweight, qtype = _operands(name, rows, 70, 512, seed=rows)
+    out = cpu.gguf_linear_numba(x, qweight, qtype)
+    assert out.shape == (rows, 70)
+    assert_close(out, gguf_linear_ref(x, qweight, qtype), gemm=True)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_threads(name, threads):
+    x, qweight, qtype = _operands(name, cpu.MAX_ROWS, 263, 768, seed=5)
+    together = cpu.gguf_linear_numba(x, qweight, qtype)
+    for size in (1, 2, 5):
+        for start in range(0, cpu.MAX_ROWS - size + 1, size):
+            part = cpu.gguf_linear_numba(x[start : start + size].clone(), qweight, qtype)
+            assert torch.equal(part, together[start : start + size]), (size, start)
+    arrays = (x.numpy(), qweight.numpy(), qtype, cpu.LANES)
+    parallel, serial = (np.empty((cpu.MAX_ROWS, 263), np.float32) for _ in range(2))
+    cpu.gguf_linear_parallel(*arrays, parallel)
+    cpu.gguf_linear_serial(*arrays, serial)
+    assert np.array_equal(parallel, serial)
+    assert np.array_equal(parallel, together.numpy())
+
+
+def test_a_fused_projection_of_parts_of_several_types(threads):
+    """What the fused decoder layer multiplies a Q4_K_M-like qkv by: parts of their own types
+    (F32 among them), each product in its columns, as the modules concatenate them."""
+    parts = [
+        _operands(name, 5, n, 512, seed=n) for name, n in (("Q4_K", 40), ("F32", 8), ("Q6_K", 24))
+    ]
+    x = parts[0][0]
+    rows = tuple(q.numpy() for _, q, _ in parts) + (np.empty((0, 0), np.uint8),)
+    qtypes = tuple(t for _, _, t in parts) + (-1,)
+    got = cpu.gguf_parts_compiled(x.numpy(), rows, qtypes, cpu.LANES, threads)
+    want = torch.cat([gguf_linear_ref(x, q, t) for _, q, t in parts], dim=-1)
+    assert_close(torch.from_numpy(got), want, gemm=True)
+
+
+def test_bias_leading_dims_and_strided_rows():
+    x, qweight, qtype = _operands("Q5_K", 6, 20, 256, seed=3)
+    bias = torch.randn(20)
+    want = gguf_linear_ref(x, qweight, qtype, bias)
+    wide = torch.zeros(6, 512)
+    wide[:, ::2] = x
+    strided = wide[:, ::2].view(2, 3, 256)
+    for rows in (strided, torch.cat([strided] * 4, dim=1)):  # decode rows, then a prefill
+        out = cpu.gguf_linear_numba(rows, qweight, qtype, bias)
+        assert out.shape == (*rows.shape[:-1], 20)
+        assert_close(out[:, :3], want.view(2, 3, 20), gemm=True)
+
+
+def test_a_row_that_is_not_its_types_blocks_is_refused():
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu.gguf_linear_numba(torch.randn(1, 256), torch.zeros(4, 140, dtype=torch.uint8), 12)
+    with pytest.raises(ValueError, match="fp32"):
+        cpu.gguf_linear_numba(torch.randn(1, 32).half(), torch.zeros(4, 34, dtype=torch.uint8), 8)

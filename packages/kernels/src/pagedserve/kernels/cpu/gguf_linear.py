@@ -1,0 +1,211 @@
+"""``x @ W.T`` on CPU with ``W`` in its GGUF blocks, compiled with numba: the blocks are read
+once per call, and no fp32 copy of the matrix is ever made.
+
+Same contract as :func:`pagedserve.kernels.gguf_linear.gguf_linear` for fp32 activations
+(``qweight`` the file's ``uint8 [N, row_bytes]`` rows, ``qtype`` their ggml type id). Two
+paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then MKL):
+
+- **Decode (up to ``MAX_ROWS`` rows).** Blocks of sixteen output features are shared out over
+  the threads (``prange``); a task decodes four weight rows at a time into an fp32 buffer
+  (cpu/gguf_blocks.py: a few vector instructions per 8 or 16 weights; the buffer stays in L1
+  or L2) and dots each row of ``x`` against the four in one loop, where one load of ``x``
+  feeds four FMAs. So each block is read from memory once per step whatever the batch, and
+  a step's bytes shrink with the type: Q4_0 is 18 bytes per 32 weights against fp32's 128.
+  (The fp32 kernel dots one weight row against four rows of ``x`` instead, repeating the last
+  row of a short batch: at one row that is four FMAs for one result, which a memory-bound
+  fp32 step can afford and a decoding one cannot.)
+- **Prefill (more rows).** A tile of output features is decoded into a buffer of about
+  ``TILE_BYTES`` (in parallel over its rows) and multiplied by MKL (``torch.mm`` into the
+  tile's columns of the output): the GEMM's cost grows with the rows and the decode's does
+  not, so from a few dozen rows on this runs at the dense GEMM's speed.
+
+**Decoding to fp32, not integer dot products.** llama.cpp quantizes the activations to 8 bits
+per block and multiplies integers (AVX-512 VNNI does 64 byte products per instruction). Here
+the weights are decoded to fp32 and multiplied in fp32: the result is the reference's
+(``gguf_dequantize_ref`` and an fp32 GEMM) up to summation order, not an 8-bit approximation
+of the activations, so a GGUF model's greedy tokens are those of transformers on its
+dequantized weights. And here it costs little: an integer version of Q8_0's loop (activations
+quantized per 32, ``int8 x int8`` sums in 32 bits, which LLVM lowers to ``vpmaddwd``; numba
+reaches no VNNI instruction) took 1.26 ms against this kernel's 1.37 ms for one row of a
+8192 x 1536 matrix on one core of the Intel VM (min of 15, loaded machine), with a relative
+error of 0.55 % from the 8-bit activations.
+
+**Batch invariance.** A row's result does not depend on the other rows or the thread count:
+the decoded weights are exact (bit for bit the reference's), and every output element comes
+out of ``_dot_four_weights`` for one row of ``x``, output feature ``o`` always in slot
+``o % 4`` of its group of four (tasks start on multiples of sixteen; a short last group
+repeats its last weight row and does not write the repeats), with the same summation order
+in a batch of one or of sixteen, on one thread or two (kernels/test_gguf_linear_numba.py).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS, dense_linear_compiled
+from pagedserve.kernels.cpu.gguf_blocks import decode_row
+from pagedserve.kernels.cpu.threads import follow_torch_threads
+from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type
+from pagedserve.kernels.linear import linear
+
+MAX_ROWS = 16  # as the fp32 decode GEMM: above it the decoded tiles go to MKL
+TILE_BYTES = 1 << 20  # a prefill tile of decoded weights: about 1 MiB, in L2 for MKL
+LANES = 16  # the decoders' inner loop count, passed at run time (cpu/gguf_blocks.py)
+F32 = GGUF_TYPE_IDS["F32"]
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # the fp32 decode GEMM's
+PARTS = 3  # the most parts of different types a fused projection holds (q, k, v)
+_W = 4  # weight rows decoded together and dotted in one loop
+_BLOCK = 16  # output features per task shared out over the threads
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _dot_four_weights(xr, w, out, r, o, last):  # pragma: no cover - compiled
+    """``out[r, o:o + 4] = w @ xr``: one row of ``x`` against four decoded weight rows in one
+    loop (one load of ``x`` feeds four FMAs). Output features past ``last`` are not written:
+    their weight rows repeat the last one (module doc, batch invariance)."""
+    w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for j in range(xr.shape[0]):
+        v = xr[j]
+        a0 += v * w0[j]
+        a1 += v * w1[j]
+        a2 += v * w2[j]
+        a3 += v * w3[j]
+    out[r, min(o + 3, last)] = a3
+    out[r, min(o + 2, last)] = a2
+    out[r, min(o + 1, last)] = a1
+    out[r, o] = a0
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _features(x, qweight, qtype, lanes, out, first, stop):  # pragma: no cover - compiled
+    """Output features ``first:stop`` for every row of ``x``: four weight rows decoded at a
+    time into one buffer (the last group repeats row ``stop - 1``), then dotted against each
+    row of ``x`` in turn."""
+    w = np.empty((_W, x.shape[1]), np.float32)
+    for o in range(first, stop, _W):
+        for i in range(_W):
+            decode_row(qweight[min(o + i, stop - 1)], qtype, w[i], lanes)
+        for r in range(x.shape[0]):
+            _dot_four_weights(x[r], w, out, r, o, stop - 1)
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def gguf_linear_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
+    blocks = qweight.shape[0] // _BLOCK
+    for block in numba.prange(blocks):
+        _features(x, qweight, qtype, lanes, out, block * _BLOCK, block * _BLOCK + _BLOCK)
+    _features(x, qweight, qtype, lanes, out, blocks * _BLOCK, qweight.shape[0])
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def gguf_linear_serial(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
+    _features(x, qweight, qtype, lanes, out, 0, qweight.shape[0])
+
+
+@numba.njit(cache=True)
+def gguf_linear_compiled(x, qweight, qtype, lanes, threads):  # pragma: no cover - compiled
+    """``x @ W.T`` into a new array, ``W`` the rows of blocks: shared out over the threads for a
+    matrix of ``PARALLEL_FROM_WEIGHTS`` weights or more, else in this thread (the fp32 GEMM's
+    rule)."""
+    out = np.empty((x.shape[0], qweight.shape[0]), np.float32)
+    if threads > 1 and qweight.shape[0] * x.shape[1] >= PARALLEL_FROM_WEIGHTS:
+        gguf_linear_parallel(x, qweight, qtype, lanes, out)
+    else:
+        gguf_linear_serial(x, qweight, qtype, lanes, out)
+    return out
+
+
+@numba.njit(cache=True)
+def gguf_parts_compiled(x, parts, qtypes, lanes, threads):  # pragma: no cover - compiled
+    """``x @ W.T`` for a fused projection whose row blocks ``parts`` (``PARTS`` of them, empty
+    ones unused) have their own types ``qtypes``: each part's product in its columns, side by
+    side, as the modules concatenate them; F32 parts through the fp32 decode GEMM, as
+    :func:`gguf_linear_numba` sends them. For the fused decoder layer (cpu/decoder_layer.py).
+    ``lanes`` (``LANES``) comes in as an argument, never as the global: a compiled caller
+    would fold the constant into the decoders, and LLVM would unroll their loops to scalar
+    code (three times slower, measured)."""
+    n = 0
+    for i in range(len(parts)):
+        n += parts[i].shape[0]
+    out = np.empty((x.shape[0], n), np.float32)
+    first = 0
+    for i in range(len(parts)):
+        rows = parts[i]
+        if rows.shape[0] == 0:
+            continue
+        if qtypes[i] == F32:
+            part = dense_linear_compiled(x, rows.view(np.float32), threads)
+        else:
+            part = gguf_linear_compiled(x, rows, qtypes[i], lanes, threads)
+        out[:, first : first + rows.shape[0]] = part
+        first += rows.shape[0]
+    return out
+
+
+@numba.njit(cache=True, parallel=True)
+def decode_rows_parallel(qweight, qtype, lanes, first, out):  # pragma: no cover - compiled
+    """``out[i] =`` the fp32 weights of row ``first + i`` (a prefill tile), over the threads."""
+    for i in numba.prange(out.shape[0]):
+        decode_row(qweight[first + i], qtype, out[i], lanes)
+
+
+@numba.njit(cache=True)
+def decode_rows_serial(qweight, qtype, lanes, first, out):  # pragma: no cover - compiled
+    for i in range(out.shape[0]):
+        decode_row(qweight[first + i], qtype, out[i], lanes)
+
+
+def _prefill(x: torch.Tensor, qweight: np.ndarray, qtype: int, threads: int) -> torch.Tensor:
+    """``x @ W.T`` for many rows: tiles of decoded rows, each multiplied by MKL into its columns."""
+    n, k = qweight.shape[0], x.shape[1]
+    out = torch.empty(x.shape[0], n)
+    tile_rows = max(_BLOCK, TILE_BYTES // (4 * k) // _BLOCK * _BLOCK)
+    tile = np.empty((min(tile_rows, n), k), np.float32)
+    decode = decode_rows_parallel if threads > 1 else decode_rows_serial
+    for first in range(0, n, tile_rows):
+        part = tile[: min(tile_rows, n - first)]
+        decode(qweight, qtype, LANES, first, part)
+        torch.mm(x, torch.from_numpy(part).T, out=out[:, first : first + part.shape[0]])
+    return out
+
+
+def gguf_linear_numba(
+    x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + bias`` for fp32 ``x [..., K]`` on CPU and ``qweight`` the ``uint8 [N,
+    row_bytes]`` rows of any GGUF type (F32 rows are read as the fp32 matrix they are)."""
+    t = gguf_type(qtype)
+    n, k = qweight.shape[0], x.shape[-1]
+    if qweight.shape[1] != k // t.block_size * t.block_bytes or k % t.block_size:
+        raise ValueError(f"gguf_linear: {qweight.shape[1]} bytes of {t.name} do not hold {k}")
+    if x.dtype is not torch.float32 or qweight.dtype is not torch.uint8:
+        raise ValueError(f"gguf_linear on CPU: fp32 inputs and uint8 rows, not {x.dtype}")
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    rows = qweight if qweight.is_contiguous() else qweight.contiguous()
+    threads = follow_torch_threads()
+    if qtype == F32:
+        out = linear(x2, rows.view(torch.float32))
+    elif x2.shape[0] <= MAX_ROWS:
+        out = torch.from_numpy(
+            gguf_linear_compiled(x2.numpy(), rows.numpy(), qtype, LANES, threads)
+        )
+    else:
+        out = _prefill(x2, rows.numpy(), qtype, threads)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], n)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) both paths now, at model load: one signature
+    each (fp32 rows, uint8 blocks), every type's decoder inside it."""
+    x = torch.zeros(MAX_ROWS + 1, 32)
+    qweight = torch.zeros(2 * _BLOCK + 1, 34, dtype=torch.uint8)  # Q8_0
+    for rows in (1, MAX_ROWS + 1):
+        gguf_linear_numba(x[:rows], qweight, GGUF_TYPE_IDS["Q8_0"])

@@ -1,0 +1,193 @@
+"""gpt-oss (``GptOssForCausalLM``): attention with sinks on alternating sliding-window and
+full layers, and a mixture of biased experts with a clamped SwiGLU on every layer.
+
+The decoder is Llama's (pre-norm RMSNorm, residuals). Attention has biases on q, k, v and o,
+YaRN rope (neox halves), and ``sinks``: a learned logit per query head in the softmax's
+denominator (paged_attention's ``sinks``); ``layer_types`` alternate a ``sliding_window``
+layer and a full one. The MLP of every layer is an MoE block: ``router`` (a linear layer with
+a bias: the top ``num_experts_per_tok`` logits, then their softmax), ``num_local_experts``
+experts of ``intermediate_size`` with biases on both projections, their activation
+``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``
+(``swiglu_alpha``, ``swiglu_limit``): fused_moe with ``activation="swigluoai"``.
+
+Checkpoint layout (as transformers loads it): each layer's experts are stacked tensors,
+``experts.gate_up_proj [E, H, 2I]`` with the gate and up columns interleaved (gate even, up
+odd), ``experts.gate_up_proj_bias [E, 2I]`` likewise, ``experts.down_proj [E, I, H]`` and
+``experts.down_proj_bias [E, H]``; OpenAI's release stores the two projections in MXFP4 instead
+(``<name>_blocks`` and ``<name>_scales``, ``[E, out, ...]``: mxfp4.py), dequantized here at
+load. Both become the fused MoE's layout: gate rows then up rows, ``[out, in]`` per expert.
+
+Tensor parallelism: query heads (and their sinks) and KV heads split as Llama's; every expert's
+intermediate features split over the ranks (gate and up rows, down columns, the gate/up bias);
+the down bias sits on rank 0 only (zeros elsewhere), so the block's all-reduce adds it once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import fused_moe
+from pagedserve.models.config import ModelConfig, ModelLoadError
+from pagedserve.models.layers.attention import PagedAttention
+from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
+from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.models.moe import SparseMoeBlock
+from pagedserve.models.moe_routing import TopKSoftmaxRouter
+from pagedserve.models.mxfp4 import dequantize_mxfp4
+from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.weights import materialize
+
+# model.layers.{i}.mlp.experts.{gate_up_proj|down_proj}[_bias|_blocks|_scales]
+_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(_\w+)?$")
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (q/k/v/o biases from ``attention_bias``) with this rank's heads'
+    sinks, fp32 (the softmax's precision), owned by the paged attention layer."""
+
+    def __init__(self, config: ModelConfig, par: ParallelContext, layer_idx: int) -> None:
+        super().__init__(config, par, layer_idx)
+        self.tp_rank = par.tp_rank
+        sinks = loadable_param((self.num_heads,), torch.float32, self.load_sinks)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            sliding_window=config.sliding_windows[layer_idx], sinks=sinks,
+        )  # fmt: skip
+
+    def load_sinks(self, param: nn.Parameter, loaded) -> None:
+        """This rank's query heads' sinks."""
+        n = self.num_heads
+        spec = WeightShard(0, self.tp_rank * n, n, loaded.shape[0], "attention sinks")
+        load_shard(param, loaded, spec)
+
+
+class GptOssMoeBlock(SparseMoeBlock):
+    """The router, and experts with biases and the clamped SwiGLU, over the fused MoE kernel.
+    Loads the checkpoint's stacked expert tensors (``load_stacked``)."""
+
+    def __init__(self, swiglu_alpha: float, swiglu_limit: float, **block_args) -> None:
+        super().__init__(**block_args)
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
+        n_experts, hidden, dtype = self.num_experts, block_args["hidden_size"], block_args["dtype"]
+        for name, shape in (("w13_bias", (n_experts, 2 * self.inter_per_rank)),
+                            ("w2_bias", (n_experts, hidden))):  # fmt: skip
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            param.loaded_elsewhere = True  # type: ignore[attr-defined]  # by load_stacked
+            setattr(self.experts, name, param)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        experts = self.experts
+        return fused_moe(
+            x, experts.w13_weight, experts.w2_weight, weights, ids, w13_bias=experts.w13_bias,
+            w2_bias=experts.w2_bias, activation="swigluoai", swiglu_alpha=self.swiglu_alpha,
+            swiglu_limit=self.swiglu_limit, batch_invariant=self.batch_invariant,
+        )  # fmt: skip
+
+    def load_stacked(self, proj: str, weights: Sequence | None, bias: torch.Tensor | None):
+        """Every expert's ``proj`` (``gate_up_proj`` or ``down_proj``): ``weights[e] [out, in]``
+        (gate_up's rows interleaved gate, up) or ``bias [E, out]``; this rank's part of each."""
+        if weights is not None and len(weights) != self.num_experts:
+            raise ModelLoadError(f"{proj}: {len(weights)} experts, expected {self.num_experts}")
+        if proj == "gate_up_proj" and weights is not None:
+            for expert in range(self.num_experts):
+                weight, w13 = weights[expert], self.experts.w13_weight
+                self.load_expert(w13, weight[0::2], (expert, 0))
+                self.load_expert(w13, weight[1::2], (expert, 1))
+        elif proj == "down_proj" and weights is not None:
+            for expert in range(self.num_experts):
+                self.load_expert(self.experts.w2_weight, weights[expert], (expert, 2))
+        elif proj == "gate_up_proj":
+            size, start = self.inter_per_rank, self.tp_rank * self.inter_per_rank
+            for part, rows in enumerate((bias[:, 0::2], bias[:, 1::2])):
+                spec = WeightShard(1, start, size, self.inter, "expert gate/up bias", part * size)
+                load_shard(self.experts.w13_bias, rows, spec)
+            self._loaded.add((-1, 0))
+        else:  # added once over the ranks: rank 0 holds it
+            self.experts.w2_bias.data.copy_(bias if self.tp_rank == 0 else torch.zeros_like(bias))
+            self._loaded.add((-1, 2))
+
+    def check_loaded(self, where: str) -> None:
+        super().check_loaded(where)
+        missing = [p for p, part in (("gate_up", 0), ("down", 2)) if (-1, part) not in self._loaded]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing the expert biases of {where}: {missing}")
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss-20b / 120b for causal generation over a paged KV cache."""
+
+    def attention_factory(self, config: ModelConfig, par: ParallelContext):
+        return lambda layer_idx: GptOssAttention(config, par, layer_idx)
+
+    def mlp_factory(self, config: ModelConfig, par: ParallelContext):
+        c = config.hf_config
+        experts, top_k = int(c["num_local_experts"]), int(c["num_experts_per_tok"])
+
+        def build(i: int) -> GptOssMoeBlock:
+            router = TopKSoftmaxRouter(experts, top_k, config.hidden_size, config.torch_dtype)
+            return GptOssMoeBlock(
+                float(c.get("swiglu_alpha", 1.702)), float(c.get("swiglu_limit", 7.0)),
+                num_experts=experts, top_k=top_k, hidden_size=config.hidden_size,
+                intermediate_size=int(c["intermediate_size"]), renormalize=False,
+                dtype=config.torch_dtype, all_reduce=par.all_reduce, gate=router,
+                **par.shard_args(),
+            )  # fmt: skip
+
+        return build
+
+    def load_weights(self, weights: Iterable) -> None:
+        super().load_weights(self._experts_loaded(weights))
+
+    def _experts_loaded(self, weights: Iterable) -> Iterator:
+        """Load each layer's stacked expert tensors into its block (MXFP4 blocks and scales
+        paired, then dequantized); yield every other tensor under our module names."""
+        blocks = {n: m for n, m in self.named_modules() if isinstance(m, GptOssMoeBlock)}
+        pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            match = _EXPERTS.match(name)
+            if match is None:
+                name = name.replace(".mlp.router.", ".mlp.gate.")
+                yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+                continue
+            prefix, proj, suffix = match.groups()
+            if prefix not in blocks:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no matching layer")
+            block = blocks[prefix]
+            if suffix == "_bias":
+                block.load_stacked(proj, None, materialize(tensor))
+            elif suffix is None:  # [E, in, out], as transformers holds it
+                block.load_stacked(proj, materialize(tensor).transpose(1, 2), None)
+            elif suffix in ("_blocks", "_scales"):
+                parts = pending.setdefault((prefix, proj), {})
+                parts[suffix] = materialize(tensor)
+                if len(parts) == 2:
+                    del pending[(prefix, proj)]
+                    dtype = block.experts.w13_weight.dtype
+                    block.load_stacked(proj, DequantizedExperts(parts, dtype), None)
+            else:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: unknown expert tensor")
+        if pending:
+            raise ModelLoadError(f"MXFP4 blocks without their scales (or scales alone): {pending}")
+        for name, block in blocks.items():
+            block.check_loaded(name)
+
+
+class DequantizedExperts(Sequence):
+    """A layer's MXFP4 experts, ``[out, in]`` in ``dtype`` each, dequantized one expert at a
+    time as the loader asks for it (a layer's experts in fp32 at once would take gigabytes):
+    ``parts``: the checkpoint's ``_blocks [E, out, in / 32, 16]`` and ``_scales [E, out,
+    in / 32]``."""
+
+    def __init__(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.blocks, self.scales, self.dtype = parts["_blocks"], parts["_scales"], dtype
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, expert):
+        return dequantize_mxfp4(self.blocks[expert], self.scales[expert], self.dtype)

@@ -1,0 +1,64 @@
+"""MXFP4 weights (the OCP microscaling 4-bit float format), as gpt-oss's checkpoints store their
+experts; dequantized at load.
+
+A block of 32 consecutive weights along a row's input features shares one scale, an E8M0
+byte: the power of two ``2 ** (byte - 127)``. Each weight is an FP4 E2M1 code (a sign, two
+exponent bits, one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two to a
+byte, the low nibble first. gpt-oss stores, per projection of every expert, ``<name>_blocks
+[E, out, in / 32, 16]`` (uint8: 32 codes in 16 bytes) and ``<name>_scales [E, out, in / 32]``
+(uint8), its quantization_config naming ``quant_method: "mxfp4"``; transformers dequantizes
+them the same way when it runs without the MXFP4 kernels (``Mxfp4Dequantize``).
+
+pagedserve dequantizes to the model's dtype at load, on every device: gpt-oss-20b's experts
+take ~38 GB in bf16 (one H100 holds them), gpt-oss-120b's ~229 GB do not fit one GPU. A Triton
+GEMM that reads MXFP4 tiles in place is not built yet (docs/gpt_oss.md).
+
+``quantize_mxfp4`` is the inverse, for tests and tools that write such checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.models.config import ModelLoadError
+
+FP4_E2M1_VALUES = (
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+)  # fmt: skip
+MXFP4_BLOCK = 32  # weights per scale
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``blocks [..., G, 16]`` (uint8, two FP4 codes a byte, low nibble first) and ``scales
+    [..., G]`` (uint8 E8M0) -> ``[..., G * 32]`` weights in ``dtype``: each code's value times
+    its block's power of two."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ModelLoadError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: "
+            f"expected blocks [..., G, {MXFP4_BLOCK // 2}] beside scales [..., G]"
+        )
+    codes = blocks.to(torch.uint8)
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1)
+    exponents = scales.to(torch.int32) - 127
+    values = torch.ldexp(values.flatten(-2), exponents[..., None])  # [..., G, 32]
+    return values.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., K]`` (K a multiple of 32) -> (``blocks [..., K / 32, 16]``, ``scales
+    [..., K / 32]``): each block's scale the smallest power of two that brings its largest
+    magnitude within 6 (E2M1's largest), each weight the nearest code (ties to the first)."""
+    if weight.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs input features in blocks of {MXFP4_BLOCK}: {weight.shape}")
+    w = weight.float().unflatten(-1, (-1, MXFP4_BLOCK))  # [..., G, 32]
+    amax = w.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = torch.ldexp(w, -exponents.to(torch.int32)[..., None])
+    lut = torch.tensor(FP4_E2M1_VALUES[:8], dtype=torch.float32)
+    magnitude = (scaled.abs()[..., None] - lut).abs().argmin(dim=-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)  # sign bit: 8
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents + 127).to(torch.uint8)
