@@ -40,10 +40,14 @@ def test_what_it_cannot_keep_invariant_is_refused(tiny_checkpoint, options, fiel
         args.create_configs()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_multi_head_latent_attention_is_refused(tiny_checkpoint, arch):
+@pytest.mark.parametrize(
+    "arch, field",
+    [("deepseek_v2", "kv_lora_rank"), ("deepseek_v3", "kv_lora_rank"),
+     ("qwen2_moe", "shared_expert_intermediate_size")],
+)  # fmt: skip
+def test_architectures_not_covered_are_refused(tiny_checkpoint, arch, field):
     args = EngineArgs(model=tiny_checkpoint(arch), batch_invariant=True)
-    with pytest.raises(ValueError, match="batch_invariant: kv_lora_rank: "):
+    with pytest.raises(ValueError, match=f"batch_invariant: {field}: "):
         args.create_configs()
     assert not EngineArgs(model=tiny_checkpoint(arch)).create_configs()[0].batch_invariant
 
