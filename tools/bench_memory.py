@@ -64,6 +64,7 @@ class ReservingKVCacheManager(KVCacheManager):
         computed_blocks=(),
         cache_salt: str | None = None,
         lora_int_id: int = 0,
+        delay_caching: bool = False,
     ) -> bool:
         if seq_id not in self.block_tables:
             num_new_tokens = self.reservation[seq_id] - num_computed_tokens
@@ -75,6 +76,7 @@ class ReservingKVCacheManager(KVCacheManager):
             computed_blocks,
             cache_salt,
             lora_int_id,
+            delay_caching,
         )
 
 

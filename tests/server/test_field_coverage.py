@@ -82,7 +82,6 @@ SENT = {
     "watermarking": True,
     "stream_interval": 4,
     "cache_salt": "salt",
-    "kv_transfer_params": {"do_remote_decode": True},
     "ec_transfer_params": {"x": 1},
     "routed_experts_prompt_start": 3,
     "return_token_offsets": True,

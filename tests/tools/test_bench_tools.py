@@ -126,3 +126,18 @@ def test_bench_embeddings_runs_on_a_tiny_workload(tiny_pooling_checkpoint, capsy
     out = capsys.readouterr().out
     assert "sentences/s" in out and "ratio:" in out
     assert float(out.split("min cosine ")[1]) > 0.9999
+
+
+def test_bench_kv_offload_runs_on_a_tiny_workload(tiny_checkpoint, capsys):
+    """Not a timing: the tool runs both configurations and the restart on a tiny model, and
+    its report says the outputs with and without offloading are identical."""
+    import bench_kv_offload
+
+    argv = ["--model", tiny_checkpoint("llama"), "--conversations", "6", "--turns", "2"]
+    argv += ["--first-prompt", "24", "--user-tokens", "8", "--max-tokens", "4"]
+    argv += ["--pool-conversations", "2", "--concurrency", "2", "--block-size", "8"]
+    argv += ["--kv-offload-memory", str(1 << 20), "--restart-prefix", "64"]
+    assert bench_kv_offload.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical: True" in out and "6 conversations x 2 turns" in out
+    assert "after a restart from disk" in out

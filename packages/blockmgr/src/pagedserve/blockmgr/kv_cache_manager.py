@@ -82,12 +82,16 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
         sliding_window: int | None = None,
+        hash_root: bytes | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
+        # the root of every block's hash chain (None: this process's seed): a KV connector
+        # whose blocks outlive the process gives its own, so the names outlive it too
+        self.hash_root = hash_root
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -135,6 +139,24 @@ class KVCacheManager:
             ids = self._block_ids[seq_id] = [b.block_id for b in table]
         return ids
 
+    def block_hashes(self, seq_id: str) -> Sequence[bytes]:
+        """The prefix hashes of the sequence's full known blocks, in order, read-only: those a
+        KV connector saves its blocks under (each block is registered when allocated)."""
+        return self._block_hashes.get(seq_id, ())
+
+    def hash_prefix(
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        cache_salt: str | None = None,
+        lora_int_id: int = 0,
+    ) -> list[bytes]:
+        """The hashes of the full blocks among the first ``num_tokens`` of ``token_ids``, as
+        the prefix cache names them (a KV connector looks its own store up by them)."""
+        return extend_block_hashes(
+            [], token_ids, self.block_size, cache_salt, num_tokens, lora_int_id, self.hash_root
+        )
+
     def get_computed_blocks(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_int_id: int = 0
     ) -> tuple[list[KVBlock], int]:
@@ -148,13 +170,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = max(0, len(token_ids) - 1) // self.block_size
-        hashes = extend_block_hashes(
-            [],
-            token_ids[: max_blocks * self.block_size],
-            self.block_size,
-            cache_salt,
-            lora_int_id=lora_int_id,
-        )
+        hashes = self.hash_prefix(token_ids, max_blocks * self.block_size, cache_salt, lora_int_id)
         hits: list[KVBlock] = []
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)
@@ -174,16 +190,19 @@ class KVCacheManager:
         computed_blocks: Sequence[KVBlock] = (),
         cache_salt: str | None = None,
         lora_int_id: int = 0,
+        delay_caching: bool = False,
     ) -> bool:
         """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens``.
 
         ``computed_blocks`` (from ``get_computed_blocks``; first call for a sequence only) are
         shared, not copied, and must cover exactly ``num_computed_tokens``. A block the new
         tokens land in that another sequence also holds is copied first (copy-on-write). Full
-        blocks whose tokens are all known are registered in the prefix cache. A new sequence
-        must leave the watermark free, so that admitting it does not force a preemption at the
-        next decode step. All or nothing: False, nothing changed, when the pool cannot supply
-        the blocks (the scheduler then preempts or waits)."""
+        blocks whose tokens are all known are registered in the prefix cache (with
+        ``delay_caching``, whose keys and values a KV connector is still loading, only once
+        ``cache_blocks`` says they arrived). A new sequence must leave the watermark free, so
+        that admitting it does not force a preemption at the next decode step. All or nothing:
+        False, nothing changed, when the pool cannot supply the blocks (the scheduler then
+        preempts or waits)."""
         if num_new_tokens == 1 and not computed_blocks:  # a decode: nearly every call
             known = self._in_place.get(seq_id)
             if (known is not None and known[0] <= num_computed_tokens <= known[1]) or (
@@ -207,8 +226,7 @@ class KVCacheManager:
         reactivated = sum(1 for b in computed_blocks if b.ref_count == 0)
         shared = self._shared_blocks_written(table, num_computed_tokens, total)
         needed = num_new_blocks + reactivated + len(shared)
-        reserve = self.watermark_blocks if is_new else 0
-        if needed > self.pool.num_free_blocks - reserve:
+        if needed > self.pool.num_free_blocks - (self.watermark_blocks if is_new else 0):
             return False
         for block in computed_blocks:
             self.pool.touch(block)
@@ -218,13 +236,26 @@ class KVCacheManager:
         for _ in range(num_new_blocks):
             table.append(self.pool.allocate())
         self.block_tables[seq_id] = table
-        if hit_hashes is not None:
-            self._block_hashes[seq_id] = hit_hashes  # hit blocks are registered already
-        if is_new and self.enable_prefix_caching:
-            self.prefix_cache_stats.record(len(token_ids), len(computed_blocks) * self.block_size)
-        self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
+        self._record_hits(seq_id, is_new, len(token_ids), hit_hashes)
+        if not delay_caching:
+            self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
         self._free_out_of_window(seq_id, table, num_computed_tokens)
         return True
+
+    def cache_blocks(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        cache_salt: str | None = None,
+        lora_int_id: int = 0,
+    ) -> None:
+        """Register the sequence's full blocks among its first ``num_tokens`` tokens in the
+        prefix cache: blocks allocated with ``delay_caching`` whose keys and values have now
+        arrived (a KV connector's load)."""
+        table = self.block_tables.get(seq_id)
+        if table is not None:
+            self._cache_full_blocks(seq_id, table, token_ids, num_tokens, cache_salt, lora_int_id)
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first, so the cached head of a prefix outlives it."""
@@ -286,6 +317,15 @@ class KVCacheManager:
         return True
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _record_hits(self, seq_id, is_new, num_tokens: int, hit_hashes: list[bytes] | None):
+        """A sequence's prefix-cache hits: their hashes (registered already) and, when it is
+        new, the statistics of its lookup."""
+        if hit_hashes is not None:
+            self._block_hashes[seq_id] = hit_hashes
+        if is_new and self.enable_prefix_caching:
+            num_hits = len(hit_hashes or ()) * self.block_size
+            self.prefix_cache_stats.record(num_tokens, num_hits)
 
     def _allocate_decode(
         self,
@@ -387,13 +427,7 @@ class KVCacheManager:
                 f"{len(hits)} hit blocks cover {len(hits) * self.block_size} tokens, "
                 f"not num_computed_tokens={num_computed_tokens}"
             )
-        expected = extend_block_hashes(
-            [],
-            token_ids[:num_computed_tokens],
-            self.block_size,
-            cache_salt,
-            lora_int_id=lora_int_id,
-        )
+        expected = self.hash_prefix(token_ids, num_computed_tokens, cache_salt, lora_int_id)
         for block, block_hash in zip(hits, expected, strict=True):
             if block.block_hash != block_hash:
                 raise StalePrefixHitError(
@@ -434,7 +468,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(seq_id, [])
-        extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, num_tokens, lora_int_id)
+        extend_block_hashes(
+            hashes, token_ids, self.block_size, cache_salt, num_tokens, lora_int_id, self.hash_root
+        )
         first = self._num_registered.get(seq_id, 0)
         for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])

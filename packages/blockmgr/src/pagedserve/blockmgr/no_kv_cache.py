@@ -45,8 +45,12 @@ class NoKVCacheManager:
         return [], 0
 
     def allocate_slots(self, seq_id: str, token_ids, num_computed_tokens, num_new_tokens,
-                       computed_blocks=(), cache_salt=None, lora_int_id=0) -> bool:  # fmt: skip
+                       computed_blocks=(), cache_salt=None, lora_int_id=0,
+                       delay_caching=False) -> bool:  # fmt: skip
         return True
+
+    def cache_blocks(self, seq_id, token_ids, num_tokens, cache_salt=None, lora_int_id=0) -> None:
+        pass
 
     def free(self, seq_id: str) -> None:
         pass

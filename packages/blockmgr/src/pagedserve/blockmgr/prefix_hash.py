@@ -6,8 +6,11 @@ and values differ from the base model's and every other adapter's) and a cache s
 requests get the same hash for a block only when their whole prefix up to the end of that block
 is identical and was computed with the same adapter.
 
-SHA-256 (not Python's ``hash``) with a per-process random seed: a collision would silently
-serve one request another request's keys and values, so it must be infeasible to find or forge.
+SHA-256 (not Python's ``hash``) with a random seed as the chain's root: a collision would
+silently serve one request another request's keys and values, so it must be infeasible to find
+or forge. The root is per process unless the caller gives one (``root``): a KV store that
+outlives the process (the disk tier of KV offloading) keeps its own random root beside its
+blocks, so a restarted engine names the same prefix with the same hashes.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ def hash_block(
     token_ids: Sequence[int],
     extra_key: str | None = None,
     lora_int_id: int = 0,
+    root: bytes | None = None,
 ) -> bytes:
-    """Hash one full block given its parent's hash (None for the first block);
-    ``lora_int_id`` 0 is the base model."""
+    """Hash one full block given its parent's hash (None for the first block, which hashes
+    ``root``, by default the process's own random seed); ``lora_int_id`` 0 is the base model."""
     h = hashlib.sha256()
-    h.update(parent_hash if parent_hash is not None else _PROCESS_SEED)
+    h.update(parent_hash if parent_hash is not None else root or _PROCESS_SEED)
     h.update(array("q", token_ids).tobytes())  # fixed width: the token/salt boundary is unambiguous
     if lora_int_id:  # fixed width too, and before the salt: no salt can spell an adapter
         h.update(b"\x00lora\x00" + lora_int_id.to_bytes(8, "little", signed=True))
@@ -45,6 +49,7 @@ def extend_block_hashes(
     extra_key: str | None = None,
     num_tokens: int | None = None,
     lora_int_id: int = 0,
+    root: bytes | None = None,
 ) -> list[bytes]:
     """Append the hashes of any full blocks of ``token_ids`` not yet in ``hashes`` (in place).
 
@@ -57,7 +62,11 @@ def extend_block_hashes(
         parent = hashes[-1] if hashes else None
         hashes.append(
             hash_block(
-                parent, token_ids[i * block_size : (i + 1) * block_size], extra_key, lora_int_id
+                parent,
+                token_ids[i * block_size : (i + 1) * block_size],
+                extra_key,
+                lora_int_id,
+                root,
             )
         )
     return hashes

@@ -19,7 +19,15 @@ models:
     engine: {model: /path/to/SmolLM2-135M-Instruct, kv_cache_memory: 256MiB}
     num_replicas: 2      # or autoscaling: {min_replicas, max_replicas, target_ongoing_requests}
     torch_threads: 1     # per replica; num_cpus defaults to torch_threads * tensor_parallel_size
+  - name: smollm2-pd     # a disaggregated prefill/decode pair (docs/kv_connectors.md)
+    engine: {model: /path/to/SmolLM2-135M-Instruct}   # the decode replicas'
+    prefill: {num_replicas: 1, engine: {max_num_batched_tokens: 4096}}  # and their prefill ones
 ```
+
+A model with ``prefill`` is two applications: its decode replicas (``model-<name>``, kv_consumer)
+and its prefill replicas (``model-<name>-prefill``, kv_producer, the decode engine's arguments
+with ``prefill.engine`` over them); the ingress sends each prompt to a prefill replica first and
+then to a decode replica with the transfer's handle, the blocks going between the two over TCP.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class ModelDeploymentConfig:
     busy_threshold: int = 4
     prefix_blocks: int = 1
     resources: dict[str, float] = field(default_factory=dict)
+    prefill: dict[str, Any] | None = None
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -76,10 +85,27 @@ class ModelDeploymentConfig:
         return f"model-{self.name}"
 
     @property
+    def prefill_app_name(self) -> str | None:
+        return f"model-{self.name}-prefill" if self.prefill is not None else None
+
+    def engine_args(self, prefill: bool = False) -> dict[str, Any]:
+        """The replicas' engine arguments: as given, or for a P/D pair the decode replicas'
+        (kv_consumer) or the prefill replicas' (kv_producer, ``prefill.engine`` over them,
+        its transfer server on every interface and a free port)."""
+        if self.prefill is None:
+            return self.engine
+        if not prefill:
+            return {**self.engine, "kv_transfer_config": {"kv_role": "kv_consumer"}}
+        producer = {"kv_role": "kv_producer", "kv_ip": "0.0.0.0", "kv_port": 0}
+        return {**self.engine, **self.prefill.get("engine", {}), "kv_transfer_config": producer}
+
+    @property
     def revision(self) -> str:
         """A digest of what the replicas run: the ingress re-reads a model's tokenizer and
         limits when it changes."""
-        text = json.dumps([self.engine, self.torch_threads], sort_keys=True, default=str)
+        text = json.dumps(
+            [self.engine, self.torch_threads, self.prefill], sort_keys=True, default=str
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -154,12 +180,34 @@ def _check(config: ClusterConfig) -> None:
             raise ClusterConfigError(f"routing must be one of {ROUTING_POLICIES}, got {policy!r}")
     for m in config.models:
         _reject_unknown(m.engine, EngineArgs.field_names(), f"model {m.name!r} engine")
+        if m.prefill is not None:
+            _check_prefill(m)
         if not m.name or "/" in m.name:
             raise ClusterConfigError(f"model name {m.name!r}: give a non-empty name without '/'")
         if m.num_replicas < 1 or m.torch_threads < 1 or m.prefix_blocks < 1:
             raise ClusterConfigError(
                 f"model {m.name!r}: num_replicas, torch_threads and prefix_blocks must be >= 1"
             )
+
+
+def _check_prefill(m: ModelDeploymentConfig) -> None:
+    """A P/D pair's ``prefill``: its own fields only, both engines' arguments valid."""
+    from pagedserve.engine import EngineArgs
+
+    where = f"model {m.name!r} prefill"
+    if not isinstance(m.prefill, dict):
+        raise ClusterConfigError(f"{where}: a mapping (num_replicas, engine, torch_threads)")
+    _reject_unknown(m.prefill, {"num_replicas", "engine", "torch_threads"}, where)
+    _reject_unknown(m.prefill.get("engine", {}), EngineArgs.field_names(), f"{where} engine")
+    if "kv_transfer_config" in m.engine or "kv_transfer_config" in m.prefill.get("engine", {}):
+        raise ClusterConfigError(f"{where}: the pair sets kv_transfer_config itself; leave it out")
+    if m.autoscaling or int(m.prefill.get("num_replicas", 1)) < 1:
+        raise ClusterConfigError(f"{where}: num_replicas >= 1, and no autoscaling for a pair yet")
+    for prefill in (False, True):
+        try:
+            EngineArgs(**m.engine_args(prefill))
+        except (TypeError, ValueError) as e:
+            raise ClusterConfigError(f"model {m.name!r}: {e}") from e
 
 
 # ---- Ray Serve's config ------------------------------------------------------------------------
@@ -176,6 +224,7 @@ def routing_settings(config: ClusterConfig) -> list[dict[str, Any]]:
             "busy_threshold": m.busy_threshold,
             "prefix_blocks": m.prefix_blocks,
             "revision": m.revision,
+            "prefill_app_name": m.prefill_app_name,
         }
         for m in config.models
     ]
@@ -201,11 +250,20 @@ def build_serve_config(config: ClusterConfig, cluster_has_gpus: bool = False) ->
     return {
         "proxy_location": config.proxy_location,
         "http_options": {"host": config.host, "port": config.port},
-        "applications": [ingress, *(_engine_app(m, cluster_has_gpus) for m in config.models)],
+        "applications": [
+            ingress,
+            *(_engine_app(m, cluster_has_gpus) for m in config.models),
+            *(
+                _engine_app(m, cluster_has_gpus, True)
+                for m in config.models
+                if m.prefill is not None
+            ),
+        ],
     }
 
 
-def _engine_app(m: ModelDeploymentConfig, cluster_has_gpus: bool) -> dict[str, Any]:
+def _engine_app(m: ModelDeploymentConfig, cluster_has_gpus: bool, prefill=False) -> dict[str, Any]:
+    """One application of a model's engine replicas (a P/D pair's prefill ones: ``prefill``)."""
     num_gpus = m.num_gpus
     if num_gpus is None:
         wants_cuda = m.engine.get("device", "auto") in ("auto", "cuda")
@@ -223,15 +281,20 @@ def _engine_app(m: ModelDeploymentConfig, cluster_has_gpus: bool) -> dict[str, A
         "graceful_shutdown_timeout_s": 10.0,
         "request_router_config": {"request_router_class": ROUTER_CLASS},
     }
-    if m.autoscaling:
+    torch_threads = m.torch_threads
+    if prefill:
+        deployment["num_replicas"] = int(m.prefill.get("num_replicas", 1))
+        torch_threads = int(m.prefill.get("torch_threads", m.torch_threads))
+        actor_options["num_cpus"] = torch_threads * m.tensor_parallel_size
+    elif m.autoscaling:
         deployment["autoscaling_config"] = dict(m.autoscaling)
     else:
         deployment["num_replicas"] = m.num_replicas
     return {
-        "name": m.app_name,
+        "name": m.prefill_app_name if prefill else m.app_name,
         "route_prefix": None,
         "import_path": ENGINE_APP_BUILDER,
-        "args": {"engine": m.engine, "torch_threads": m.torch_threads},
+        "args": {"engine": m.engine_args(prefill), "torch_threads": torch_threads},
         "deployments": [deployment],
     }
 

@@ -51,6 +51,7 @@ def wait_until_served(config: ClusterConfig, timeout_s: float) -> None:
     """Every application RUNNING and the ingress serving every configured model."""
     deadline = time.monotonic() + timeout_s
     wanted = {m.app_name for m in config.models} | {INGRESS_APP}
+    wanted |= {m.prefill_app_name for m in config.models if m.prefill is not None}
     while True:
         statuses = {name: app.status for name, app in serve.status().applications.items()}
         failed = [n for n in wanted if statuses.get(n) == "DEPLOY_FAILED"]

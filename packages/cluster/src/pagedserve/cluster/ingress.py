@@ -9,6 +9,11 @@ The set of models is the ingress deployment's ``user_config``: redeploying the c
 model added, resized or removed reconfigures the running ingress in place (Ray Serve calls
 ``reconfigure``; the replica is not restarted), so the streams it carries go on. A model that is
 configured but whose replicas are not up yet answers 503 (``model_loading``), not 404.
+
+A disaggregated prefill/decode pair (a model with ``prefill`` in the config) is served by its
+decode replicas' RemoteEngine wrapped in the server's ``PrefillFirst`` over its prefill
+replicas' (``EnginePrefill``): each prompt is prefilled there first, and the decode replica
+fetches its blocks with the handle (docs/kv_connectors.md).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pagedserve.cluster.observability import ClusterMetrics, cluster_health, clu
 from pagedserve.cluster.remote_engine import RemoteEngine, RouteSettings
 from pagedserve.server.app import assemble_app
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.disaggregated import EnginePrefill, PrefillFirst
 from pagedserve.server.errors import APIError
 from pagedserve.server.state import ServedModels, ServerState, now_s
 
@@ -58,6 +64,23 @@ class ClusterModels(ServedModels):
                 headers={"Retry-After": "5"},
             )
         return super().state_for(name)
+
+
+class DisaggregatedReplicas(PrefillFirst):
+    """A P/D pair's decode and prefill replicas as one model: each request as ``PrefillFirst``
+    runs it, and every replica of both kinds in /metrics and /health."""
+
+    def __init__(self, decode: RemoteEngine, prefill: RemoteEngine) -> None:
+        super().__init__(decode, EnginePrefill(prefill), decode.block_size)
+        self.prefill_replicas = prefill
+
+    async def replica_stats(self, drain: bool = True):
+        decode = await self.engine.replica_stats(drain=drain)
+        return [*decode, *await self.prefill_replicas.replica_stats(drain=drain)]
+
+    @property
+    def retries(self) -> int:
+        return self.engine.retries + self.prefill_replicas.retries
 
 
 def cluster_app(models: ClusterModels, config: ServerConfig, metrics: ClusterMetrics):
@@ -117,7 +140,7 @@ class ClusterIngress:
             route.busy_threshold = settings["busy_threshold"]
             if self.revisions.get(name) != settings["revision"]:
                 self.revisions[name] = settings["revision"]
-                self._describe_later(name, settings["app_name"])
+                self._describe_later(name, settings["app_name"], settings.get("prefill_app_name"))
 
     def ready_models(self) -> list[str]:
         """Models whose replicas answered (deploy waits for all of them)."""
@@ -132,33 +155,39 @@ class ClusterIngress:
         self.routes.pop(name, None)
         self.revisions.pop(name, None)
 
-    def _describe_later(self, name: str, app_name: str) -> None:
+    def _describe_later(self, name: str, app_name: str, prefill_app: str | None = None) -> None:
         """Ask a replica of the model for its tokenizer and limits, in the background (its
-        replicas may still be loading); the model is served as soon as one answers."""
+        replicas may still be loading); the model is served as soon as one answers (for a
+        P/D pair, one of each kind)."""
         if name not in self.models.names():
             self.models.loading[name] = app_name
         previous = self.describing.pop(name, None)
         if previous is not None:
             previous.cancel()
-        self.describing[name] = asyncio.create_task(self._describe(name, app_name))
+        self.describing[name] = asyncio.create_task(self._describe(name, app_name, prefill_app))
 
-    async def _describe(self, name: str, app_name: str) -> None:
-        while True:
-            try:
-                handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name)
-                description = await handle.describe.remote()
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # not deployed yet, or its replicas are starting
-                logger.info("waiting for model %s: %r", name, error)
-                await asyncio.sleep(DESCRIBE_RETRY_S)
-        engine = RemoteEngine(handle, description, self.routes[name])
+    async def _describe(self, name: str, app_name: str, prefill_app: str | None) -> None:
+        engine = await self._remote_engine(name, app_name)
+        if prefill_app is not None:
+            engine = DisaggregatedReplicas(engine, await self._remote_engine(name, prefill_app))
         self.models.add(
             ServerState(engine=engine, config=self.config, model_name=name, created=now_s())
         )
         self.models.loading.pop(name, None)
         self.describing.pop(name, None)
+
+    async def _remote_engine(self, name: str, app_name: str) -> RemoteEngine:
+        """The application's replicas as a RemoteEngine, once one of them answers."""
+        while True:
+            try:
+                handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name)
+                description = await handle.describe.remote()
+                return RemoteEngine(handle, description, self.routes[name])
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # not deployed yet, or its replicas are starting
+                logger.info("waiting for model %s (%s): %r", name, app_name, error)
+                await asyncio.sleep(DESCRIBE_RETRY_S)
 
 
 def ingress_app(args: dict[str, Any]):

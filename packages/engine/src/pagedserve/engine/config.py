@@ -11,6 +11,7 @@ decode-graph settings; ``create_speculative_config()`` the proposer's (spec_deco
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,29 @@ from pagedserve.scheduler import SchedulerConfig
 if TYPE_CHECKING:
     from pagedserve.engine.lora.config import LoRAConfig
     from pagedserve.engine.spec_decode.config import SpeculativeConfig
+
+
+class ConfigFieldError(ValueError):
+    """An invalid field of a config given as vLLM's JSON (``speculative_config``,
+    ``kv_transfer_config``): ``param`` names it as ``<config>.<field>``."""
+
+    config_name = "config"
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.param = f"{self.config_name}.{field_name}"
+        super().__init__(f"{self.param}: {message}")
+
+
+def config_dict(value, error: type[ConfigFieldError]) -> dict:
+    """A config given as a dict or as its JSON text (the command line's), as a dict."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise error("(json)", f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise error("(type)", f"expected a dict, got {type(value).__name__}")
+    return value
 
 
 def option(default, help: str, **metadata):
@@ -110,6 +134,31 @@ class EngineArgs:
         unit="json",
     )
 
+    kv_offload_memory: int | None = option(
+        None,
+        "bytes of host memory that keep the KV blocks the engine computes (KV offloading): a "
+        "prompt whose prefix the KV cache has evicted loads it back instead of recomputing it, "
+        "e.g. 8GiB (default: none)",
+        unit="bytes",
+    )
+    kv_offload_dir: str | None = option(
+        None,
+        "a folder that keeps the KV blocks the engine computes on disk (KV offloading): a "
+        "restarted server with the same folder still hits the prefixes it saw (default: none)",
+    )
+    kv_offload_disk: int | None = option(
+        None,
+        "bytes of block files kept in --kv-offload-dir, least recently used out (default: 4GiB)",
+        unit="bytes",
+    )
+    kv_transfer_config: dict | None = option(
+        None,
+        'disaggregated prefill/decode, as vLLM\'s JSON: {"kv_connector": "TCPConnector", '
+        '"kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579} on the prefill '
+        'engine, {"kv_connector": "TCPConnector", "kv_role": "kv_consumer"} on the decode engine',
+        unit="json",
+    )
+
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) beside the base model")
     max_loras: int = option(1, "most distinct LoRA adapters in one batch (device slots)")
     max_lora_rank: int = option(16, "largest LoRA rank an adapter may have")
@@ -132,6 +181,11 @@ class EngineArgs:
             self.create_lora_config()
             if self.tensor_parallel_size > 1:
                 raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
+        from pagedserve.engine.kv_connector.config import KVTransferConfig, check_connector_args
+
+        check_connector_args(self)  # KV offloading / transfer: what rules them out, named
+        if self.kv_transfer_config is not None:
+            KVTransferConfig.from_dict(self.kv_transfer_config)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -144,6 +198,9 @@ class EngineArgs:
             "speculative_config": self.speculative_config is not None,
             "enable_lora": self.enable_lora,
             "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "kv_offload_memory": self.kv_offload_memory is not None,
+            "kv_offload_dir": self.kv_offload_dir is not None,
+            "kv_transfer_config": self.kv_transfer_config is not None,
         }
         for name, set_ in refused.items():
             if set_:

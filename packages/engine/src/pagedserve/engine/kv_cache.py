@@ -150,12 +150,21 @@ def log_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> None
 
 
 def kv_cache_manager_for(
-    model_config, cache_config, num_blocks: int
+    model_config, cache_config, num_blocks: int, kv_connector=None
 ) -> KVCacheManager | NoKVCacheManager:
     """The blocks' bookkeeping for a model: none for an encoder, which has no KV cache
-    (docs/pooling.md); else ``num_blocks`` blocks, prefix caching and the model's window."""
+    (docs/pooling.md); else ``num_blocks`` blocks, prefix caching and the model's window. With
+    a KV connector, its prefix hashes start from the connector's root (a store that outlives
+    the process names a prefix as the restarted engine does), and the connector looks its
+    blocks up by them."""
     cc = cache_config
     if model_config.is_encoder_only:
         return NoKVCacheManager(cc.block_size)
     window = model_config.kv_cache_window
-    return KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.watermark, window)
+    root = kv_connector.hash_root if kv_connector is not None else None
+    manager = KVCacheManager(
+        num_blocks, cc.block_size, cc.enable_prefix_caching, cc.watermark, window, root
+    )
+    if kv_connector is not None:
+        kv_connector.bind_kv_cache_manager(manager)
+    return manager

@@ -33,6 +33,7 @@ from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.input_batch import SamplingState
 from pagedserve.engine.kv_cache import kv_cache_manager_for
+from pagedserve.engine.kv_connector import create_kv_connector
 from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.manager import require_lora
@@ -46,7 +47,12 @@ from pagedserve.engine.sequence_group import SequenceGroup
 from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.structured_output.xgrammar_backend import XgrammarBackend
-from pagedserve.engine.validation import check_logprobs, check_token_ids, resolve_max_tokens
+from pagedserve.engine.validation import (
+    check_kv_transfer_params,
+    check_logprobs,
+    check_token_ids,
+    resolve_max_tokens,
+)
 from pagedserve.models import load_tokenizer
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
@@ -75,10 +81,14 @@ class LLMEngine:
         )
         if self.speculator is not None:  # a draft model's cache: the same blocks
             self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
-        self.kv_cache_manager = kv_cache_manager_for(
-            self.model_config, self.cache_config, self.runner.num_blocks
+        # a KV connector (offloading, transfer) names blocks by prefix hash from its own root
+        connector = self.runner.kv_connector = create_kv_connector(
+            args, self.model_config, self.runner
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.kv_cache_manager = kv_cache_manager_for(
+            self.model_config, self.cache_config, self.runner.num_blocks, connector
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
         self.eos_token_ids = self._eos_token_ids()
         logger.info(
@@ -92,7 +102,7 @@ class LLMEngine:
             self.scheduler, self.runner.input_batch, self.tokenizer, self._record_finished
         )
         self._never_scheduled: set[str] = set()  # requests whose first_scheduled_time is unset
-        self.stats = StatsCollector()
+        self.stats = StatsCollector(connector)
         self.structured_output = StructuredOutputManager(self._grammar_backend)
         self._request_errors: list[tuple[str, BaseException]] = []
 
@@ -172,6 +182,7 @@ class LLMEngine:
             cache_salt=secrets.token_hex(8) if params.prompt_logprobs is not None else None,
             needs_prompt_logits=params.prompt_logprobs is not None,
             lora_int_id=lora_int_id,
+            kv_transfer_params=check_kv_transfer_params(params, self.runner.kv_connector),
         )
         try:
             self.scheduler.add_request(request)
@@ -273,6 +284,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes."""
         self.structured_output.shutdown()
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()
         stop_workers = getattr(self.runner, "shutdown", None)
         if stop_workers is not None:
             stop_workers()
@@ -308,6 +321,8 @@ class LLMEngine:
         if self._never_scheduled and not scheduled.is_empty:  # only then can one be new
             self._stamp_first_scheduled(scheduled)
         output = self.runner.execute(scheduled)  # an empty step only forgets what finished
+        if output.finished_kv_loads:  # a KV connector's blocks arrived: they may be admitted
+            self.scheduler.finish_kv_loads(output.finished_kv_loads)
         if scheduled.is_empty:
             if self.structured_output.num_held:  # only compiles to wait for: wait, not spin
                 self._release_grammars(timeout=0.05)
@@ -351,26 +366,9 @@ class LLMEngine:
         )
 
     def _record_step(self, tokens: StepTokens, is_step: bool = False) -> None:
-        """The gauges, and a step's tokens. A step's sample for the per-step histogram is, as
-        vLLM counts it, the prompt tokens of the requests that got their first token in it
-        plus the tokens generated in it (0 included)."""
-        kv = self.kv_cache_manager
-        stats = self.scheduler.stats
-        self.stats.record_step(
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_waiting_deferred=self.structured_output.num_held,  # held for their grammar
-            kv_cache_usage=kv.usage(),
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-            num_preemptions=stats.num_preemptions,
-            new_prompt_tokens=tokens.num_prompt_tokens,
-            new_generation_tokens=tokens.num_generation_tokens,
-            iteration_tokens=tokens.num_prompt_tokens + tokens.num_generation_tokens
-            if is_step
-            else None,
-            inter_token_latencies=tokens.inter_token_latencies,
-        )
+        """The gauges, and a step's tokens (``StatsCollector.record_step``)."""
+        held = self.structured_output.num_held  # waiting for their grammar: "deferred"
+        self.stats.record_step(self.scheduler.stats, self.kv_cache_manager, tokens, held, is_step)
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----------------------
 

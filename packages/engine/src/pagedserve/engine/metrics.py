@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
+from pagedserve.engine.kv_connector.stats import KVConnectorStats
 from pagedserve.engine.outputs import RequestMetrics
 
 MAX_PENDING_SAMPLES = 1 << 16  # per-step samples kept between two drains
@@ -69,6 +70,9 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
 
+    # a KV connector's counters (hits per tier, bytes moved, load time); None without one
+    kv_connector: KVConnectorStats | None = None
+
     @property
     def spec_decode_acceptance_rate(self) -> float:
         """Accepted proposals / proposals verified (0 before any)."""
@@ -121,45 +125,41 @@ def finished_request_stats(
 class StatsCollector:
     """Thread-safe accumulator: the engine thread writes, any thread takes snapshots."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_connector=None) -> None:
         self._lock = threading.Lock()
         self._stats = EngineStats()
+        self._kv_connector = kv_connector  # its counters are read at each snapshot
 
     def record_step(
         self,
-        *,
-        num_running: int,
-        num_waiting: int,
-        kv_cache_usage: float,
-        prefix_cache_queries: int,
-        prefix_cache_hits: int,
-        num_preemptions: int,
-        new_prompt_tokens: int,
-        new_generation_tokens: int,
-        iteration_tokens: int | None = None,
-        inter_token_latencies: list[float] | None = None,
+        scheduler_stats,
+        kv_cache_manager,
+        tokens,
         num_waiting_deferred: int = 0,
+        is_step: bool = False,
     ) -> None:
-        """Gauges and cumulative totals (as read from the scheduler/KV manager) + this step's
-        tokens. ``iteration_tokens``: the step's sample for the per-step histogram, 0 included
-        (None: not a step, only the gauges changed)."""
+        """The gauges and cumulative totals as the scheduler (``SchedulerStats``) and the block
+        manager report them, and a step's tokens (``StepTokens``). A step's sample for the
+        per-step histogram is, as vLLM counts it, the prompt tokens of the requests that got
+        their first token in it plus the tokens generated in it (0 included); not ``is_step``:
+        no step ran, only the gauges changed. ``num_waiting_deferred``: of the waiting
+        requests, those held for their grammar."""
+        kv, new_tokens = kv_cache_manager, tokens.num_prompt_tokens + tokens.num_generation_tokens
         with self._lock:
             s = self._stats
-            s.num_running, s.num_waiting, s.kv_cache_usage = (
-                num_running,
-                num_waiting,
-                kv_cache_usage,
-            )
-            s.num_waiting_deferred = num_waiting_deferred
-            s.prefix_cache_queries, s.prefix_cache_hits = prefix_cache_queries, prefix_cache_hits
-            s.num_preemptions = num_preemptions
-            s.prompt_tokens_total += new_prompt_tokens
-            s.generation_tokens_total += new_generation_tokens
+            s.num_running, s.num_waiting = scheduler_stats.num_running, scheduler_stats.num_waiting
+            s.num_waiting_deferred, s.kv_cache_usage = num_waiting_deferred, kv.usage()
+            s.prefix_cache_queries = kv.prefix_cache_stats.queries
+            s.prefix_cache_hits = kv.prefix_cache_stats.hits
+            s.num_preemptions = scheduler_stats.num_preemptions
+            s.prompt_tokens_total += tokens.num_prompt_tokens
+            s.generation_tokens_total += tokens.num_generation_tokens
             # bounded: with nobody draining (offline use), samples must not pile up forever
-            if iteration_tokens is not None and len(s.iteration_tokens) < MAX_PENDING_SAMPLES:
-                s.iteration_tokens.append(iteration_tokens)
-            if inter_token_latencies and len(s.inter_token_latencies) < MAX_PENDING_SAMPLES:
-                s.inter_token_latencies.extend(inter_token_latencies)
+            if is_step and len(s.iteration_tokens) < MAX_PENDING_SAMPLES:
+                s.iteration_tokens.append(new_tokens)
+            latencies = tokens.inter_token_latencies
+            if latencies and len(s.inter_token_latencies) < MAX_PENDING_SAMPLES:
+                s.inter_token_latencies.extend(latencies)
 
     def record_spec_decode(self, counts) -> None:
         """One verify step's ``VerifyCounts`` (spec_decode/verify.py) into the totals."""
@@ -200,6 +200,8 @@ class StatsCollector:
                 inter_token_latencies=list(s.inter_token_latencies),
                 spec_decode_accepted_per_position=list(s.spec_decode_accepted_per_position),
             )
+            if self._kv_connector is not None:
+                snap.kv_connector = self._kv_connector.snapshot_stats()
             if drain:
                 s.finished_requests.clear()
                 s.iteration_tokens.clear()

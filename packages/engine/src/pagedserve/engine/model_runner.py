@@ -145,6 +145,7 @@ class ModelRunner:
                 self.device,
             )
         self.drafter = drafter
+        self.kv_connector = None  # a KV connector's runner side, attached by the engine
         self.input_batch = InputBatch()
         self.sampler = Sampler()
         self.block_table = BlockTable(-(-model_config.max_model_len // cache_config.block_size))
@@ -215,9 +216,7 @@ class ModelRunner:
         batch = build_paged_batch(tables, [0] * len(lengths), lengths, cc.block_size)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        caches = allocate_kv_caches(
-            self.kv_cache_spec, num_blocks, cc.block_size, self.kv_cache_dtype, dev
-        )
+        caches = self._allocate_kv_caches(num_blocks)
         meta = attention_metadata(batch, dev)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.from_numpy(batch.positions).to(dev)
@@ -240,13 +239,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: its tokens and logprobs by request id."""
+        """Run one step: its tokens and logprobs by request id. A KV connector
+        (kv_connector/base.py) loads blocks before the forward and saves them after it."""
+        connector = self.kv_connector
+        loaded = connector.start_step(output) if connector is not None else None
         if output.is_empty:  # nothing runnable: only forget what finished
             self.begin_step(output)
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(finished_kv_loads=loaded)
         model_input, layout = self.begin_step(output)
         logits = self.execute_model(model_input, output.blocks_to_copy)
-        return self.sample(layout, logits)
+        if connector is not None:
+            connector.wait_for_save(output.kv_connector_metadata)
+        result = self.sample(layout, logits)
+        result.finished_kv_loads = loaded
+        return result
 
     def begin_step(self, output: SchedulerOutput) -> tuple[ModelInput, LogitsLayout] | None:
         """Forget the sequences that have left, let the draft model propose into the slots the

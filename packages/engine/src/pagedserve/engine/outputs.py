@@ -107,6 +107,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # a KV connector's word to the caller, on the finished output (a prefill's transfer handle)
+    kv_transfer_params: dict | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one (vLLM's ``RequestOutput.add``).
@@ -121,6 +123,8 @@ class RequestOutput:
         self.num_cached_tokens = next_output.num_cached_tokens
         if next_output.prompt_logprobs is not None:
             self.prompt_logprobs = next_output.prompt_logprobs
+        if next_output.kv_transfer_params is not None:
+            self.kv_transfer_params = next_output.kv_transfer_params
         by_index = {completion.index: i for i, completion in enumerate(self.outputs)}
         for completion in next_output.outputs:
             i = by_index.get(completion.index)
@@ -157,6 +161,8 @@ class ModelRunnerOutput:
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
     spec_decode: VerifyCounts | None = None
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a KV connector's asynchronous loads that ended: request id -> tokens its blocks now hold
+    finished_kv_loads: dict[str, int] | None = None
 
 
 @dataclass(slots=True)

@@ -76,6 +76,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's arguments for plugins; pagedserve reads one: "kv_transfer_params" (a dict for the
+    # engine's KV connector: a disaggregated prefill's or decode's part, tcp_connector.py)
+    extra_args: dict | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -117,6 +120,8 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_outputs_and_stops()
         self._validate_token_constraints()
+        if self.extra_args is not None:
+            self._validate_extra_args()
         if self.use_beam_search:
             self._validate_beam_search()
         elif self.best_of not in (None, self.n):
@@ -203,6 +208,24 @@ class SamplingParams:
                     "must name the thinking's tokens when thinking_token_budget is set (a "
                     "reasoning parser gives them)",
                 )
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """vLLM's ``extra_args["kv_transfer_params"]``: the request's words to a KV connector."""
+        return (self.extra_args or {}).get("kv_transfer_params")
+
+    def _validate_extra_args(self) -> None:
+        extra = self.extra_args
+        self._require(isinstance(extra, dict), "extra_args", "must be a dict")
+        unknown = sorted(set(extra) - {"kv_transfer_params"})
+        if unknown:
+            raise InvalidRequestError(
+                f"extra_args {unknown} are read by no part of pagedserve (it reads "
+                "kv_transfer_params only)",
+                "extra_args",
+            )
+        if not isinstance(extra["kv_transfer_params"], dict):
+            raise InvalidRequestError("kv_transfer_params must be a dict", "kv_transfer_params")
 
     def _validate_beam_search(self) -> None:
         """Beam search is deterministic: it takes no sampling knobs, stop strings or logprobs.

@@ -325,4 +325,5 @@ class SequenceGroup:
             max(first.num_cached_tokens, 0),
             self.metrics,
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            first.kv_transfer_params if first.is_finished else None,
         )

@@ -79,3 +79,19 @@ def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model
             "min_tokens",
         )
     return room
+
+
+def check_kv_transfer_params(params: SamplingParams, kv_connector) -> dict | None:
+    """The request's ``kv_transfer_params`` (vLLM's ``extra_args``), as the engine's KV
+    connector checks them; refused by an engine without a connector that transfers blocks."""
+    transfer = params.kv_transfer_params
+    if transfer is None:
+        return None
+    if kv_connector is None:
+        raise InvalidRequestError(
+            "kv_transfer_params need an engine started with --kv-transfer-config (a "
+            "disaggregated prefill or decode engine); this one has none",
+            "kv_transfer_params",
+        )
+    kv_connector.check_transfer_params(transfer)
+    return transfer

@@ -2,11 +2,13 @@
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.scheduler.kv_connector import KVConnectorScheduler
 from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "KVConnectorScheduler",
     "Request",
     "RequestRejectedError",
     "RequestStatus",

@@ -63,6 +63,8 @@ class SchedulerOutput:
         self.preempted = [] if preempted is None else preempted
         self.finished: list[Request] = []
         self.num_scheduled_tokens = 0
+        # the KV connector's work in this step (kv_connector.py), for the model runner
+        self.kv_connector_metadata: object | None = None
         for item in scheduled:  # a hand-built step (tests, tools)
             self.add(item.request, item.num_computed_tokens, item.num_new_tokens, item.block_table)
             if item.spec_token_ids:

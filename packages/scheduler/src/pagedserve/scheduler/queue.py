@@ -46,12 +46,13 @@ class WaitingQueue:
         return self._queue[0]
 
     def first_ready(self) -> Request | None:
-        """The first request, in policy order, that is not held (``waiting_for_grammar``):
-        a held request lets the ones behind it pass (vLLM's rule for grammars compiling)."""
+        """The first request, in policy order, that is not held (``Request.is_held``: its
+        grammar compiling, its KV blocks arriving): a held request lets the ones behind it
+        pass (vLLM's rule for both)."""
         head = self._queue[0]
-        if not head.waiting_for_grammar:
+        if not head.is_held:
             return head
-        return next((r for r in self._queue if not r.waiting_for_grammar), None)
+        return next((r for r in self._queue if not r.is_held), None)
 
     def take(self, request: Request) -> None:
         """Remove ``request`` (the head, in the common case) as it is admitted."""

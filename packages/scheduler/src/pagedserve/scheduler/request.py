@@ -17,6 +17,9 @@ from typing import Generic, TypeVar, overload
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # admitted with blocks whose keys and values a KV connector is still loading: it waits in
+    # the queue (others pass it) until they arrive or fail (vLLM's WAITING_FOR_REMOTE_KVS)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -110,6 +113,10 @@ class Request(Generic[PayloadT]):
     compiling) the request stays in the waiting queue, and requests behind it may pass.
     ``lora_int_id`` is the LoRA adapter it runs with (0: the base model): part of its blocks'
     prefix hashes, and counted against ``SchedulerConfig.max_loras``.
+    ``kv_transfer_params`` are the request's words to a KV connector (vLLM's field: a
+    disaggregated prefill's ``do_remote_decode``, or a decode's handle of the blocks to fetch);
+    the scheduler only hands them on, and the connector may replace them with what the caller
+    gets back when the request finishes (a prefill's transfer handle).
     ``pooling`` marks a prefill-only request (embeddings, scores): it generates nothing
     (``max_tokens`` 0), is batched and chunked as any prompt, and finishes as soon as its last
     prompt token is computed, freeing its blocks in that same step; the runner's pooled
@@ -133,6 +140,7 @@ class Request(Generic[PayloadT]):
     needs_prompt_logits: bool = False
     waiting_for_grammar: bool = False
     pooling: bool = False
+    kv_transfer_params: dict | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -163,6 +171,12 @@ class Request(Generic[PayloadT]):
     @property
     def is_finished(self) -> bool:
         return self.status._value_ in _FINISHED_VALUES
+
+    @property
+    def is_held(self) -> bool:
+        """Waiting for something other than room: its grammar to compile, or its keys and
+        values to arrive from a KV connector. Requests behind it in the queue may pass it."""
+        return self.waiting_for_grammar or self.status is RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

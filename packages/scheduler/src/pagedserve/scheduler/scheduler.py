@@ -18,6 +18,12 @@ Invariants, after every call:
 - Every request in ``requests`` is either in ``running`` or in ``waiting``; a finished or aborted
   request is in neither and holds no block.
 
+With a KV connector (kv_connector.py), admission also asks it for the tokens after the prefix
+cache's hit that it can supply (offloaded or transferred blocks): loaded in the step itself,
+or later, the request waiting in the queue meanwhile with its blocks held
+(``WAITING_FOR_REMOTE_KVS``) until ``finish_kv_loads`` says what arrived, which its next
+admission then finds in the prefix cache.
+
 ``update`` takes the step's sampled tokens back: it appends them, meets the stop rules, rolls
 a speculative decode back past its rejected proposals, and frees what finished. A pooling
 request (prefill only: embeddings, scores) finishes at the step that computed its last prompt
@@ -39,6 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler.admission import check_fits, check_not_overloaded
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.kv_connector import KVConnectorScheduler
 from pagedserve.scheduler.output import SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import _FINISHED_VALUES, Request, RequestStatus
@@ -48,9 +55,15 @@ class Scheduler:
     """Continuous batching under one token budget, with chunked prefill, preemption and
     admission control."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        kv_connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.kv_connector = kv_connector
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -214,6 +227,8 @@ class Scheduler:
         if len(output.preempted) == made_room:  # the running requests found their blocks
             budget = self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
         num_tokens = output.num_scheduled_tokens
         self._last_step = (num_tokens, output.num_scheduled_seqs)
         self._num_steps += 1
@@ -378,7 +393,9 @@ class Scheduler:
                 return False
         return True
 
-    def _allocate(self, request: Request, num_computed: int, num_new: int, hits=()) -> bool:
+    def _allocate(
+        self, request: Request, num_computed: int, num_new: int, hits=(), delay_caching=False
+    ) -> bool:
         """``allocate_slots`` for ``request``, its blocks hashed with its salt and adapter."""
         return self.kv.allocate_slots(
             request.request_id,
@@ -388,6 +405,7 @@ class Scheduler:
             computed_blocks=hits,
             cache_salt=request.cache_salt,
             lora_int_id=request.lora_int_id,
+            delay_caching=delay_caching,
         )
 
     def _adapter_fits(self, request: Request) -> bool:
@@ -414,28 +432,76 @@ class Scheduler:
         ):
             request = self.waiting.first_ready()
             if request is None:
-                break  # every waiting request is held for its grammar
+                break  # every waiting request is held (its grammar, its KV blocks)
             if id(request) in preempted_now:
                 break  # a victim of this step waits for the next one
             if not self._adapter_fits(request):
                 break  # the head waits for an adapter slot; nothing behind it jumps the queue
-            hits, num_cached = self.kv.get_computed_blocks(
-                request.all_token_ids, request.cache_salt, request.lora_int_id
-            )
-            num_new = self._num_new_tokens(request, num_cached, budget)
-            if not self.config.enable_chunked_prefill and num_cached + num_new < request.num_tokens:
-                break  # the whole prompt must fit in this step's budget
-            if not self._allocate(request, num_cached, num_new, hits):
+            num_new = self._admit(request, budget, output)
+            if num_new is None:
                 break  # the head waits for blocks; nothing behind it jumps the queue
-            self.waiting.take(request)
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self._add_running(request)
-            output.add(request, num_cached, num_new, self.kv.block_ids(request.request_id))
             budget -= num_new
         return budget
+
+    def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Admit the first ready waiting request: its prefix-cache hit, then what the KV
+        connector supplies after it, then its first chunk. Returns the chunk's tokens (0: it
+        now waits for the connector's asynchronous load, holding its blocks), or None when it
+        must wait for room (nothing changed)."""
+        hits, num_cached = self.kv.get_computed_blocks(
+            request.all_token_ids, request.cache_salt, request.lora_int_id
+        )
+        num_external, load_async = self._external_tokens(request, num_cached)
+        num_computed = num_cached + num_external
+        num_new = 0 if load_async else self._num_new_tokens(request, num_computed, budget)
+        if not load_async and (
+            not self.config.enable_chunked_prefill and num_computed + num_new < request.num_tokens
+        ):
+            return None  # the whole prompt must fit in this step's budget
+        if not self._allocate(request, num_cached, num_external + num_new, hits, load_async):
+            return None
+        if num_external:
+            block_ids = self.kv.block_ids(request.request_id)
+            self.kv_connector.update_state_after_alloc(request, block_ids, num_external, load_async)
+        if load_async:  # it stays in the queue, held (others pass it) until its blocks arrive
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return 0
+        request.num_computed_tokens = num_computed
+        self.waiting.take(request)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self._add_running(request)
+        output.add(request, num_computed, num_new, self.kv.block_ids(request.request_id))
+        return num_new
+
+    def _external_tokens(self, request: Request, num_cached: int) -> tuple[int, bool]:
+        """The tokens after the prefix cache's hit that the KV connector can supply, and
+        whether they arrive later (0 without a connector, and for a pooling request)."""
+        if self.kv_connector is None or request.pooling:
+            return 0, False
+        num_external, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_cached)
+        return num_external, load_async and num_external > 0
+
+    def finish_kv_loads(self, num_computed: Mapping[str, int]) -> None:
+        """The KV connector's asynchronous loads that ended: request id -> tokens whose keys
+        and values its blocks now hold (the prefix-cache hit and what arrived; fewer than
+        asked when part of the load failed).
+
+        Their full blocks are registered in the prefix cache and the request's blocks freed,
+        as a finished request's are: they wait in the free queue's most recently used end,
+        and the request waits as any other, its admission hitting them in the prefix cache
+        and computing the rest. So no waiting request holds blocks once its load has ended
+        (waiting requests holding the pool while nothing runs could never move). Unknown or
+        finished ids (an abort raced with the load) are ignored."""
+        for request_id, num_tokens in num_computed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            tokens, salt, lora = request.all_token_ids, request.cache_salt, request.lora_int_id
+            self.kv.cache_blocks(request_id, tokens, num_tokens, salt, lora)
+            self.kv.free(request_id)
+            request.status = RequestStatus.WAITING
 
     def _make_room_for_priority(self, output: SchedulerOutput) -> None:
         """The priority policy's admission: a waiting request that matters more than the
@@ -481,5 +547,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
+        if self.kv_connector is not None:  # its answer replaces what the request brought
+            request.kv_transfer_params = self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
         self._finished.append(request)

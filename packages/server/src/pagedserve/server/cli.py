@@ -279,6 +279,7 @@ def add_serve_parser(sub) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.engine import AsyncLLM
+    from pagedserve.server.disaggregated import with_remote_prefill
     from pagedserve.server.launcher import run_server
 
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()  # uvicorn's trace
@@ -291,9 +292,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             model, default_name = resolve_model(model_path)
             name = config.served_model_name or default_name or model
-            engine = AsyncLLM(
-                EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",)))
+            engine_args = EngineArgs(
+                model=model, **config_kwargs(args, EngineArgs, skip=("model",))
             )
+            # a decode engine with a prefill server sends each prompt there first
+            engine = with_remote_prefill(AsyncLLM(engine_args), engine_args.kv_transfer_config)
         except BaseException:
             sock.close()
             raise

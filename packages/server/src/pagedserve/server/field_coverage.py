@@ -63,7 +63,6 @@ REFUSED: dict[str, str] = {
     "watermarking": f"watermarking {_ENGINE}",
     "stream_interval": f"batching stream chunks by token count {_ENGINE}",
     "cache_salt": f"salting the prefix cache {_ENGINE}",
-    "kv_transfer_params": "pagedserve has no KV transfer connector",
     "ec_transfer_params": "pagedserve has no encoder-cache transfer connector",
     "routed_experts_prompt_start": "pagedserve does not return routed-expert data",
     "return_token_offsets": "token offsets are served by vLLM's render endpoints only",
@@ -110,7 +109,7 @@ _CHAT_HANDLED = frozenset(
     guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls
     bad_words allowed_token_ids
     add_generation_prompt continue_final_message chat_template_kwargs documents
-    reasoning_effort include_reasoning echo""".split()
+    reasoning_effort include_reasoning echo kv_transfer_params""".split()
 )
 # what every pooling route reads (serving_pooling.py); padding: do_not_pad is what it does,
 # max_length is refused there by name
@@ -136,7 +135,8 @@ HANDLED: dict[str, frozenset[str]] = {
         logprobs suffix best_of add_special_tokens prompt_logprobs use_beam_search
         length_penalty early_stopping return_token_ids return_tokens_as_token_ids request_id
         session_id thinking_token_budget response_format structured_outputs guided_json
-        guided_regex guided_choice guided_grammar bad_words allowed_token_ids""".split()
+        guided_regex guided_choice guided_grammar bad_words allowed_token_ids
+        kv_transfer_params""".split()
     ),
     "ChatCompletionRequest": _CHAT_HANDLED,
     # each conversation is planned as a chat request; the batch refuses stream, tools, beam

@@ -16,6 +16,10 @@ histograms per finished request ``time_to_first_token_seconds``,
 ``request_params_max_tokens`` (what it asked for: the server observes them, as it sends the
 request, when its first output arrives); and per step ``iteration_tokens_total`` (tokens computed by one
 engine step) and ``inter_token_latency_seconds`` (each interval between a request's tokens).
+With a KV connector (offloading, disaggregated prefill), ``kv_connector_*`` by ``tier`` (``ram``,
+``disk``, ``remote``): counters of hit tokens, bytes loaded and saved, load seconds and loads,
+dropped saves, rejected blocks (by ``reason``) and failed loads; gauges of each tier's bytes
+and blocks held (``_kv_connector_metrics``).
 
 The engine keeps the cumulative totals itself, so they are exported through a custom collector
 (the counters' values are read, never re-counted). Finished-request latencies are handed over
@@ -262,6 +266,8 @@ class EngineMetrics(Collector):
             counter = CounterMetricFamily(self.prefix + name, help_, labels=["model_name"])
             counter.add_metric(labels, getattr(stats, attr))
             yield counter
+        if stats.kv_connector is not None:
+            yield from _kv_connector_metrics(self.prefix, self.model_name, stats.kv_connector)
 
     def _waiting_by_reason(self, stats) -> GaugeMetricFamily:
         """vLLM's split of the waiting requests: held back by a passing condition (deferred:
@@ -293,6 +299,41 @@ class EngineMetrics(Collector):
         )
         gauge.add_metric(list(info.values()), 1)
         return gauge
+
+
+_KV_CONNECTOR_METRICS = (
+    # (attribute of KVConnectorStats, metric name, help, label, counter?)
+    ("hit_tokens", "kv_connector_hit_tokens", "Prompt tokens a KV connector supplied.", "tier", 1),
+    ("loaded_bytes", "kv_connector_loaded_bytes", "Bytes loaded into the KV cache.", "tier", 1),
+    ("saved_bytes", "kv_connector_saved_bytes", "Bytes saved out of the KV cache.", "tier", 1),
+    ("load_seconds", "kv_connector_load_seconds", "Time from loads' start to their blocks in "
+     "the KV cache (under each load's slowest tier).", "tier", 1),
+    ("loads", "kv_connector_loads", "Loads into the KV cache (by slowest tier).", "tier", 1),
+    ("rejected_blocks", "kv_connector_rejected_blocks", "Blocks refused by their header "
+     "(mismatch) or checksum (corrupt), never loaded.", "reason", 1),
+    ("dropped_saves", "kv_connector_dropped_saves", "Blocks not saved (a tier could not take "
+     "them in time).", "tier", 1),
+    ("tier_bytes", "kv_connector_tier_bytes", "Bytes of blocks a tier holds.", "tier", 0),
+    ("tier_blocks", "kv_connector_tier_blocks", "Blocks a tier holds.", "tier", 0),
+)  # fmt: skip
+
+
+def _kv_connector_metrics(prefix: str, model_name: str, stats) -> Iterator[Metric]:
+    """A KV connector's counters and gauges (``KVConnectorStats``), one series per tier (or
+    reason); ``failed_loads``: loads that brought fewer blocks than asked."""
+    for attr, name, help_, label, is_counter in _KV_CONNECTOR_METRICS:
+        family = CounterMetricFamily if is_counter else GaugeMetricFamily
+        metric = family(prefix + name, help_, labels=["model_name", label])
+        for key, value in sorted(getattr(stats, attr).items()):
+            metric.add_metric([model_name, key], value)
+        yield metric
+    failed = CounterMetricFamily(
+        prefix + "kv_connector_failed_loads",
+        "Loads that brought fewer blocks than asked (the rest recomputed).",
+        labels=["model_name"],
+    )
+    failed.add_metric([model_name], stats.failed_loads)
+    yield failed
 
 
 def _lora_requests_info(prefix: str, stats) -> GaugeMetricFamily:

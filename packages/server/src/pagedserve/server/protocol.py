@@ -245,6 +245,8 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    # vLLM's: the engine's KV connector's answer (a prefill's transfer handle), else left out
+    kv_transfer_params: dict | None = Field(default=None, exclude_if=_absent)
 
 
 # vLLM's extensions in a streamed chunk: left out when they have no value (on every chunk but
@@ -311,6 +313,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    kv_transfer_params: dict | None = Field(default=None, exclude_if=_absent)  # as completions'
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -31,7 +31,6 @@ class RefusedVLLMFields(_Model):
     watermarking: bool | None = None
     stream_interval: StrictInt | None = None
     cache_salt: StrictStr | None = None
-    kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     routed_experts_prompt_start: StrictInt = 0
     return_token_offsets: bool | None = None
@@ -57,3 +56,6 @@ class VLLMSamplingFields(RefusedVLLMFields):
     session_id: StrictStr | None = None
     # vLLM's thinking budget; honoured only where it cannot bind (field_coverage.py)
     thinking_token_budget: StrictInt | None = None
+    # vLLM's disaggregated prefill/decode: the words to the engine's KV connector (a
+    # prefill's do_remote_decode, a decode's transfer handle); the answer carries its own
+    kv_transfer_params: dict[str, Any] | None = None

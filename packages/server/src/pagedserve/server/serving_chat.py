@@ -130,6 +130,7 @@ class ChatView:
             model=self.state.served_name(self.body.model),
             choices=choices,
             usage=self.usage(tokens, final.outputs),
+            kv_transfer_params=final.kv_transfer_params,
             **self._prompt_extras(final),
         )
 

@@ -6,7 +6,8 @@ conversation ``i`` (its usage the sum over them). Each conversation is planned e
 /v1/chat/completions plans one (the same checks, template and defaults), and all of them run
 concurrently as one engine request each. As vLLM's, the route answers in one body: no stream,
 no tool calls, no beam search, one choice per conversation, and no prompt logprobs (vLLM's batch
-answer has no place for them; it computes them for nothing, pagedserve refuses them).
+answer has no place for them; it computes them for nothing, pagedserve refuses them), nor
+kv_transfer_params (a disaggregated prefill's handle is one prompt's).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def check_batch(state: ServerState, body: BatchChatCompletionRequest) -> None:
         ("tools", bool(body.tools)),
         ("use_beam_search", body.use_beam_search),
         ("prompt_logprobs", body.prompt_logprobs is not None),
+        ("kv_transfer_params", body.kv_transfer_params is not None),  # one handle per prompt
     ):
         if used:
             raise bad_request(f"{name} is not supported on {ROUTE}", name)

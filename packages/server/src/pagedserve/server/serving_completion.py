@@ -208,7 +208,9 @@ class _CompletionView:
                     )
                 )
         choices.sort(key=lambda c: c.index)
-        return self._body(choices, self.usage(tokens))
+        response = self._body(choices, self.usage(tokens))
+        response.kv_transfer_params = finals[min(finals)].kv_transfer_params  # the first prompt's
+        return response
 
     async def stream(self, streams: EngineStreams) -> AsyncIterator[str]:
         progress = StreamProgress(delta=streams.delta)

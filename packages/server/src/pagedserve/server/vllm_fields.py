@@ -81,6 +81,8 @@ def default_max_tokens(
 def extra_sampling_kwargs(body: SamplingRequest, prompt_logprobs: int | None) -> dict:
     """SamplingParams fields from vLLM's request fields (beam search and prompt logprobs)."""
     kwargs: dict = {"prompt_logprobs": prompt_logprobs}
+    if body.kv_transfer_params is not None:  # vLLM's way to the engine's KV connector
+        kwargs["extra_args"] = {"kv_transfer_params": body.kv_transfer_params}
     if body.use_beam_search:
         kwargs.update(
             use_beam_search=True,

@@ -296,7 +296,6 @@ REFUSED: dict[str, str] = {
         "--cuda-graph-sizes",
         "--max-cudagraph-capture-size",
     ),
-    "--kv-transfer-config": "pagedserve has no disaggregated prefill (KV transfer)",
 }
 
 

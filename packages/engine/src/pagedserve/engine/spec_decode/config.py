@@ -16,21 +16,18 @@ Every check runs at start-up, and each failure names the field at fault as
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedserve.engine.config import option
+from pagedserve.engine.config import ConfigFieldError, config_dict, option
 
 METHODS = ("ngram", "draft_model")
 
 
-class SpeculativeConfigError(ValueError):
+class SpeculativeConfigError(ConfigFieldError):
     """An invalid speculative configuration; ``param`` is the field at fault."""
 
-    def __init__(self, field_name: str, message: str) -> None:
-        self.param = f"speculative_config.{field_name}"
-        super().__init__(f"{self.param}: {message}")
+    config_name = "speculative_config"
 
 
 @dataclass(frozen=True)
@@ -50,13 +47,7 @@ class SpeculativeConfig:
         """Parse vLLM's dict (or its JSON text); unknown keys are refused by name."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise SpeculativeConfigError("(json)", f"not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise SpeculativeConfigError("(type)", f"expected a dict, got {type(value).__name__}")
+        value = config_dict(value, SpeculativeConfigError)
         known = {f.name for f in fields(cls)}
         for key in value:
             if key not in known:

@@ -192,6 +192,13 @@ function metric(text, name) {
   return match ? parseFloat(match[1]) : null;
 }
 
+// Every tier's value of a tier-labelled series (the KV connector's), as "ram 96 · disk 40".
+function byTier(text, name) {
+  const pattern = new RegExp("^pagedserve:" + name + "\\{[^}]*tier=\"(\\w+)\"[^}]*\\} (\\S+)$", "gm");
+  const parts = [...text.matchAll(pattern)].map((m) => m[1] + " " + parseFloat(m[2]).toFixed(0));
+  return parts.length ? parts.join(" · ") : null;
+}
+
 async function refreshFigures() {
   try {
     const answer = await fetch("/metrics", {headers: headers()});
@@ -202,6 +209,7 @@ async function refreshFigures() {
     show("waiting", metric(text, "num_requests_waiting"), (v) => v.toFixed(0));
     show("kv-cache", metric(text, "kv_cache_usage_perc"), (v) => (100 * v).toFixed(1) + " %");
     show("generated", metric(text, "generation_tokens_total"), (v) => v.toFixed(0));
+    show("kv-hits", byTier(text, "kv_connector_hit_tokens_total"), (v) => v);
     document.body.dataset.figures = String(Number(document.body.dataset.figures || 0) + 1);
   } catch (error) {
     $("status").textContent = "metrics: " + error;
