@@ -33,7 +33,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import Workload, add_workload_args, make_workload  # noqa: E402
+from bench_throughput import (  # noqa: E402
+    Workload,
+    add_workload_args,
+    make_workload,
+    parse_workload_args,
+)
 
 # (what, substrings of a profiled function's file:name) the time split reports
 PARTS = {
@@ -96,12 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     parser.add_argument("--rounds", type=int, default=2, help="runs of the workload per mode")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args(argv)
-    if args.model is None:
-        from pagedserve.models.default_model import ensure_default_model
-
-        args.model = str(ensure_default_model())
-    return args
+    return parse_workload_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,6 +175,19 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def parse_workload_args(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``parser``'s arguments, the workload's lengths checked and the model resolved (the
+    default one fetched when none is named)."""
+    args = parser.parse_args(argv)
+    if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
+        parser.error("need 1 <= min <= max for prompt and output lengths")
+    if args.model is None:
+        from pagedserve.models.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(parser)
@@ -184,14 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--profile", default=None, help="write a cProfile of pagedserve's run here")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart of tokens/s here")
-    args = parser.parse_args(argv)
-    if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
-        parser.error("need 1 <= min <= max for prompt and output lengths")
-    if args.model is None:
-        from pagedserve.models.default_model import ensure_default_model
-
-        args.model = str(ensure_default_model())
-    return args
+    return parse_workload_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
