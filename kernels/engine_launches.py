@@ -60,8 +60,7 @@ _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "swigluoai_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
     "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
-    "encoder_attention", "gelu",
-    "mla_decode", "store_latent",
+    "encoder_attention", "gelu", "linear", "mla_decode", "store_latent",
 )  # fmt: skip
 # Encoder models (pooling: embeddings, cross-encoders): (name, heads, head_dim, hidden,
 # intermediate). all-MiniLM-L6-v2; BERT-base / bge-base / XLM-RoBERTa-base.
@@ -119,6 +118,32 @@ def attention_launches(
             record(f"{label} {step} window")
     store_launches(m, dtype, block_size, n_tokens=3, cache_dtype=cache_dtype)
     record(f"{label} store")
+
+
+def batch_invariant_launches(m: ModelShape, dtype: torch.dtype, block_size: int, record, label):
+    """What ``--batch-invariant`` launches instead: the attention with its one tile and fixed
+    KV splits for every step shape (split-KV decodes fold their partials in order), and the
+    fixed-tile GEMM of each projection, the lm_head and a MoE router (a decode's rows and a
+    prefill's: one variant)."""
+    mods = _wrappers()
+    sinks = dict(sinks=torch.randn(m.n_q_heads)) if m.sinks else {}  # their fold starts there
+    windows = [{}]
+    if m.sliding_window is not None:
+        windows.append(dict(sliding_window=m.sliding_window, logits_soft_cap=m.logits_soft_cap))
+    for step, seqs in attention_steps(block_size).items():
+        batch = make_paged_batch(seqs, m.n_q_heads, m.n_kv_heads, m.head_dim, block_size, dtype)
+        for window in windows:
+            mods["paged_attention"].paged_attention_triton(
+                *batch.args(), batch_invariant=True, **window, **sinks
+            )
+            record(f"{label} {step} batch-invariant" + (" window" if window else ""))
+    shapes = [*projection_shapes(m).values(), (m.vocab, m.hidden), (8, m.hidden)]
+    for n, k in shapes:  # recorded, not run: untouched weights (the lm_head's is GBs)
+        weight = torch.empty(n, k, dtype=dtype)
+        bias = torch.empty(n, dtype=dtype) if m.gpt2 else None
+        for n_tokens in (1, 64):
+            mods["linear"].linear_triton(torch.empty(n_tokens, k, dtype=dtype), weight, bias)
+    record(f"{label} batch-invariant linear")
 
 
 def store_launches(
@@ -384,6 +409,7 @@ def engine_launches(
             for block_size in sizes:
                 label = f"{m.name} {dtype_name} bs{block_size}"
                 attention_launches(m, DTYPES[dtype_name], block_size, record, label)
+                batch_invariant_launches(m, DTYPES[dtype_name], block_size, record, label)
             layer_launches(m, DTYPES[dtype_name], sizes[0])
             record(f"{m.name} {dtype_name}")
             quantized_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")

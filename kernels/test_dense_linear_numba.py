@@ -1,7 +1,8 @@
 """The CPU decode GEMM (dense_linear_numba): as accurate as MKL against a float64 product, on
 the model shapes it serves (SmolLM2's projections, an lm_head-like width, widths that leave a
 partial block of output features), and batch invariant: a row's result is the same bits whether
-it is computed alone or with up to ``MAX_ROWS - 1`` others."""
+it is computed alone or with up to ``MAX_ROWS - 1`` others, and (the batch-invariant mode's
+prefills, cut into row tiles) with a few hundred."""
 
 import pytest
 import torch
@@ -41,10 +42,26 @@ def test_a_rows_result_does_not_depend_on_its_batch(n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
+def test_a_rows_result_is_the_same_in_a_prefill_of_any_length(n, k):
+    x, w = _operands(150, n, k, seed=k + 1)
+    together = dense.dense_linear_numba(x, w)
+    assert (together.double() - F.linear(x.double(), w.double())).abs().max() < 1e-4
+    for start, size in [(0, 1), (149, 1), (63, 2), (64, 17), (5, 100)]:
+        part = dense.dense_linear_numba(x[start : start + size].clone(), w)
+        assert torch.equal(part, together[start : start + size]), (size, start)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
 def test_the_serial_kernel_gives_the_parallel_ones_bits(n, k):
     x, w = _operands(5, n, k, seed=3)
     arrays = [x.numpy(), w.numpy()]
     parallel, serial = (torch.empty(5, n).numpy() for _ in range(2))
+    dense.dense_linear_parallel(*arrays, parallel)
+    dense.dense_linear_serial(*arrays, serial)
+    assert (parallel == serial).all()
+    x = _operands(130, n, k, seed=4)[0]  # several row tiles
+    arrays[0] = x.numpy()
+    parallel, serial = (torch.empty(130, n).numpy() for _ in range(2))
     dense.dense_linear_parallel(*arrays, parallel)
     dense.dense_linear_serial(*arrays, serial)
     assert (parallel == serial).all()
@@ -69,6 +86,7 @@ def test_supports_only_what_it_computes():
     w = torch.randn(8, 16)
     assert dense.supports(torch.randn(dense.MAX_ROWS, 16), w)
     assert not dense.supports(torch.randn(dense.MAX_ROWS + 1, 16), w)  # MKL's rows
+    assert dense.supports(torch.randn(300, 16), w, max_rows=None)  # the batch-invariant mode's
     assert not dense.supports(torch.randn(2, 16).double(), w.double())
     assert not dense.supports(torch.randn(2, 16).bfloat16(), w.bfloat16())
     assert not dense.supports(torch.randn(2, 16), w.t().contiguous().t()[:, :16])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import sys
+from itertools import product
 
 import torch
 import triton
@@ -33,7 +34,7 @@ from pagedserve.kernels.mla_decode import mla_paged_decode_triton
 from pagedserve.kernels.paged_attention import paged_attention_triton
 from pagedserve.kernels.warmup import mla_decode_warmup, paged_attention_warmup
 
-ATTENTION = {"_paged_attention_kernel", "_merge_kv_splits_kernel"}
+ATTENTION = {"_paged_attention_kernel", "_merge_kv_splits_kernel", "_fold_kv_splits_kernel"}
 
 
 def workload(rng: random.Random, max_num_seqs: int, max_model_len: int) -> list:
@@ -72,7 +73,9 @@ def step_args(m: ModelShape, seqs, dtype, block_size: int, device: str = "cpu") 
     return (*(a.to(device) for a in args), m.head_dim**-0.5)
 
 
-def attention_keys(m, dtype, block_size, max_model_len, steps, target) -> tuple[set, set]:
+def attention_keys(
+    m, dtype, block_size, max_model_len, steps, target, batch_invariant=False
+) -> tuple[set, set]:
     """(keys the warm-up made, keys the workload needs). A model with a window serves every
     step through its global layers and through its windowed ones (as Gemma's alternate)."""
     sinks = dict(sinks=torch.zeros(m.n_q_heads)) if m.sinks else {}
@@ -85,12 +88,14 @@ def attention_keys(m, dtype, block_size, max_model_len, steps, target) -> tuple[
         paged_attention_warmup(
             m.n_q_heads, m.n_kv_heads, m.head_dim, dtype, block_size, max_model_len, "cpu",
             layer_windows=(None, m.sliding_window), logits_soft_cap=m.logits_soft_cap,
+            batch_invariant=batch_invariant,
             sinks=m.sinks,
         )  # fmt: skip
     with compiling_for(target), jit_cache_keys() as served:
         for seqs in steps:
             for kind in kinds:
-                paged_attention_triton(*step_args(m, seqs, dtype, block_size), **kind)
+                args = step_args(m, seqs, dtype, block_size)
+                paged_attention_triton(*args, **kind, batch_invariant=batch_invariant)
     return set(warm), set(served)
 
 
@@ -131,15 +136,19 @@ def check(target: Target, max_num_seqs: int = 256, max_model_len: int = 8192) ->
     problems = []
     for m in MODELS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for block_size in (16, 32):
-                warm, served = attention_keys(m, dtype, block_size, max_model_len, steps, target)
+            for block_size, batch_invariant in product((16, 32), (False, True)):
+                warm, served = attention_keys(
+                    m, dtype, block_size, max_model_len, steps, target, batch_invariant
+                )
                 missing = served - warm
-                if len(served) < 3 or missing:  # decode, prefill and split decode at least
+                # decode, prefill and split decode at least; batch invariant: walk and split
+                if len(served) < (2 if batch_invariant else 3) or missing:
+                    mode = " batch-invariant" * batch_invariant
                     problems.append(
-                        f"{m.name} {dtype} bs{block_size}: {len(missing)} of {len(served)} "
-                        f"served variants not warmed up, e.g. {sorted(missing)[:1]}"
+                        f"{m.name} {dtype} bs{block_size}{mode}: {len(missing)} of "
+                        f"{len(served)} served variants not warmed up, e.g. {sorted(missing)[:1]}"
                     )
-                if m is MODELS[0]:  # MLA's decode, once per dtype and block size
+                if m is MODELS[0] and not batch_invariant:  # MLA decode: once per dtype, bs
                     warm, served = mla_keys(dtype, block_size, max_model_len, steps, target)
                     if len(served) < 2 or served - warm:  # decode and split decode
                         problems.append(f"MLA {dtype} bs{block_size}: {served - warm} not warm")

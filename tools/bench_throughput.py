@@ -162,8 +162,9 @@ def print_profile(path: str, limit: int = 25) -> None:
     pstats.Stats(path).sort_stats("cumulative").print_stats(limit)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model and the seeded workload's options (``make_workload`` reads them); the tools
+    that run this workload share them."""
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -172,12 +173,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[8, 16])
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--profile", default=None, help="write a cProfile of pagedserve's run here")
-    parser.add_argument("--plot", default=None, help="write a PNG bar chart of tokens/s here")
+
+
+def parse_workload_args(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``parser``'s arguments, the workload's lengths checked and the model resolved (the
+    default one fetched when none is named)."""
     args = parser.parse_args(argv)
     if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
         parser.error("need 1 <= min <= max for prompt and output lengths")
@@ -186,6 +186,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         args.model = str(ensure_default_model())
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(parser)
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[8, 16])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--profile", default=None, help="write a cProfile of pagedserve's run here")
+    parser.add_argument("--plot", default=None, help="write a PNG bar chart of tokens/s here")
+    return parse_workload_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

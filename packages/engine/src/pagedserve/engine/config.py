@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr import CacheConfig
+from pagedserve.engine.batch_invariance import batch_invariant_from_env, check_batch_invariant
 from pagedserve.engine.cuda_graph import CUDAGraphConfig
 from pagedserve.models import ModelConfig
 from pagedserve.scheduler import SchedulerConfig
@@ -164,8 +165,16 @@ class EngineArgs:
     max_cpu_loras: int | None = option(
         None, "LoRA adapters kept read in host memory, LRU (default: max_loras)"
     )
+    batch_invariant: bool = option(
+        False,
+        "compute every row in an order that does not depend on the other rows of its step: a "
+        "request gets the same bits alone or in any batch, chunk or prefix hit "
+        "(VLLM_BATCH_INVARIANT=1 turns it on too)",
+    )
 
     def __post_init__(self) -> None:
+        if not self.batch_invariant:
+            self.batch_invariant = batch_invariant_from_env()
         if self.speculative_config is not None:  # a bad config fails here, before any loading
             self.create_speculative_config()
         if self.enable_lora:
@@ -225,9 +234,12 @@ class EngineArgs:
             generation_config=self.generation_config,
             runner=self.runner,
             convert=self.convert,
+            batch_invariant=self.batch_invariant,
         )
         if model_config.runner_type == "pooling":
             self._check_pooling()
+        if self.batch_invariant:
+            check_batch_invariant(model_config)
         max_len = model_config.max_model_len
         # an encoder reads each prompt whole in one step: never chunked, never a cached prefix
         encoder = model_config.is_encoder_only

@@ -20,7 +20,8 @@ another object is not (nothing in pagedserve does that after load).
 
 The step's attention work plan (kernels/cpu/paged_attention_plan.py: tiles, KV splits, the
 parallel choice) depends on the batch's layout and the layer's window only, so the runner
-builds it once per step and window and hands it to each fused layer.
+builds it once per step and window and hands it to each fused layer; under
+``--batch-invariant`` it is the batch-invariant plan, as the attention layers' own.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class CPUModelRunner(ModelRunner):
             if weights is not None and weights.window not in plans:
                 plans[weights.window] = step_plan(
                     meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                    NUMBA_MAX_Q_LEN, None, weights.window,
+                    NUMBA_MAX_Q_LEN, None, weights.window, self.model_config.batch_invariant,
                 )  # fmt: skip
         hidden = decoder.embed_tokens(input_ids)
         if not all(decoder_layer.supports(hidden, self.kv_caches[0], p) for p in plans.values()):

@@ -120,7 +120,7 @@ def warm_up_attention(
         num_heads, spec.num_kv_heads, spec.head_size, config.torch_dtype, block_size,
         config.max_model_len, device, layer_windows=config.sliding_windows,
         logits_soft_cap=config.attention_logits_soft_cap, cache_dtype=cache_dtype,
-        sinks=config.has_attention_sinks,
+        sinks=config.has_attention_sinks, batch_invariant=config.batch_invariant,
     )  # fmt: skip
 
 

@@ -30,6 +30,22 @@ def tile_shape(
     return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
 
 
+# KV positions per split in the batch-invariant mode: every row's positions are cut here and
+# folded in order, whatever the batch (a multiple of every TILE_N).
+BATCH_INVARIANT_SPLIT = 512
+
+
+def batch_invariant_tile_shape(group: int, head_dim: int, dot_fp32: bool) -> tuple[int, int, int]:
+    """The batch-invariant mode's one tile for decode and prefill alike, so that a row's
+    scores and sums are reduced over the same lanes and warps in every step (``tile_shape``
+    picks a smaller tile for decodes). fp32: the decode tile (16 rows, 8 warps: with 32 rows
+    the split programs took 255 registers and spilled 0.5 KB on sm90); 16-bit: 32 rows over 8
+    warps (the fold's running sum is a second accumulator, which 4 warps spilled at head_dim
+    128 on sm90, 28 bytes; docs/batch_invariance.md has the compile check's table)."""
+    rows = 16 if dot_fp32 else 32
+    return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, 8
+
+
 def kv_split_count(n_seqs: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
     """KV splits of a decode-shaped batch on a GPU with ``n_sms`` SMs: only for long contexts
     (>= 1024 positions) and too few (sequence, KV head) programs to fill the device; each
@@ -45,6 +61,32 @@ def decode_kv_splits(query: torch.Tensor, n_kv_heads: int, max_context: int) -> 
     if not is_cuda(query):
         return 1
     return kv_split_count(query.shape[0], n_kv_heads, max_context, multi_processor_count(query))
+
+
+def launch_shape(
+    query: torch.Tensor,
+    n_kv_heads: int,
+    max_context: int,
+    decode_like: bool,
+    windowed: bool,
+    num_kv_splits: int | None,
+    batch_invariant: bool,
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, TILE_N, warps, KV splits, positions per split) of a launch. Splits: the
+    caller's ``num_kv_splits``, else ``decode_kv_splits`` for a decode-shaped batch without a
+    window, else 1. Batch invariant: the one tile, and when the launch splits, one program per
+    fixed split of ``BATCH_INVARIANT_SPLIT`` positions (1: a program walks them all)."""
+    group, head_dim = query.shape[1] // n_kv_heads, query.shape[2]
+    dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
+    may_split = decode_like and not windowed
+    splits = num_kv_splits or (decode_kv_splits(query, n_kv_heads, max_context) if may_split else 1)
+    if batch_invariant:
+        block_m, tile_n, warps = batch_invariant_tile_shape(group, head_dim, dot_fp32)
+        splits = triton.cdiv(max_context, BATCH_INVARIANT_SPLIT) if splits > 1 else 1
+        return block_m, tile_n, warps, splits, BATCH_INVARIANT_SPLIT
+    block_m, tile_n, warps = tile_shape(group, head_dim, decode_like, dot_fp32)
+    per_split = triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
+    return block_m, tile_n, warps, splits, per_split
 
 
 def score_scales(scale: float, logits_soft_cap: float | None) -> tuple[float, float, float]:

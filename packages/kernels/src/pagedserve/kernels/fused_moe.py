@@ -22,11 +22,14 @@ written.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import is_cuda, use_triton
+from pagedserve.kernels.linear import linear
 from pagedserve.kernels.silu_and_mul import silu_and_mul
 from pagedserve.kernels.swigluoai_and_mul import swigluoai_and_mul, swigluoai_and_mul_ref
 
@@ -163,9 +166,12 @@ def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float
 def fused_moe_triton(
     hidden, w13, w2, topk_weights, topk_ids, block_m: int = 16, *, w13_bias=None, w2_bias=None,
     activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+    ordered_sum: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Launch wrapper: align, gate_up grouped GEMM, the activation, down grouped GEMM
-    (weighted), sum over the k slots. Weights must be contiguous in their last dimension."""
+    (weighted), sum over the k slots (``ordered_sum``: slot after slot, elementwise, not a
+    reduction whose order the reduce kernel picks by shape). Weights must be contiguous in
+    their last dimension."""
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
     n_tokens, top_k = topk_ids.shape
     if n_tokens == 0:
@@ -178,7 +184,48 @@ def fused_moe_triton(
     gate_up = _grouped_gemm(hidden, w13, w13_bias, *pairs, True, block_m)
     act = _activate(gate_up, activation, swiglu_alpha, swiglu_limit)
     down = _grouped_gemm(act, w2, w2_bias, *pairs, False, block_m)
-    return down.view(n_tokens, top_k, -1).float().sum(1).to(hidden.dtype)
+    slots = down.view(n_tokens, top_k, -1).float()
+    if not ordered_sum:
+        return slots.sum(1).to(hidden.dtype)
+    out = slots[:, 0].clone()
+    for j in range(1, top_k):
+        out += slots[:, j]
+    return out.to(hidden.dtype)
+
+
+def _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act, w13_bias, w2_bias):
+    """Per expert that some token chose, its rows at once (``gemm(x, w) = x @ w.T`` in fp32,
+    the expert's bias added, ``act`` the activation), weighted and added into each token's row
+    in expert order; a loop over experts, never over tokens."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.flatten()
+    token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
+        topk_ids.shape[1]
+    )
+    weights = topk_weights.flatten().float()
+    for expert in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == expert).nonzero().flatten()
+        gate_up = gemm(hidden[token_of[pairs]].float(), w13[expert])
+        if w13_bias is not None:
+            gate_up += w13_bias[expert].float()
+        y = gemm(act(gate_up).to(hidden.dtype).float(), w2[expert])
+        if w2_bias is not None:
+            y += w2_bias[expert].float()
+        out.index_add_(0, token_of[pairs], y * weights[pairs, None])
+    return out.to(hidden.dtype)
+
+
+def _torch_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.float().t()
+
+
+def _batch_invariant_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return linear(x, w.float().contiguous(), batch_invariant=True)
+
+
+def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
 def fused_moe_ref(
@@ -188,40 +235,38 @@ def fused_moe_ref(
     """Reference (and CPU path): per expert that some token chose, its rows at once, in fp32;
     a loop over experts, never over tokens."""
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    flat_ids = topk_ids.flatten()
-    token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
-        topk_ids.shape[1]
-    )
-    weights = topk_weights.flatten().float()
-    inter = w2.shape[2]
-    for expert in torch.unique(flat_ids).tolist():
-        pairs = (flat_ids == expert).nonzero().flatten()
-        x = hidden[token_of[pairs]].float()
-        gate_up = x @ w13[expert].float().t()
-        if w13_bias is not None:
-            gate_up += w13_bias[expert].float()
-        if activation == "swigluoai":
-            act = swigluoai_and_mul_ref(gate_up, swiglu_alpha, swiglu_limit)
-        else:
-            act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act.to(hidden.dtype).float() @ w2[expert].float().t()
-        if w2_bias is not None:
-            y += w2_bias[expert].float()
-        out.index_add_(0, token_of[pairs], y * weights[pairs, None])
-    return out.to(hidden.dtype)
+    if activation == "swigluoai":
+        act = partial(swigluoai_and_mul_ref, alpha=swiglu_alpha, limit=swiglu_limit)
+    else:
+        act = _torch_silu_and_mul
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, _torch_gemm, act, w13_bias, w2_bias)
 
 
 def fused_moe(
     hidden, w13, w2, topk_weights, topk_ids, *, w13_bias=None, w2_bias=None,
     activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The MoE MLP of ``hidden [T, H]`` through the chosen experts; returns ``[T, H]``.
-    ``w13_bias``/``w2_bias``/``activation``: gpt-oss's (the module docstring)."""
+    ``w13_bias``/``w2_bias``/``activation``: gpt-oss's (the module docstring).
+
+    ``batch_invariant``: each token's row the same bits whatever the other tokens. On a GPU
+    (and under the interpreter) the grouped GEMMs' tiles already are (a row's sum runs over
+    the same K steps in any tile), so only the k slots' sum is made sequential. On a CPU the
+    reference's experts loop with kernels.linear's batch-invariant GEMM and the activation
+    row by row (the numba silu_and_mul; swigluoai's torch ops, elementwise): an expert's row
+    count is the batch's."""
     extra = dict(
         w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
         swiglu_limit=swiglu_limit,
     )  # fmt: skip
     if use_triton(hidden):
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, **extra)
-    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, **extra)
+        return fused_moe_triton(
+            hidden, w13, w2, topk_weights, topk_ids, **extra, ordered_sum=batch_invariant
+        )
+    if not batch_invariant:
+        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, **extra)
+    _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    act = partial(_activate, activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
+    gemm = _batch_invariant_gemm
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, gemm, act, w13_bias, w2_bias)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.linear import linear
 
 # Ranks per tile, whatever the adapter's rank (8..64 in 16s): one compiled variant per layer
 # shape serves every rank, so loading an adapter of a new rank compiles nothing.
@@ -167,6 +168,40 @@ def rows_per_slot(token_slot: torch.Tensor) -> RowsPerSlot:
     return [(s, (token_slot == s).nonzero(as_tuple=True)[0]) for s in slots if s >= 0]
 
 
+def _torch_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in fp32 by torch (MKL on a CPU): the references' product."""
+    return x.float() @ w.float().T
+
+
+def _batch_invariant_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in fp32, each row's bits whatever the other rows (kernels.linear)."""
+    return linear(x.float(), w.float().contiguous(), batch_invariant=True)
+
+
+def _shrink_rows(x, lora_a_stacked, token_slot, scale, groups, gemm) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], lora_a_stacked.shape[1], dtype=torch.float32, device=x.device)
+    for slot, rows in rows_per_slot(token_slot) if groups is None else groups:
+        a = lora_a_stacked[slot]
+        if rows is None:
+            out = gemm(x, a) * scale
+        else:
+            out[rows] = gemm(x[rows], a) * scale
+    return out
+
+
+def _expand_rows(y, lora_b_stacked, token_slot, base_out, slice_offset, groups, gemm):
+    cols = slice(slice_offset, slice_offset + lora_b_stacked.shape[1])
+    for slot, rows in rows_per_slot(token_slot) if groups is None else groups:
+        b = lora_b_stacked[slot]
+        if rows is None:
+            target = base_out[:, cols]
+            target.copy_(target.float() + gemm(y, b))
+        else:
+            part = base_out[rows, cols].float() + gemm(y[rows], b)
+            base_out[rows, cols] = part.to(base_out.dtype)
+    return base_out
+
+
 def lora_shrink_ref(
     x: torch.Tensor,
     lora_a_stacked: torch.Tensor,
@@ -176,14 +211,7 @@ def lora_shrink_ref(
 ) -> torch.Tensor:
     """Reference (the CPU path): the rows of each adapter present, one matmul per adapter
     (``groups``: ``rows_per_slot(token_slot)``, if the caller has it already)."""
-    out = torch.zeros(x.shape[0], lora_a_stacked.shape[1], dtype=torch.float32, device=x.device)
-    for slot, rows in rows_per_slot(token_slot) if groups is None else groups:
-        a = lora_a_stacked[slot].float()
-        if rows is None:
-            out = (x.float() @ a.T) * scale
-        else:
-            out[rows] = (x[rows].float() @ a.T) * scale
-    return out
+    return _shrink_rows(x, lora_a_stacked, token_slot, scale, groups, _torch_gemm)
 
 
 def lora_expand_ref(
@@ -196,16 +224,7 @@ def lora_expand_ref(
 ) -> torch.Tensor:
     """Reference (the CPU path): each adapter's rows get ``y B^T`` added to their slice's
     columns, summed in fp32 and rounded once, as the kernel does."""
-    cols = slice(slice_offset, slice_offset + lora_b_stacked.shape[1])
-    for slot, rows in rows_per_slot(token_slot) if groups is None else groups:
-        b = lora_b_stacked[slot].float()
-        if rows is None:
-            target = base_out[:, cols]
-            target.copy_(target.float() + y.float() @ b.T)
-        else:
-            part = base_out[rows, cols].float() + y[rows].float() @ b.T
-            base_out[rows, cols] = part.to(base_out.dtype)
-    return base_out
+    return _expand_rows(y, lora_b_stacked, token_slot, base_out, slice_offset, groups, _torch_gemm)
 
 
 def lora_shrink(
@@ -214,12 +233,16 @@ def lora_shrink(
     token_slot: torch.Tensor,
     scale: float = 1.0,
     groups: RowsPerSlot | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``scale * x A[slot]^T`` per row (zero where the slot is -1), fp32 ``[T, r]``.
-    ``groups`` (``rows_per_slot(token_slot)``) spares the reference its grouping."""
+    ``groups`` (``rows_per_slot(token_slot)``) spares the reference its grouping.
+    ``batch_invariant``: each row's bits whatever the other rows (the Triton kernel's one
+    program per token is; on a CPU the reference's grouping with kernels.linear's GEMM)."""
     if use_triton(x):
         return lora_shrink_triton(x, lora_a_stacked, token_slot, scale)
-    return lora_shrink_ref(x, lora_a_stacked, token_slot, scale, groups)
+    gemm = _batch_invariant_gemm if batch_invariant else _torch_gemm
+    return _shrink_rows(x, lora_a_stacked, token_slot, scale, groups, gemm)
 
 
 def lora_expand(
@@ -229,8 +252,11 @@ def lora_expand(
     base_out: torch.Tensor,
     slice_offset: int = 0,
     groups: RowsPerSlot | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """``base_out[:, slice] += y B[slot]^T`` per row with an adapter, in place."""
+    """``base_out[:, slice] += y B[slot]^T`` per row with an adapter, in place;
+    ``batch_invariant`` as for :func:`lora_shrink`."""
     if use_triton(base_out):
         return lora_expand_triton(y, lora_b_stacked, token_slot, base_out, slice_offset)
-    return lora_expand_ref(y, lora_b_stacked, token_slot, base_out, slice_offset, groups)
+    gemm = _batch_invariant_gemm if batch_invariant else _torch_gemm
+    return _expand_rows(y, lora_b_stacked, token_slot, base_out, slice_offset, groups, gemm)

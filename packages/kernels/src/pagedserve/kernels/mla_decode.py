@@ -34,7 +34,7 @@ import triton.language as tl
 
 from pagedserve.kernels.attention_launch import decode_kv_splits
 from pagedserve.kernels.dispatch import is_cuda, use_triton
-from pagedserve.kernels.paged_attention import _merge_kv_splits
+from pagedserve.kernels.kv_splits import merge_kv_splits
 from pagedserve.kernels.paged_attention_ref import _gather_kv
 
 __all__ = ["mla_paged_decode", "mla_paged_decode_ref", "mla_paged_decode_triton"]
@@ -181,7 +181,7 @@ def mla_paged_decode_triton(
         BLOCK_SIZE=block_size, DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        _merge_kv_splits(target, lse, out)
+        merge_kv_splits(target, lse, out)
     return out
 
 

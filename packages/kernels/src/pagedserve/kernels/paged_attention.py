@@ -33,8 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_launch import decode_kv_splits, score_scales, tile_shape
+from pagedserve.kernels.attention_launch import launch_shape, score_scales
 from pagedserve.kernels.dispatch import is_cuda, kernel_path
+from pagedserve.kernels.kv_splits import _fold_split, _normalised, merge_kv_splits
 from pagedserve.kernels.paged_attention_ref import _check, paged_attention_ref
 
 __all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton"]
@@ -57,6 +58,59 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_range(
+    q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi, read_lo,
+    m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride, cache_slot_stride,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of the tile's rows over KV positions ``kv_lo .. kv_hi - 1``, TILE_N
+    at a time from ``kv_lo``, from the state ``(m_i, l_i)`` (-inf and 0, or a sink's) and a zero
+    accumulator: ``(m, l, acc)`` in exp2 units, ``acc`` unnormalised. READ_FROM: positions
+    before ``read_lo`` (before every row's window) are not read (a walk that starts at a
+    multiple of TILE_N below the first row's horizon)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_lo, kv_hi, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_valid = pos < kv_hi
+        if READ_FROM:
+            pos_valid = pos_valid & (pos >= read_lo)
+        # Only this sequence's own block-table entries are read (padding never is).
+        block = tl.load(block_row_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
+        kv_off = kv_off[:, None] + head_off
+        kv_mask = pos_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # a cache of another 16-bit type than the query's is read as the query's
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * cap_inv) + 1.0))
+        else:
+            s = s * scale_log2
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # Arguments that change from step to step (batch size, block-table width, per-split length,
 # the split count's log-sum-exp strides) are not specialised on: a value that happens to be 1
 # or a multiple of 16 would otherwise compile a new variant mid-serving. They address scalars
@@ -72,15 +126,14 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, lse_ptr, sinks_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim,
-    kv_positions_per_split,
-    window,
+    kv_positions_per_split, window,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, out_split_stride,
     lse_token_stride, lse_head_stride, cache_block_stride, cache_slot_stride,
     cache_head_stride, block_table_stride,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, FIXED_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
@@ -92,7 +145,10 @@ def _paged_attention_kernel(
     (split 0 only: the merge adds the splits' sums, so the sink must enter once). All three
     are constexpr so that a global, uncapped layer compiles exactly the kernel it did without
     them (their masks in the loop cost registers: 8-12 bytes of spills on sm80 at head_dim
-    128 as runtime branches)."""
+    128 as runtime branches). FIXED_SPLITS (batch invariant): every row's positions cut at
+    multiples of ``kv_positions_per_split`` and folded in order (``_fold_split``), by this
+    program or, with WRITE_PARTIAL, by ``_fold_kv_splits_kernel``; a sink is the fold's
+    starting state there, not a split's, so it enters at the same place for every row."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,96 +174,65 @@ def _paged_attention_kernel(
             q = q.to(tl.float32)
         # Causal: no row of this tile sees past its last token; a split sees its range only.
         kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
-        kv_start = split * kv_positions_per_split
-        kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
-        if SLIDING:  # nothing before the first row's horizon is read
-            kv_start = tl.maximum(kv_start, n_cached + q_tile * BLOCK_Q - window + 1)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        if SINKS:  # the sink in exp2 units: m = sink, l = exp2(sink - m) = 1
+        horizon = n_cached + q_tile * BLOCK_Q - window + 1  # the first row's (SLIDING)
+        block_row_ptr = block_tables_ptr + seq * block_table_stride
+        head_off = kv_head * cache_head_stride + dims[None, :]
+        m_0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_0 = tl.zeros([BLOCK_M], tl.float32)
+        sink = m_0
+        if SINKS:  # the sink in exp2 units: as a state, m = sink and l = exp2(sink - m) = 1
             sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
-            m_i = tl.where(split == 0, sink, m_i)
-            l_i = tl.where(split == 0, 1.0, l_i)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(kv_start, kv_stop, TILE_N):
-            pos = start + tl.arange(0, TILE_N)
-            pos_valid = pos < kv_stop
-            # Only this sequence's own block-table entries are read (padding never is).
-            block = tl.load(
-                block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE,
-                mask=pos_valid,
-                other=0,
-            ).to(tl.int64)
-            kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
-            kv_off = kv_off[:, None] + kv_head * cache_head_stride + dims[None, :]
-            kv_mask = pos_valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:  # a cache of another 16-bit type than the query's is read as the query's
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
-            if SLIDING:
-                visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
-                s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s * cap_inv) + 1.0))
-            else:
-                s = s * scale_log2
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives 0.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if FIXED_SPLITS:
+            read_lo = tl.maximum(horizon, 0) if SLIDING else 0
+            walk_lo = read_lo - read_lo % TILE_N  # the same tile steps for every row
+            per = kv_positions_per_split
+            if WRITE_PARTIAL:  # this program's split; _fold_kv_splits_kernel folds them
+                m_i, l_i, acc = _attend_range(
+                    q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                    tl.maximum(split * per, walk_lo), tl.minimum(kv_end, split * per + per),
+                    read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                    cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
+                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING,
+                )  # fmt: skip
+                out, lse = _normalised(m_i, l_i, acc)
+            else:  # every split in order, each folded as it ends
+                m_run, w_run = m_0, l_0
+                if SINKS:  # the fold starts from the sink, before the first split
+                    m_run, w_run = sink, tl.full([BLOCK_M], 1.0, tl.float32)
+                acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for part in range(walk_lo // per, tl.cdiv(kv_end, per)):
+                    m_i, l_i, acc = _attend_range(
+                        q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                        tl.maximum(part * per, walk_lo), tl.minimum(kv_end, part * per + per),
+                        read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                        cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N,
+                        BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING,
+                    )  # fmt: skip
+                    out_s, lse_s = _normalised(m_i, l_i, acc)
+                    m_run, w_run, acc_run = _fold_split(m_run, w_run, acc_run, out_s, lse_s)
+                out = acc_run / tl.where(w_run > 0, w_run, 1.0)[:, None]
+        else:
+            kv_start = split * kv_positions_per_split
+            kv_stop = tl.minimum(kv_end, kv_start + kv_positions_per_split)
+            if SLIDING:  # nothing before the first row's horizon is read
+                kv_start = tl.maximum(kv_start, horizon)
+            if SINKS:  # in split 0 only
+                m_0 = tl.where(split == 0, sink, m_0)
+                l_0 = tl.where(split == 0, 1.0, l_0)
+            m_i, l_i, acc = _attend_range(
+                q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_start,
+                kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
+                DOT_FP32, SLIDING, SOFT_CAP, False,
+            )  # fmt: skip
+            out, lse = _normalised(m_i, l_i, acc)
         out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
         out_off += split * out_split_stride + dims[None, :]
         out_mask = row_valid[:, None] & d_mask[None, :]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         if WRITE_PARTIAL:
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             lse_off = token * lse_token_stride + head * lse_head_stride + split
             tl.store(lse_ptr + lse_off, lse, mask=row_valid)
-
-
-@triton.jit(do_not_specialize=["n_splits", "lse_token_stride", "lse_head_stride"])
-def _merge_kv_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr, n_splits, head_dim,
-    partial_token_stride, partial_head_stride, lse_token_stride, lse_head_stride,
-    out_token_stride, out_head_stride,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Flash-decoding's reduce: each split's output weighted by exp2(its log-sum-exp)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    s_mask = splits < n_splits
-    lse = tl.load(
-        lse_ptr + token * lse_token_stride + head * lse_head_stride + splits,
-        mask=s_mask, other=float("-inf"),
-    )  # fmt: skip
-    m = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    off = token * partial_token_stride + head * partial_head_stride
-    off += splits[:, None] * head_dim + dims[None, :]
-    part = tl.load(partial_ptr + off, mask=s_mask[:, None] & (dims < head_dim)[None, :], other=0.0)
-    # Splits that saw nothing (weight 0) may hold uninitialised memory: drop, do not scale.
-    part = tl.where(weight[:, None] > 0, part, 0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + token * out_token_stride + head * out_head_stride + dims,
-        out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
-    )  # fmt: skip
 
 
 def paged_attention_triton(
@@ -223,37 +248,35 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
     bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
     tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
     flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
     window: splits cut absolute positions). A windowed, capped or sinks layer is a variant
-    of its own (constexpr flags); the window's width is a runtime scalar."""
+    of its own (constexpr flags); the window's width is a runtime scalar. ``batch_invariant``:
+    ``launch_shape``'s one tile and fixed splits, folded in order (kv_splits.py)."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
+    query = query if query.stride(-1) == 1 else query.contiguous()
     n_tokens, n_q_heads, head_dim = query.shape
     n_seqs, block_size, n_kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
-    decode_like = n_tokens == n_seqs
-    max_context = block_tables.shape[1] * block_size
-    may_split = decode_like and sliding_window is None
-    splits = num_kv_splits or (decode_kv_splits(query, n_kv_heads, max_context) if may_split else 1)
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
-    block_m, tile_n, num_warps = tile_shape(group, head_dim, decode_like, dot_fp32)
+    block_m, tile_n, num_warps, splits, per_split = launch_shape(
+        query, n_kv_heads, block_tables.shape[1] * block_size, n_tokens == n_seqs,
+        sliding_window is not None, num_kv_splits, batch_invariant,
+    )  # fmt: skip
     block_q = block_m // group
     out = torch.zeros_like(query)
     if n_tokens == 0 or n_seqs == 0:
         return out
+    target, lse = out, out  # with splits: the partials and their log-sum-exps
     if splits > 1:
-        partial = torch.empty(n_tokens, n_q_heads, splits, head_dim, device=query.device)
+        target = torch.empty(n_tokens, n_q_heads, splits, head_dim, device=query.device)
         lse = torch.full((n_tokens, n_q_heads, splits), float("-inf"), device=query.device)
-        target, per_split = partial, triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
-    else:
-        target, lse, per_split = out, out, max_context
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
@@ -265,21 +288,12 @@ def paged_attention_triton(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
         DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None, num_warps=num_warps,
+        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
+        FIXED_SPLITS=batch_invariant, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        _merge_kv_splits(partial, lse, out)
+        merge_kv_splits(target, lse, out, in_order=batch_invariant, sinks=sinks)
     return out
-
-
-def _merge_kv_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch the merge of ``partial [T, Hq, splits, D]`` into ``out [T, Hq, D]``."""
-    n_tokens, n_q_heads, splits, head_dim = partial.shape
-    _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
-        partial, lse, out, splits, head_dim, partial.stride(0), partial.stride(1),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
 
 
 def paged_attention(
@@ -293,15 +307,20 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); on CPU the numba kernel for decode rows
     and short chunks with SDPA for long prefill chunks; the reference when asked for.
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: None for a global, uncapped layer
-    without sinks."""
+    without sinks. ``batch_invariant``: each row's result the same bits in any batch, chunk
+    or prefix hit (the Triton and numba paths; the reference batches its matmuls and is
+    refused)."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if batch_invariant:
+        extra["batch_invariant"] = True
     path = kernel_path(query, has_numba=True)
     if path == "triton":
         return paged_attention_triton(*args, **extra)
@@ -309,4 +328,6 @@ def paged_attention(
         from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu
 
         return paged_attention_cpu(*args, **extra)
+    if batch_invariant:
+        raise ValueError("paged_attention: the reference path is not batch invariant")
     return paged_attention_ref(*args, **extra)

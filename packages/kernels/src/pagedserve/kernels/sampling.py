@@ -198,9 +198,11 @@ def _top_p_floor(scaled, x_max, k_floor, top_p) -> torch.Tensor:
     if rows.numel():
         ordered = scaled[rows].sort(dim=-1, descending=True).values
         in_k = ordered >= k_floor[rows]
-        mass = torch.where(in_k, torch.exp(ordered - x_max[rows]), 0.0)
-        target = top_p[rows].float()[:, None] * mass.sum(-1, keepdim=True)
-        crossing = (mass.cumsum(-1) < target).sum(-1, keepdim=True)
+        cumulative = torch.where(in_k, torch.exp(ordered - x_max[rows]), 0.0).cumsum(-1)
+        # the total is the running sum's last entry: one order per row (a sum() of one row
+        # splits it over the threads, of several rows does not: the batch would move it)
+        target = top_p[rows].float()[:, None] * cumulative[:, -1:]
+        crossing = (cumulative < target).sum(-1, keepdim=True)
         floor[rows] = ordered.gather(1, crossing.clamp(max=ordered.shape[1] - 1))
     return floor
 

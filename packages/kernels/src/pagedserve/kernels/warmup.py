@@ -22,9 +22,10 @@ a multiple of 16 (every model here) both strides divide by 16 and give one varia
 
 A model with sliding-window layers (or soft-capped scores) adds the windowed variants: a decode
 step and a prefill step (a windowed decode never splits its KV axis); the window's width is a
-runtime scalar, so one window compiles for all. A model with attention sinks (gpt-oss) has
-them on every layer: each of its variants is launched with sinks (fp32, as the model holds
-them), and none without.
+runtime scalar, so one window compiles for all. The batch-invariant mode has fewer: its one
+tile serves decode and prefill alike, and its splits are fixed (the fold loops over them). A
+model with attention sinks (gpt-oss) has them on every layer: each of its variants is launched
+with sinks (fp32, as the model holds them), and none without.
 
 Multi-head latent attention's decode (mla_decode.py) has the same kind of variants: a decode
 step without splits and one for each reachable split count, its head tiles standing for the
@@ -65,6 +66,7 @@ def paged_attention_warmup(
     layer_windows: Sequence[int | None] = (None,),
     logits_soft_cap: float | None = None,
     cache_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
     sinks: bool = False,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
@@ -73,7 +75,9 @@ def paged_attention_warmup(
     ``layer_windows``: every layer's window (None: global), as ``ModelConfig.sliding_windows``
     gives them; ``logits_soft_cap``: the model's attention soft cap, if any; ``cache_dtype``:
     the KV cache's element type when it differs from the model's (``--kv-cache-dtype``);
-    ``sinks``: whether the model's layers have attention sinks."""
+    ``batch_invariant``: the batch-invariant mode's variants instead (one tile for every step:
+    a program that walks its fixed splits, split programs and their fold; windowed, the
+    first); ``sinks``: whether the model's layers have attention sinks."""
     probe = torch.empty(0, device=device)
     if not (is_cuda(probe) and use_triton(probe)):
         return 0
@@ -88,15 +92,18 @@ def paged_attention_warmup(
     windows = {w for w in layer_windows if w is not None}
     sink_logits = torch.zeros(n_q_heads, device=device) if sinks else None
     variants = [(None, 1, 1), (None, 2, 1), *((None, 1, s) for s in splits)]  # decode, prefill
+    if batch_invariant:
+        variants = [(None, 1, 1), (None, 1, 2)]
     variants = variants if None in layer_windows else []
     if windows:
-        variants += [(min(windows), 1, 1), (min(windows), 2, 1)]
+        variants += [(min(windows), 1, 1)] + [(min(windows), 2, 1)] * (not batch_invariant)
     for window, n_tokens, kv_splits in variants:
         query = torch.zeros(n_tokens, n_q_heads, head_dim, dtype=dtype, device=device)
         query_start_loc = torch.tensor([0, n_tokens], dtype=torch.int32, device=device)
         paged_attention_triton(
             query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits,
             sliding_window=window, logits_soft_cap=logits_soft_cap, sinks=sink_logits,
+            batch_invariant=batch_invariant,
         )  # fmt: skip
     return len(variants)
 

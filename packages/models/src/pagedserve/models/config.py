@@ -181,6 +181,8 @@ class ModelConfig:
     architecture (BertModel, ``*ForSequenceClassification``) runs as a pooling model, a
     generative one generates unless converted (``embed`` or ``classify``: pooling.py,
     adapters.py). ``runner_type`` and ``pooling_task`` are what they resolve to.
+    ``batch_invariant``: build the model's layers to compute each row in an order that does
+    not depend on the other rows of a step (layers/batch_invariance.py).
     ``architecture`` is the class the family code builds (a decoder classifier's causal-LM
     class); ``hf_architecture`` the checkpoint's own.
     """
@@ -194,6 +196,7 @@ class ModelConfig:
     generation_config: str = "auto"
     runner: str = "auto"
     convert: str = "auto"
+    batch_invariant: bool = False
     hf_config: dict[str, Any] = field(init=False)
     architecture: str = field(init=False)
     hf_architecture: str = field(init=False)

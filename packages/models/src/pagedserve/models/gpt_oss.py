@@ -85,7 +85,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         return fused_moe(
             x, experts.w13_weight, experts.w2_weight, weights, ids, w13_bias=experts.w13_bias,
             w2_bias=experts.w2_bias, activation="swigluoai", swiglu_alpha=self.swiglu_alpha,
-            swiglu_limit=self.swiglu_limit,
+            swiglu_limit=self.swiglu_limit, batch_invariant=self.batch_invariant,
         )  # fmt: skip
 
     def load_stacked(self, proj: str, weights: Sequence | None, bias: torch.Tensor | None):

@@ -17,6 +17,7 @@ from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.interface import ModelForCausalLM
+from pagedserve.models.layers.batch_invariance import batch_invariant_layers
 from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.mixtral import (
@@ -65,7 +66,11 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
     if config.gguf_file is not None:
         return load_gguf_model(config, model_cls, par)
     stored_quantized = checkpoint_linear_methods(config)
-    with torch.device(config.torch_device), linear_methods_for(stored_quantized):
+    with (
+        torch.device(config.torch_device),
+        linear_methods_for(stored_quantized),
+        batch_invariant_layers(config.batch_invariant),
+    ):
         model = model_cls(config, par)
     weights = iterate_weights(config.model)
     if stored_quantized is None:  # integers (gpt-oss's MXFP4 expert blocks) stay as stored

@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedserve.kernels import fused_moe
 from pagedserve.models.config import ModelLoadError
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
 from pagedserve.models.moe_routing import SoftmaxTopKRouter
 from pagedserve.models.weights import CheckpointTensor
@@ -70,6 +71,7 @@ class SparseMoeBlock(nn.Module):
         for param in (self.experts.w13_weight, self.experts.w2_weight):
             param.loaded_elsewhere = True  # type: ignore[attr-defined]  # check_loaded checks
         self._loaded: set[tuple[int, int]] = set()
+        self.batch_invariant = building_batch_invariant()
 
     def load_expert(
         self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard: tuple[int, int]
@@ -96,7 +98,11 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' output: under tensor parallelism, this rank's partial sum."""
         weights, ids = self.gate(x)
-        return fused_moe(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        experts = self.experts
+        return fused_moe(
+            x, experts.w13_weight, experts.w2_weight, weights, ids,
+            batch_invariant=self.batch_invariant,
+        )  # fmt: skip
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``partial`` (itself with one rank)."""

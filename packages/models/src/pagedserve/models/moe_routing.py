@@ -25,7 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.linear import linear
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.weights import default_weight_loader
+
+
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool
+) -> torch.Tensor:
+    """One logit per expert, ``x W^T (+ b)``; in the batch-invariant mode through the
+    batch-invariant GEMM, so that a near-tie between two experts cannot follow the batch."""
+    if batch_invariant:
+        return linear(x, weight, bias, batch_invariant=True)
+    return F.linear(x, weight, bias)
 
 
 def _replicated(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -42,9 +54,11 @@ class SoftmaxTopKRouter(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.weight = _replicated(num_experts, hidden_size, dtype=dtype)
+        self.batch_invariant = building_batch_invariant()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        logits = router_logits(x, self.weight, None, self.batch_invariant)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -57,9 +71,11 @@ class TopKSoftmaxRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.weight = _replicated(num_experts, hidden_size, dtype=dtype)
         self.bias = _replicated(num_experts, dtype=dtype)
+        self.batch_invariant = building_batch_invariant()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, ids = torch.topk(F.linear(x, self.weight, self.bias).float(), self.top_k, dim=-1)
+        logits = router_logits(x, self.weight, self.bias, self.batch_invariant)
+        logits, ids = torch.topk(logits.float(), self.top_k, dim=-1)
         return torch.softmax(logits, dim=-1), ids
 
 

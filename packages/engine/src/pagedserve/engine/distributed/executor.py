@@ -183,7 +183,7 @@ class TensorParallelExecutor:
             self.driver = ModelRunner(  # a draft model's cache lives on rank 0 only
                 model_config,
                 cache_config,
-                self.group.parallel_context(),
+                self.group.parallel_context(model_config.batch_invariant),
                 extra_block_bytes=extra_block_bytes,
                 drafter=drafter,
             )

@@ -121,11 +121,13 @@ class TensorParallelGroup:
         """From now on collectives time out after ``PAGEDSERVE_TP_TIMEOUT_S``."""
         self._current = self._steps
 
-    def parallel_context(self) -> ParallelContext:
+    def parallel_context(self, batch_invariant: bool = False) -> ParallelContext:
+        """The model's collectives; ``batch_invariant``: sums in rank order
+        (:meth:`all_reduce_in_rank_order`)."""
         return ParallelContext(
             tp_rank=self.rank,
             tp_size=self.world_size,
-            all_reduce=self.all_reduce,
+            all_reduce=self.all_reduce_in_rank_order if batch_invariant else self.all_reduce,
             gather=self.all_gather_last_dim,
             reduce_min=self.min_over_ranks,
         )
@@ -138,6 +140,21 @@ class TensorParallelGroup:
         x = x.contiguous()
         dist.all_reduce(x, group=self._current)
         return x
+
+    def all_reduce_in_rank_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks as ``((x_0 + x_1) + x_2) + ...`` for every element. An
+        all-reduce's order follows where an element falls in the buffer (a ring reduces each
+        chunk starting at another rank), and so the batch's size: with three ranks or more a
+        row's sum would change with its batch. Every rank gathers all the parts and adds them
+        in rank order instead (``world_size`` times the traffic of a ring's reduce-scatter)."""
+        if x.numel() == 0:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self._current)
+        total = parts[0]
+        for part in parts[1:]:
+            total += part
+        return total
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dimension, in rank order."""

@@ -53,7 +53,8 @@ def run_worker() -> None:
         model_config, cache_config = configs[0]
         if model_config.torch_device.type == "cuda":
             model_config = dataclasses.replace(model_config, device=f"cuda:{local_rank}")
-        runner = ModelRunner(model_config, cache_config, group.parallel_context())
+        par = group.parallel_context(model_config.batch_invariant)
+        runner = ModelRunner(model_config, cache_config, par)
         group.finish_startup()
         receiver = StepReceiver(group, runner.device)
         while (step := receiver.receive()) is not None:

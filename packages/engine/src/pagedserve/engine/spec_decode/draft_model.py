@@ -76,6 +76,7 @@ def load_draft_config(path: str, target: ModelConfig, target_tokenizer) -> Model
             device=str(target.torch_device),
             max_model_len=target.max_model_len,
             generation_config="vllm",
+            batch_invariant=target.batch_invariant,  # its draft probabilities steer the target's
         )
         draft_tokenizer = load_tokenizer(path)
     except (ModelLoadError, OSError, ValueError) as e:

@@ -27,7 +27,11 @@ computed in batches of different sizes (a prefix-cache hit shortens a prefill, s
 decoding verifies several rows), and two runs of one workload must agree bit for bit. (An
 earlier small-batch kernel that ran one loop for pairs of rows and another for a lone row was
 taken out for breaking exactly that; kernels/test_dense_linear_numba.py checks the property.) Above
-``MAX_ROWS`` MKL takes over, as it did for every batch before this kernel.
+``MAX_ROWS`` MKL takes over, as it did for every batch before this kernel, except in the
+engine's batch-invariant mode (``--batch-invariant``): there every GEMM of the forward takes
+this kernel at any row count, cut into tiles of ``_ROW_TILE`` rows (tiling the rows and the
+features moves no element out of ``_dot_four_rows``), so that a token's hidden state is the
+same bits in a prefill of 2,000 rows as in a decode of one (docs/batch_invariance.md).
 
 Same contract as ``F.linear(x, weight)`` for fp32 CPU tensors, without bias (``linear`` adds
 it). Sums are reassociated, so results differ from MKL's by float rounding: no less accurate
@@ -53,6 +57,9 @@ PARALLEL_FROM_WEIGHTS = 1 << 18
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 _ROWS = 4  # rows of x dotted with one weight row in one loop (the last group repeats its last row)
 _BLOCK = 16  # output features per task shared out over the threads
+# Rows per task of a long prefill (a multiple of _ROWS): 64 rows of SmolLM2's widest input
+# (1,536 features) are 384 KB, which L2 keeps while a block's weight rows pass over them.
+_ROW_TILE = 64
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
@@ -76,26 +83,34 @@ def _dot_four_rows(x, w, out, g, o):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _features(x, w, out, first, stop):  # pragma: no cover - compiled
-    """Output features ``first:stop`` for every row: the rows four at a time, the features of a
-    group one weight row after another (a block's 16 weight rows, 37-98 KB, stay in L2 while the
-    groups take turns; at one row each weight row is read once, in order)."""
-    for g in range(0, x.shape[0], _ROWS):
+def _features(x, w, out, first_row, stop_row, first, stop):  # pragma: no cover - compiled
+    """Output features ``first:stop`` of rows ``first_row:stop_row`` (``first_row`` a multiple
+    of four): the rows four at a time, the features of a group one weight row after another (a
+    block's 16 weight rows, 37-98 KB, stay in L2 while the groups take turns; at one row each
+    weight row is read once, in order)."""
+    for g in range(first_row, stop_row, _ROWS):
         for o in range(first, stop):
             _dot_four_rows(x, w, out, g, o)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
 def dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
-    blocks = w.shape[0] // _BLOCK
-    for block in numba.prange(blocks):
-        _features(x, w, out, block * _BLOCK, block * _BLOCK + _BLOCK)
-    _features(x, w, out, blocks * _BLOCK, w.shape[0])
+    """Tiles of ``_ROW_TILE`` rows x ``_BLOCK`` output features under ``prange``: a decode's
+    rows are one row tile, so its tasks are the blocks of features; a prefill's many rows
+    are cut so that a tile's rows stay in cache while its features' weight rows take turns.
+    Every element still comes out of ``_dot_four_rows`` (row tiles start at multiples of
+    four), so the tiling changes no bit."""
+    blocks, row_tiles = w.shape[0] // _BLOCK, -(-x.shape[0] // _ROW_TILE)
+    for task in numba.prange(blocks * row_tiles):
+        block, tile = task % blocks, task // blocks
+        first_row, stop_row = tile * _ROW_TILE, min(x.shape[0], tile * _ROW_TILE + _ROW_TILE)
+        _features(x, w, out, first_row, stop_row, block * _BLOCK, block * _BLOCK + _BLOCK)
+    _features(x, w, out, 0, x.shape[0], blocks * _BLOCK, w.shape[0])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def dense_linear_serial(x, w, out):  # pragma: no cover - compiled
-    _features(x, w, out, 0, w.shape[0])
+    _features(x, w, out, 0, x.shape[0], 0, w.shape[0])
 
 
 @numba.njit(cache=True)
@@ -111,25 +126,27 @@ def dense_linear_compiled(x, w, threads):  # pragma: no cover - compiled
     return out
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether ``F.linear(x, weight)`` can take this kernel: fp32 CPU tensors, at most
-    ``MAX_ROWS`` rows of ``x`` (leading dims flattened), a contiguous 2-D weight. (Cheap
-    checks, cheapest first: ``linear`` asks at every layer of every step.)"""
+    ``max_rows`` rows of ``x`` (leading dims flattened; None: any number, the batch-invariant
+    mode's choice), a contiguous 2-D weight. (Cheap checks, cheapest first: ``linear`` asks
+    at every layer of every step.)"""
     return (
         x.dtype is torch.float32
         and weight.dtype is torch.float32
         and x.is_cpu
         and weight.is_cpu
         and weight.dim() == 2
-        and 0 < x.numel() <= MAX_ROWS * weight.shape[1]
+        and 0 < x.numel()
+        and (max_rows is None or x.numel() <= max_rows * weight.shape[1])
         and x.shape[-1] == weight.shape[1]
         and weight.is_contiguous()
     )
 
 
 def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows and ``weight
-    [N, K]`` (see :func:`supports`); returns ``[..., N]``."""
+    """``F.linear(x, weight)`` for fp32 ``x [..., K]`` and ``weight [N, K]`` (see
+    :func:`supports`); returns ``[..., N]``."""
     n, k = weight.shape
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     result = torch.from_numpy(

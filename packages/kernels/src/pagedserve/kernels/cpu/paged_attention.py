@@ -221,6 +221,7 @@ def paged_attention_numba(
     num_kv_splits: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    batch_invariant: bool = False,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
@@ -228,10 +229,14 @@ def paged_attention_numba(
     With ``max_q_len``, sequences with more new tokens are left out (their rows stay 0).
     ``num_kv_splits`` > 1 cuts each decode row's KV positions into that many ranges, run in
     parallel and merged (flash-decoding); by default that happens only when there are too
-    few decode rows to keep every thread busy."""
+    few decode rows to keep every thread busy. ``batch_invariant``: the plan of
+    :func:`step_plan` whose every row's result is the same bits in any batch (both knobs
+    above ignored)."""
     _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     window = sliding_window or 0
-    plan = step_plan(block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window)
+    plan = step_plan(
+        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, batch_invariant
+    )
     return _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap, sinks)
 
 
@@ -246,12 +251,18 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
-    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens."""
+    SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens; with
+    ``batch_invariant`` this kernel for every row, in the order of the batch-invariant plan
+    (SDPA's blocking follows the prompt's length, so a prompt's rows would not match the
+    decode rows of the same positions)."""
     _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
     window = sliding_window or 0
-    plan = step_plan(block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window)
+    plan = step_plan(
+        block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window, batch_invariant
+    )
     out = _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap, sinks)
     for b, start, end in plan.long_seqs:
         out[start:end] = _prefill_ref(

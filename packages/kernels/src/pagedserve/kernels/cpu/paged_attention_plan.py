@@ -57,12 +57,14 @@ def _num_kv_splits(n_tiles: int, max_kv_end: int, threads: int) -> int:
 
 
 @numba.njit(cache=True)
-def _plan(tiles, starts, seq_lens, splits, window=0):
+def _plan(tiles, starts, seq_lens, splits, window=0, aligned=False):
     """Work items, most KV positions first: the tiles, with each one-token tile of >=
     2 * MIN_SPLIT_POSITIONS positions cut into ``splits`` KV ranges; and the merges of the
     split ones. ``(work [W, 6], merges [G, 3])`` as the two kernels read them: the unsplit
     tiles in order, then each split tile's ranges (partial slots numbered in that order).
-    Under a ``window`` (> 0; never split) a tile starts at its first token's horizon."""
+    Under a ``window`` (> 0; never split) a tile starts at its first token's horizon, or with
+    ``aligned`` at the multiple of ``TILE_N`` below it, so that every token's positions are
+    folded in the same ``TILE_N`` steps whichever tile it is in (the batch-invariant plan)."""
     n = tiles.shape[0]
     kv_end, is_split = np.empty(n, np.int64), np.zeros(n, np.bool_)
     for i in range(n):
@@ -78,6 +80,8 @@ def _plan(tiles, starts, seq_lens, splits, window=0):
             q0 = tiles[i, 1]
             n_cached = kv_end[i] - tiles[i, 2]
             kv_lo = max(n_cached + q0 - window + 1, 0) if window > 0 else 0
+            if aligned:
+                kv_lo -= kv_lo % TILE_N
             work[w, 0], work[w, 1], work[w, 2] = tiles[i, 0], q0, tiles[i, 2]
             work[w, 3], work[w, 4], work[w, 5] = kv_lo, kv_end[i], -1
             w += 1
@@ -117,17 +121,20 @@ class StepPlan:
     long_seqs: tuple[tuple[int, int, int], ...]
 
 
-def _build(block_tables, seq_lens, query_start_loc, max_q_len, splits, window, threads):
+def _build(block_tables, seq_lens, query_start_loc, max_q_len, splits, window, threads,
+           batch_invariant):  # fmt: skip
     """The plan of one layout, from scratch: what the numba attention did at every layer."""
     starts = query_start_loc.to(torch.int64).numpy()
     lens = seq_lens.to(torch.int64).numpy()
     q_lens = starts[1:] - starts[:-1]
+    if batch_invariant:  # every sequence's tiles here, no KV splits: one order for all rows
+        max_q_len, splits = None, 1
     tiles = _work_items(q_lens, lens, max_q_len)
     if window or not len(tiles):
         splits = 1  # a window's splits would cut absolute positions
     elif not splits:
         splits = _num_kv_splits(len(tiles), int(lens.max()), threads)
-    work, merges = _plan(tiles, starts, lens, splits, window)
+    work, merges = _plan(tiles, starts, lens, splits, window, batch_invariant)
     long_seqs = ()
     if max_q_len is not None:
         long = np.flatnonzero(q_lens > max_q_len).tolist()
@@ -143,10 +150,17 @@ def step_plan(
     max_q_len: int | None = None,
     num_kv_splits: int | None = None,
     window: int = 0,
+    batch_invariant: bool = False,
 ) -> StepPlan:
     """The plan for this layout and window. Sets numba's thread count
-    (:func:`follow_torch_threads`), which the plan's split and parallel choices depend on."""
+    (:func:`follow_torch_threads`), which the plan's split and parallel choices depend on.
+
+    ``batch_invariant``: every row's positions folded in one order that depends on the row
+    alone: every sequence gets work items (``max_q_len`` ignored: no SDPA), no KV splits
+    (``num_kv_splits`` ignored), windows walked from a multiple of ``TILE_N``. Which items
+    run on which thread still follows the batch; no item's arithmetic does."""
     threads = follow_torch_threads()
     return _build(
-        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, threads
-    )
+        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, threads,
+        batch_invariant,
+    )  # fmt: skip

@@ -25,15 +25,16 @@ _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def _score_tile(q, k_cache, block_table, start, n, group, s):
-    """``s[r, j] = q[r] . K[start + j]`` for every row. Rows are (token, KV head, head in
-    group), the last fastest, so row ``r`` is query head ``r % Hq`` of the tile's token
-    ``r // Hq``. Each position's K rows (all KV heads, contiguous in the block) are read in
-    place, each once for its group of query heads. Loops, not ``%``/``//`` per row: an
-    integer division costs more than the 64-wide dot product it would index."""
+def _score_tile(q, k_cache, block_table, start, n, group, s, skip):
+    """``s[r, j] = q[r] . K[start + j]`` for every row, ``j >= skip`` (positions before are
+    before every row's window: never read, their ``s`` left as it was). Rows are (token, KV
+    head, head in group), the last fastest, so row ``r`` is query head ``r % Hq`` of the
+    tile's token ``r // Hq``. Each position's K rows (all KV heads, contiguous in the block)
+    are read in place, each once for its group of query heads. Loops, not ``%``/``//`` per
+    row: an integer division costs more than the 64-wide dot product it would index."""
     block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_tokens = q.shape[0] // (n_kv_heads * group)
-    for j in range(n):
+    for j in range(skip, n):
         pos = start + j
         keys = k_cache[block_table[pos // block_size], pos % block_size]
         r = 0
@@ -132,8 +133,11 @@ def _online_softmax(s, first, n_visible, m, row_sum, acc, r):
 def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1, kv_lo,
                  kv_hi, scale, window, cap, acc, m, row_sum):  # fmt: skip
     """Fold KV positions ``kv_lo .. kv_hi`` (clipped to what the tile sees) into the online
-    softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads. ``window``
-    > 0: a token sees its last ``window`` positions only; ``cap`` > 0: scores soft-capped."""
+    softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads, ``TILE_N`` at a
+    time from ``kv_lo``. ``window`` > 0: a token sees its last ``window`` positions only, and
+    nothing before the first token's horizon is read (``kv_lo`` may lie before it: the
+    batch-invariant plan starts every walk at a multiple of ``TILE_N``); ``cap`` > 0: scores
+    soft-capped."""
     n_q_heads, head_dim = query.shape[1], query.shape[2]
     group = n_q_heads // k_cache.shape[2]
     n_rows = (q1 - q0) * n_q_heads
@@ -143,9 +147,10 @@ def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1
             q[r, d] = query[q_start + q0 + r // n_q_heads, r % n_q_heads, d] * scale
     s = np.empty((n_rows, TILE_N), np.float32)
     kv_end = min(kv_hi, n_cached + q1)  # the tile's last token sees positions < n_cached + q1
+    read_lo = max(n_cached + q0 - window + 1, 0) if window > 0 else 0
     for start in range(kv_lo, kv_end, TILE_N):
         n = min(TILE_N, kv_end - start)
-        _score_tile(q, k_cache, block_table, start, n, group, s)
+        _score_tile(q, k_cache, block_table, start, n, group, s, max(0, read_lo - start))
         if cap > 0:
             for r in range(n_rows):
                 for j in range(n):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import encoder_attention, paged_attention, store_kv
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 
 # A field's metadata marking a host-side copy: tensor-parallel ranks receive it inside the step's
 # control message (pickled), not over the device group with the device tensors.
@@ -91,7 +92,7 @@ class PagedAttention(nn.Module):
     ``sliding_window`` (None: global) is this layer's window, as the model's config gives it
     per layer; ``logits_soft_cap`` caps its scores (Gemma 2); ``sinks`` (gpt-oss), a learned
     logit per query head of this rank in the softmax's denominator, is the layer's parameter
-    (``attn.sinks``)."""
+    (``attn.sinks``). Batch invariant when the model is built so (layers/batch_invariance.py)."""
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.batch_invariant = building_batch_invariant()
         self.sinks = sinks
 
     def forward(
@@ -136,6 +138,7 @@ class PagedAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            batch_invariant=self.batch_invariant,
             sinks=self.sinks,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelLoadError
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.weights import CheckpointTensor, copy_shard
 
 
@@ -69,9 +70,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(*args, **kw)
         self.gather = gather
+        self.batch_invariant = building_batch_invariant()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, batch_invariant=self.batch_invariant)
         if self.tp_size > 1 and self.gather is not None:
             logits = self.gather(logits)
         return logits[..., : self.vocab_size]

@@ -23,6 +23,7 @@ from torch import nn
 
 from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelLoadError
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.weights import CheckpointTensor, copy_shard
 
 Loaded = torch.Tensor | CheckpointTensor
@@ -71,7 +72,11 @@ def load_shard(param: nn.Parameter, loaded: Loaded, shard: WeightShard) -> None:
 
 
 class LinearMethodBase(ABC):
-    """The three things a linear layer delegates to its method."""
+    """The three things a linear layer delegates to its method. ``batch_invariant``: whether
+    its product keeps each row's bits whatever the other rows (the unquantized method's, when
+    the model is built so; layers/batch_invariance.py)."""
+
+    batch_invariant: bool = False
 
     @abstractmethod
     def create_weights(
@@ -103,7 +108,11 @@ class LinearMethodBase(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """One ``[out, in]`` weight in the model's dtype, ``layer.weight``."""
+    """One ``[out, in]`` weight in the model's dtype, ``layer.weight``; its GEMM batch
+    invariant when the model is built so (layers/batch_invariance.py)."""
+
+    def __init__(self) -> None:
+        self.batch_invariant = building_batch_invariant()
 
     def create_weights(
         self,
@@ -122,7 +131,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias, self.batch_invariant)
 
 
 LinearMethodFactory = Callable[[], LinearMethodBase]

@@ -72,6 +72,7 @@ class LoRALinearMethod(LinearMethodBase):
         batch: LoRABatch,
     ) -> None:
         self.base, self.slices, self.batch = base, slices, batch
+        self.batch_invariant = base.batch_invariant  # the adapters' products as the base's
         self.input_size, self.max_rank = input_size, max_rank
         shape = (max_loras, len(slices) * max_rank, input_size)
         self.lora_a = torch.zeros(shape, dtype=dtype, device=device)
@@ -111,10 +112,11 @@ class LoRALinearMethod(LinearMethodBase):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         flat = out.view(-1, out.shape[-1])
-        y = lora_shrink(rows, self.lora_a, token_slot, 1.0)
+        y = lora_shrink(rows, self.lora_a, token_slot, 1.0, batch_invariant=self.batch_invariant)
         r = self.max_rank
         for part, s in enumerate(self.slices):
             lora_expand(
-                y[:, part * r : (part + 1) * r], self.lora_b[part], token_slot, flat, s.offset
-            )
+                y[:, part * r : (part + 1) * r], self.lora_b[part], token_slot, flat, s.offset,
+                batch_invariant=self.batch_invariant,
+            )  # fmt: skip
         return out

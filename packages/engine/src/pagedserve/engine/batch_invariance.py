@@ -1,0 +1,63 @@
+"""The batch-invariant mode at the engine's edge: where it is asked for, and what it refuses.
+
+``--batch-invariant`` (``EngineArgs.batch_invariant``; vLLM's ``VLLM_BATCH_INVARIANT=1`` turns
+it on too) builds the model's layers to compute every row in an order that does not depend on
+the other rows of a step (models/layers/batch_invariance.py, docs/batch_invariance.md). The
+promise holds for the kernel paths that keep it; a configuration that would take another path
+is refused here, before anything loads, with what to change.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.models import ModelConfig
+
+ENV = "VLLM_BATCH_INVARIANT"
+
+
+def batch_invariant_from_env() -> bool:
+    """``VLLM_BATCH_INVARIANT`` as vLLM reads it: 1 on, 0 or unset off."""
+    raw = os.environ.get(ENV, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(f"{ENV}={raw!r}: expected 1 (batch-invariant mode on) or 0 (off)")
+
+
+def check_batch_invariant(config: ModelConfig) -> None:
+    """Refuse what the mode cannot keep batch invariant (each refusal names the field)."""
+    device = config.torch_device
+    path = kernel_path(torch.empty(0, device=device), has_numba=True)
+    refusals = {
+        "runner": config.runner_type == "pooling",
+        "quantization": config.quantization is not None or config.gguf_file is not None,
+        "kv_lora_rank": bool(config.hf_config.get("kv_lora_rank")),
+        "shared_expert_intermediate_size": bool(
+            config.hf_config.get("shared_expert_intermediate_size")
+        ),
+        "dtype": device.type == "cpu" and path == "numba" and config.torch_dtype != torch.float32,
+        "PAGEDSERVE_KERNELS": path == "ref",
+    }
+    why = {
+        "runner": "a pooling model is not covered yet; serve it without --batch-invariant",
+        "quantization": "the quantized and GGUF GEMMs pick their tiles by the batch; serve an "
+        "unquantized checkpoint",
+        "kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3: its absorbed decode splits "
+        "the KV axis by the batch, its prefill is torch's attention) is not covered yet; serve "
+        "the model without --batch-invariant",
+        "shared_expert_intermediate_size": "Qwen2-MoE's gated shared expert is not covered yet "
+        "(its gate's sigmoid, one value a token, is torch's elementwise code, whose rounding on a "
+        "CPU follows the token's place in the batch); serve the model without --batch-invariant",
+        "dtype": "on a CPU the batch-invariant GEMM is the fp32 numba kernel; use --dtype "
+        "float32 (the CPU's default)",
+        "PAGEDSERVE_KERNELS": "the reference kernels batch their matmuls (and numba is needed on "
+        "a CPU); unset PAGEDSERVE_KERNELS",
+    }
+    for field, refused in refusals.items():
+        if refused:
+            raise ValueError(f"batch_invariant: {field}: {why[field]}")

@@ -1,0 +1,39 @@
+"""Whether a model's layers run their kernels batch invariantly, decided when it is built.
+
+The engine's batch-invariant mode (``--batch-invariant``; docs/batch_invariance.md) makes each
+row's result independent of the other rows of its step: the same prompt gives the same bits
+alone or among 63 others, in one prefill or in chunks, from the prefix cache or computed. It
+is not a second model: it is how the kernels of the layers that have a batch-dependent choice
+(the linear layers' GEMM, the LM head's, attention's KV splits and tiles, the MoE router and
+experts) pick their reduction order, fixed for the model's life.
+
+Like the linear method (``linear_methods_for``), it is set while a model is constructed:
+``batch_invariant_layers(True)`` around the constructor (``load_model`` does it from
+``ModelConfig.batch_invariant``), and each such layer reads ``building_batch_invariant()``
+once, in its own constructor, and passes it to every kernel call. Never read during a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+_BUILD_BATCH_INVARIANT: ContextVar[bool] = ContextVar(
+    "pagedserve_build_batch_invariant", default=False
+)
+
+
+@contextmanager
+def batch_invariant_layers(enabled: bool) -> Iterator[None]:
+    """Build the layers constructed inside to run their kernels batch invariantly (or not)."""
+    token = _BUILD_BATCH_INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _BUILD_BATCH_INVARIANT.reset(token)
+
+
+def building_batch_invariant() -> bool:
+    """Whether the layer being constructed now is to run batch invariantly."""
+    return _BUILD_BATCH_INVARIANT.get()
