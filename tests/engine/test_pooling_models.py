@@ -114,3 +114,31 @@ def test_truncate_prompt_tokens_and_too_long_prompts(tiny_pooling_checkpoint):
     out = llm.embed(long_text, truncate_prompt_tokens=10, use_tqdm=False)[0]
     assert len(out.prompt_token_ids) == 10
     assert out.prompt_token_ids[0] == 2 and out.prompt_token_ids[-1] == 3  # [CLS] ... [SEP] kept
+
+
+def test_an_offline_call_of_more_prompts_than_the_waiting_cap_runs_them_all(
+    tiny_checkpoint, tiny_pooling_checkpoint
+):
+    """max_num_waiting is a server's load-shedding cap (a 503); LLM.generate and LLM.embed
+    hold the prompts the queue has no room for and add them as steps make room, in order."""
+    from pagedserve.engine import SamplingParams
+
+    path = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": [1 + i, 2 + i, 3]} for i in range(9)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    roomy = LLM(model=path).generate(prompts, params, use_tqdm=False)
+    capped = LLM(model=path, max_num_waiting=2, max_num_seqs=2)
+    outputs = capped.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in roomy]
+    assert not capped.engine.has_unfinished_requests()
+
+    encoder = tiny_pooling_checkpoint("bert")
+    texts = [f"sentence number {i}" for i in range(7)]
+    alone = LLM(model=encoder).embed(texts, use_tqdm=False)
+    capped_embed = LLM(model=encoder, max_num_waiting=2, max_num_seqs=1).embed(
+        texts, use_tqdm=False
+    )
+    for a, b in zip(alone, capped_embed, strict=True):
+        assert torch.allclose(
+            torch.as_tensor(a.outputs.embedding), torch.as_tensor(b.outputs.embedding), atol=1e-5
+        )

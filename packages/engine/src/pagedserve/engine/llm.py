@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.errors import SchedulerOverloadedError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -41,6 +43,7 @@ class LLM:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._pending: deque[Callable[[], None]] = deque()  # requests the queue had no room for
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -74,7 +77,11 @@ class LLM:
         for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             text, token_ids = self._tokenize(prompt)
             request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, token_ids, params, prompt=text, lora_request=lora)
+            self._submit(
+                lambda r=request_id, t=token_ids, p=params, x=text, lo=lora: (
+                    self.engine.add_request(r, t, p, prompt=x, lora_request=lo)
+                )
+            )
             order.append(request_id)
         return self._run(order, use_tqdm)
 
@@ -141,7 +148,11 @@ class LLM:
             else:
                 text, ids = self._tokenize(prompt)
             request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, ids, params, prompt=text, token_type_ids=types)
+            self._submit(
+                lambda r=request_id, i=ids, p=params, x=text, ty=types: self.engine.add_request(
+                    r, i, p, prompt=x, token_type_ids=ty
+                )
+            )
             order.append(request_id)
         return self._run(order, use_tqdm)
 
@@ -201,6 +212,33 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise TypeError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
+    def _submit(self, add: Callable[[], None]) -> None:
+        """Add a request to the engine now, or once the running steps have made room: the
+        waiting queue's cap (``max_num_waiting``) is how a server sheds load with a 503, and
+        an offline call of any number of prompts waits for room instead. Requests go in in
+        order: once one waits, every later one waits behind it."""
+        if not self._pending:
+            try:
+                add()
+                return
+            except SchedulerOverloadedError:
+                pass
+        self._pending.append(add)
+
+    def _submit_pending(self) -> None:
+        """Move waiting submissions into the engine while its queue has room. A request the
+        engine refuses for another reason fails the whole call, as it would have at once."""
+        while self._pending:
+            try:
+                self._pending[0]()
+            except SchedulerOverloadedError:
+                return
+            except Exception:
+                self._pending.clear()
+                self.engine.abort_request(self.engine.unfinished_request_ids())
+                raise
+            self._pending.popleft()
+
     def _run(self, order: list[str], use_tqdm: bool) -> list:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(
@@ -208,10 +246,12 @@ class LLM:
         )
         start, generated = time.perf_counter(), 0
         seen: dict[str, int] = {}
-        while self.engine.has_unfinished_requests():
+        while self.engine.has_unfinished_requests() or self._pending:
+            self._submit_pending()
             outputs = self.engine.step()
             errors = self.engine.take_request_errors()
             if errors:  # a constraint that does not compile: the whole call fails, as vLLM's
+                self._pending.clear()
                 self.engine.abort_request(self.engine.unfinished_request_ids())
                 bar.close()
                 raise errors[0][1]
