@@ -101,8 +101,7 @@ def test_final_only_makes_one_output_per_request_the_cumulative_last(engine):
 
 
 def test_llm_generate_runs_final_only_and_leaves_the_params_as_given(tiny_checkpoint, engine):
-    llm = LLM.__new__(LLM)
-    llm.engine, llm.tokenizer = engine, engine.tokenizer
+    llm = LLM.from_engine(engine)
     params = request_params(RequestOutputKind.CUMULATIVE)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     made = []

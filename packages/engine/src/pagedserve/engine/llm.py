@@ -41,8 +41,19 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        self._wrap(LLMEngine(EngineArgs(model=model, **kwargs)))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """The offline API over an engine already built (a test's, or one shared with other
+        code that steps it between calls)."""
+        llm = cls.__new__(cls)
+        llm._wrap(engine)
+        return llm
+
+    def _wrap(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._pending: deque[Callable[[], None]] = deque()  # requests the queue had no room for
 
     def get_tokenizer(self):
