@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.elementwise import launch_elementwise
 
 
 @triton.jit
@@ -27,14 +28,7 @@ def _gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def gelu_triton(x: torch.Tensor) -> torch.Tensor:
     """Launch wrapper: elementwise over the flattened contiguous input."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    n = x.numel()
-    if n == 0:
-        return out
-    block = 1024
-    _gelu_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block)
-    return out
+    return launch_elementwise(_gelu_kernel, x)
 
 
 def gelu_ref(x: torch.Tensor) -> torch.Tensor:
