@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -89,10 +90,9 @@ class LLM:
             text, token_ids = self._tokenize(prompt)
             request_id = self.engine.next_request_id()
             self._submit(
-                lambda r=request_id, t=token_ids, p=params, x=text, lo=lora: (
-                    self.engine.add_request(r, t, p, prompt=x, lora_request=lo)
-                )
-            )
+                partial(self.engine.add_request, request_id, token_ids, params, prompt=text,
+                        lora_request=lora)
+            )  # fmt: skip
             order.append(request_id)
         return self._run(order, use_tqdm)
 
@@ -160,10 +160,9 @@ class LLM:
                 text, ids = self._tokenize(prompt)
             request_id = self.engine.next_request_id()
             self._submit(
-                lambda r=request_id, i=ids, p=params, x=text, ty=types: self.engine.add_request(
-                    r, i, p, prompt=x, token_type_ids=ty
-                )
-            )
+                partial(self.engine.add_request, request_id, ids, params, prompt=text,
+                        token_type_ids=types)
+            )  # fmt: skip
             order.append(request_id)
         return self._run(order, use_tqdm)
 
