@@ -130,3 +130,28 @@ def merge_kv_splits(
         _merge_kv_splits_kernel[(n_tokens, n_q_heads)](
             *args, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d
         )
+
+
+def merge_kv_splits_ref(
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    in_order: bool = False,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Reference for ``merge_kv_splits``, in fp32 torch: every split's output weighted by
+    ``exp2(its lse - the max lse)``; a split that saw nothing (lse -inf) adds nothing. The
+    in-order fold computes the same sum (its order only fixes the rounding); its ``sinks`` are
+    one more split that starts the fold, of output 0 and lse ``sink * log2(e)``."""
+    part, lse32 = partial.float(), lse.float()
+    if in_order and sinks is not None:
+        n_tokens, n_q_heads, _, head_dim = part.shape
+        sink_lse = (sinks.float() * 1.4426950408889634).expand(n_tokens, n_q_heads)[..., None]
+        lse32 = torch.cat([sink_lse, lse32], dim=-1)
+        part = torch.cat([part.new_zeros(n_tokens, n_q_heads, 1, head_dim), part], dim=2)
+    top = lse32.amax(dim=-1, keepdim=True)
+    weight = torch.exp2(lse32 - torch.where(top == float("-inf"), 0.0, top))
+    part = torch.where(weight[..., None] > 0, part, 0.0)
+    total = weight.sum(dim=-1, keepdim=True)
+    merged = (weight[..., None] * part).sum(dim=2) / torch.where(total > 0, total, 1.0)
+    out.copy_(merged.to(out.dtype))
