@@ -9,6 +9,7 @@ decode step of a model loaded on one thread and stepped on another ran ~2x slowe
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -72,3 +73,49 @@ def test_the_engine_is_built_stepped_and_reads_adapters_on_its_own_thread(
 def test_a_construction_error_raises_in_the_caller(tiny_checkpoint):
     with pytest.raises(ValueError, match="num_cpu_threads"):
         AsyncLLM(EngineArgs(model=tiny_checkpoint("llama"), num_cpu_threads=0))
+
+
+def test_a_refusal_after_its_caller_gave_up_is_not_reported_as_never_retrieved(
+    tiny_checkpoint, monkeypatch
+):
+    """A caller cancelled while the engine thread has its request queued (a /v1/embeddings
+    body whose other input was refused first): the late refusal is consumed, not left for the
+    garbage collector to log "Future exception was never retrieved" (whose traceback
+    formatting, run from a finalizer, broke an unrelated ``ast.parse`` in CI)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class GatedEngine(async_llm.LLMEngine):
+        def add_request(self, *args, **kwargs):
+            entered.set()
+            release.wait(10)
+            return super().add_request(*args, **kwargs)
+
+    monkeypatch.setattr(async_llm, "LLMEngine", GatedEngine)
+    reported: list[dict] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx))
+        llm = AsyncLLM(EngineArgs(model=tiny_checkpoint("llama"), max_model_len=16))
+        try:
+
+            async def consume():
+                async for _ in llm.generate(list(range(3, 40)), GREEDY, "too-long"):
+                    pass
+
+            task = asyncio.create_task(consume())
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            release.set()
+            for _ in range(50):  # the refusal reaches the loop by call_soon_threadsafe
+                await asyncio.sleep(0.01)
+            del task
+            gc.collect()
+        finally:
+            release.set()
+            await llm.shutdown()
+
+    asyncio.run(main())
+    assert not [ctx for ctx in reported if "never retrieved" in ctx.get("message", "")]
