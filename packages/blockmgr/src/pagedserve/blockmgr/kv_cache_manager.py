@@ -242,6 +242,29 @@ class KVCacheManager:
         self._free_out_of_window(seq_id, table, num_computed_tokens)
         return True
 
+    def allocate_decode_slot(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        cache_salt: str | None = None,
+        lora_int_id: int = 0,
+    ) -> list[int] | None:
+        """``allocate_slots`` for a decode's one token, then ``block_ids``: the sequence's
+        block ids, or None, nothing changed, when the pool cannot supply the block (the
+        scheduler then preempts). One call per running request is the scheduler's tight loop;
+        a token that lands in place (nearly every one) costs two dict lookups."""
+        known = self._in_place.get(seq_id)
+        if known is not None and known[0] <= num_computed_tokens <= known[1]:
+            ids = self._block_ids.get(seq_id)
+            if ids is not None:
+                return ids
+        elif not self.allocate_slots(
+            seq_id, token_ids, num_computed_tokens, 1, (), cache_salt, lora_int_id
+        ):
+            return None
+        return self.block_ids(seq_id)
+
     def cache_blocks(
         self,
         seq_id: str,

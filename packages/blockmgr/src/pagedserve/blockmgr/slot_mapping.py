@@ -56,10 +56,13 @@ def layout_paged_batch(
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    seq_index = np.repeat(np.arange(num_seqs), counts)
-    positions = starts[seq_index] + (
-        np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][seq_index]
-    )
+    if num_tokens == num_seqs:  # one token each (a decode step): token i is sequence i's
+        seq_index, positions = np.arange(num_seqs), starts
+    else:
+        seq_index = np.repeat(np.arange(num_seqs), counts)
+        positions = starts[seq_index] + (
+            np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][seq_index]
+        )
     slot_mapping = (
         table_array[seq_index, positions // block_size].astype(np.int64) * block_size
         + positions % block_size

@@ -282,6 +282,8 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     in-flight copy; the kernels that read the result run on the same stream, after the copy.
     """
     tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

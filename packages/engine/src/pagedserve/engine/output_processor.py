@@ -126,6 +126,7 @@ class OutputProcessor:
         touched: dict[SequenceGroup, None] = {}  # the groups of several sequences
         logprobs, scheduler = output.logprobs, self.scheduler
         latencies = tokens.inter_token_latencies
+        num_plain = 0  # plain decodes' tokens, counted once after the loop
         for request in updated:
             state = request.payload
             group = state.group
@@ -148,7 +149,10 @@ class OutputProcessor:
             ):  # the common decode: one new token, not its last, no logprobs/grammar/stops
                 state.num_processed += 1
                 state.detokenizer.add_token(generated[-1])
-                tokens.num_generation_tokens += 1
+                num_plain += 1
+                if group.is_plain_running and group.output_kind is not _FINAL_ONLY:
+                    outputs.append(group.running_output(request, state))  # make_output's
+                    continue
             elif state.sampling.beam:  # its group makes its text from the token ids
                 tokens.num_generation_tokens += 1
                 touched[group] = None
@@ -164,6 +168,7 @@ class OutputProcessor:
                 if made.finished and self.forget(group.request_id) is not None:
                     self.on_finished(group, made, now)
                 outputs.append(made)
+        tokens.num_generation_tokens += num_plain
         if self.forks:
             self._start_forks(output, tokens, touched)
         if self._beam_steps or self._waiting_beams:

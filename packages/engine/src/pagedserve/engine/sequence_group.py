@@ -273,6 +273,30 @@ class SequenceGroup:
             None if request.stop_reason is None else self.stop_reason(request),
         )
 
+    def running_output(self, request: Request, state: SequenceState) -> RequestOutput:
+        """``make_output`` of the common request at each decode step (``is_plain_running``,
+        its one sequence running and plain: unfinished, so no finish or stop reason; no
+        logprobs; no stop strings, so all its text is visible), without the general checks:
+        each microsecond here is a millisecond a step at a thousand requests. The output
+        processor calls it directly for a plain decode, having made those checks itself."""
+        text, tokens = state.detokenizer.text, request.output_token_ids
+        if self.output_kind is _DELTA:
+            text_sent, tokens_sent = state.text_sent, state.tokens_sent
+            state.text_sent, state.tokens_sent = len(text), len(tokens)
+            text, tokens = text[text_sent:], tokens[tokens_sent:]
+        else:
+            tokens = tokens.copy()
+        cached = request.num_cached_tokens  # -1 until its first admission
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [CompletionOutput(state.index, text, tokens, None, None, None, None)],
+            False,
+            cached if cached > 0 else 0,
+            self.metrics,
+        )
+
     def stop_reason(self, request: Request) -> int | str | None:
         """The stop string or stop token id that ended ``request``; None when it ended on EOS
         (vLLM's rule: EOS is no stop_reason, a token of ``stop_token_ids`` is)."""
@@ -281,46 +305,27 @@ class SequenceGroup:
             return None
         return reason
 
+    @property
+    def is_plain_running(self) -> bool:
+        """One sequence, no fork pending, no prompt logprobs: a request whose running plain
+        sequence's output is ``running_output``."""
+        return len(self.sequences) == 1 and not self.pending_forks and self.prompt_logprobs is None
+
     def make_output(self) -> RequestOutput:
         """Every sequence's output: a snapshot of its whole text and tokens so far, or with
-        ``output_kind`` DELTA what it added since the request's last output.
-
-        The common request at each decode step (one running sequence, so unfinished: no finish
-        or stop reason; no logprobs; no stop strings, so all its text is visible) gets what
-        ``completion``/``completion_delta`` would give, without their checks: each microsecond
-        here is a millisecond a step at a thousand requests."""
-        sequences = self.sequences
-        first = sequences[0]
+        ``output_kind`` DELTA what it added since the request's last output."""
+        first = self.sequences[0]
         state: SequenceState = first.payload
-        if (
-            len(sequences) == 1
-            and state.plain
-            and first.status is _RUNNING
-            and self.prompt_logprobs is None
-        ):
-            text, tokens = state.detokenizer.text, first.output_token_ids
-            if self.output_kind is _DELTA:
-                text_sent, tokens_sent = state.text_sent, state.tokens_sent
-                state.text_sent, state.tokens_sent = len(text), len(tokens)
-                text, tokens = text[text_sent:], tokens[tokens_sent:]
-            else:
-                tokens = tokens.copy()
-            cached = first.num_cached_tokens  # -1 until its first admission
-            return RequestOutput(
-                self.request_id,
-                self.prompt,
-                self.prompt_token_ids,
-                [CompletionOutput(state.index, text, tokens, None, None, None, None)],
-                False,
-                cached if cached > 0 else 0,
-                self.metrics,
-            )
+        if self.is_plain_running and state.plain and first.status is _RUNNING:
+            return self.running_output(first, state)
         completion = self.completion_delta if self.output_kind is _DELTA else self.completion
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [completion(first)] if len(sequences) == 1 else [completion(s) for s in sequences],
+            [completion(first)]
+            if len(self.sequences) == 1
+            else [completion(s) for s in self.sequences],
             self.is_finished,
             max(first.num_cached_tokens, 0),
             self.metrics,

@@ -268,9 +268,11 @@ class Scheduler:
             updated.append(request)
             if type(tokens) is int:  # one new token: nearly every request, every step
                 output_ids.append(tokens)
-                stop = request.check_stop()
-                if stop is not None:
-                    self._finish(request, stop)
+                num_output = len(output_ids)  # check_stop's screen, inline: it stops rarely
+                if num_output >= request.max_tokens or (
+                    tokens in request.stop_token_ids and num_output >= request.min_tokens
+                ):
+                    self._finish(request, request.check_stop())
                     stopped = True
                 continue
             for token in tokens:
@@ -325,13 +327,13 @@ class Scheduler:
 
     def _schedule_decodes(self, output: SchedulerOutput, start: int, stop: int) -> int:
         """How many running requests in a row, from ``start`` (and before ``stop``, which keeps
-        them within the budget and the sequence cap), are decodes that ``allocate_slots``
+        them within the budget and the sequence cap), are decodes that ``allocate_decode_slot``
         serves at once: their one last known token, no proposals. Nearly every running request
         of a busy server is one, and its token nearly always lands in its own last block, which
         the block manager answers in O(1); so this is the scheduler's tight loop, and every
         other request (a prefill chunk, proposals, a decode that needs a preemption) is left to
         ``_schedule_chunk``."""
-        allocate, block_ids = self.kv.allocate_slots, self.kv.block_ids
+        allocate = self.kv.allocate_decode_slot
         requests, starts = output.requests, output.num_computed_tokens
         counts, tables = output.num_new_tokens, output.block_ids
         count = 0
@@ -341,21 +343,19 @@ class Scheduler:
                 request.output_token_ids
             ):
                 break
-            request_id = request.request_id
-            if not allocate(
-                request_id,
+            table = allocate(
+                request.request_id,
                 request.all_token_ids,
                 num_computed,
-                1,
-                (),
                 request.cache_salt,
                 request.lora_int_id,
-            ):
+            )
+            if table is None:
                 break
-            requests.append(request)  # output.add(request, num_computed, 1, ...), written out
+            requests.append(request)  # output.add(request, num_computed, 1, table), written out
             starts.append(num_computed)
             counts.append(1)
-            tables.append(block_ids(request_id))
+            tables.append(table)
             count += 1
         output.num_scheduled_tokens += count
         return count
