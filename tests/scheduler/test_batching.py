@@ -3,6 +3,8 @@ and the counters the engine exports."""
 
 from __future__ import annotations
 
+import pytest
+
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
@@ -137,6 +139,31 @@ def test_an_important_arrival_preempts_less_important_running_requests_to_get_in
     while s.has_unfinished_requests():
         step(s)
     assert s.kv.num_free_blocks == 8
+
+
+def test_background_work_yields_the_steps_that_read_a_more_important_prompt():
+    """With ``background_priority`` (the server's Batch API lines), a step in which a more
+    important request reads its prompt runs no background request: no decode, no prompt
+    chunk, no admission. Once that prompt is read, background work runs again beside it."""
+    s = make_scheduler(
+        max_num_batched_tokens=8, max_num_seqs=8, policy="priority", background_priority=100
+    )
+    s.add_request(Request("batch-a", [1, 2, 3], max_tokens=30, priority=100))
+    step(s)
+    assert shares(step(s)) == [("batch-a", 1)]
+    s.add_request(Request("chat", list(range(10, 22)), max_tokens=4, priority=0))
+    s.add_request(Request("batch-b", [4, 5, 6], max_tokens=30, priority=100))
+    assert shares(step(s)) == [("chat", 8)]
+    assert shares(step(s)) == [("chat", 4)]  # the prompt's last chunk: still alone
+    assert shares(step(s)) == [("chat", 1), ("batch-a", 1), ("batch-b", 3)]
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.num_free_blocks == 64
+
+
+def test_background_priority_needs_the_priority_policy():
+    with pytest.raises(ValueError, match="needs the priority policy"):
+        SchedulerConfig(background_priority=100)
 
 
 def test_fcfs_preempted_request_goes_back_ahead_of_later_arrivals():

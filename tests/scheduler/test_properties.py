@@ -98,7 +98,8 @@ setup_strategy = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 8),
         "threshold": st.sampled_from([0, 0, 3, 8]),
         "chunked": st.sampled_from([True, True, True, False]),
-        "policy": st.sampled_from(["fcfs", "priority"]),
+        # "background": the priority policy with priority 3 as background work
+        "policy": st.sampled_from(["fcfs", "priority", "background"]),
     }
 )
 
@@ -115,7 +116,8 @@ class SimulatedEngine:
             max_model_len=MAX_MODEL_LEN,
             long_prefill_token_threshold=setup["threshold"],
             enable_chunked_prefill=setup["chunked"],
-            policy=setup["policy"],
+            policy="fcfs" if setup["policy"] == "fcfs" else "priority",
+            background_priority=3 if setup["policy"] == "background" else None,
         )
         self.kv = KVCacheManager(
             setup["num_blocks"], setup["block_size"], setup["caching"], setup["watermark"]

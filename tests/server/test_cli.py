@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from pagedserve.engine import EngineArgs
-from pagedserve.server.cli import add_config_args, build_parser, config_kwargs
+from pagedserve.server.cli import (
+    add_config_args,
+    build_parser,
+    config_kwargs,
+    with_batch_background,
+)
 from pagedserve.server.config import ServerConfig
 
 
@@ -85,3 +90,21 @@ def test_list_flags_take_json_lists_or_commas(tiny_path):
     assert config.allowed_methods == ("GET", "POST") and config.allowed_headers == ("*",)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "[1, 2]"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "background"),
+    [
+        (["--scheduling-policy", "priority"], ServerConfig.batch_priority),
+        (["--scheduling-policy", "priority", "--batch-priority", "50"], 50),
+        (["--scheduling-policy", "priority", "--background-priority", "10"], 10),
+        ([], None),  # fcfs: no background work (the priority is only a label there)
+    ],
+)
+def test_serve_makes_the_batch_api_lines_background_work_under_the_priority_policy(
+    tiny_path, flags, background
+):
+    args = build_parser().parse_args(["serve", tiny_path, *flags])
+    config = ServerConfig(**config_kwargs(args, ServerConfig))
+    engine_args = EngineArgs(model=tiny_path, **config_kwargs(args, EngineArgs, skip=("model",)))
+    assert with_batch_background(engine_args, config).background_priority == background

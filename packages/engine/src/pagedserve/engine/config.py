@@ -100,6 +100,12 @@ class EngineArgs:
     scheduling_policy: str = option(
         "fcfs", "fcfs, or priority (a request's 'priority' field, lower first)"
     )
+    background_priority: int | None = option(
+        None,
+        "requests at this priority value or above are background work (needs --scheduling-policy "
+        "priority): they yield every step in which a more important request reads its prompt "
+        "(serve: --batch-priority unless given)",
+    )
     max_num_waiting: int = option(
         1024, "most requests waiting in the queue; beyond it the server answers 503"
     )
@@ -269,5 +275,6 @@ class EngineArgs:
             max_num_waiting=self.max_num_waiting,
             max_num_waiting_tokens=self.max_num_waiting_tokens,
             max_loras=self.max_loras if self.enable_lora else 0,
+            background_priority=self.background_priority,
         )
         return model_config, cache_config, scheduler_config

@@ -21,6 +21,11 @@ class SchedulerConfig:
     queueing without end: at most ``max_num_waiting`` requests and ``max_num_waiting_tokens``
     tokens (0 = no token cap) wait at a time.
 
+    ``background_priority`` (None = none) marks background work, under the priority policy:
+    a request of this priority value or above (the Batch API's lines) yields every step in which
+    a more important request has prompt tokens to read, so that an interactive request's prompt
+    never shares its step (and its time to first token) with batch decodes and prompts.
+
     ``max_loras`` (0 = no cap) is how many distinct LoRA adapters the running requests may use
     at once: the adapter slots of the model runner. A waiting request whose adapter would be
     one too many waits at the head of the queue until a running adapter's requests finish.
@@ -35,6 +40,7 @@ class SchedulerConfig:
     max_num_waiting: int = 1024
     max_num_waiting_tokens: int = 0
     max_loras: int = 0
+    background_priority: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -52,6 +58,11 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.background_priority is not None and self.policy != "priority":
+            raise ValueError(
+                "background_priority needs the priority policy (under fcfs a background request "
+                "at the head of the queue would hold back every request behind it)"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_loras < 0:

@@ -223,9 +223,10 @@ class Scheduler:
         if self.config.policy == "priority" and self.waiting and self.running:
             self._make_room_for_priority(output)
         made_room = len(output.preempted)
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        num_runnable = self._num_before_held_background()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, num_runnable)
         if len(output.preempted) == made_room:  # the running requests found their blocks
-            budget = self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget, num_runnable < len(self.running))
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
@@ -306,17 +307,18 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        """Each running request's next chunk, in order, preempting from the tail as needed;
-        returns the budget left. Runs of decodes go through ``_schedule_decodes``; the first
-        request it does not take goes through ``_schedule_chunk``, and so on."""
+    def _schedule_running(self, output: SchedulerOutput, budget: int, num_runnable: int) -> int:
+        """The next chunk of each of the first ``num_runnable`` running requests, in order,
+        preempting from the tail as needed; returns the budget left. Runs of decodes go through
+        ``_schedule_decodes``; the first request it does not take goes through
+        ``_schedule_chunk``, and so on."""
         max_seqs, running, requests = self.config.max_num_seqs, self.running, output.requests
         index = 0
-        while index < len(running) and budget > 0 and len(requests) < max_seqs:
-            stop = index + min(budget, max_seqs - len(requests))
+        while index < min(num_runnable, len(running)) and budget > 0 and len(requests) < max_seqs:
+            stop = index + min(budget, max_seqs - len(requests), num_runnable - index)
             num_decodes = self._schedule_decodes(output, index, stop)
             index, budget = index + num_decodes, budget - num_decodes
-            if index >= len(running) or budget <= 0 or len(requests) >= max_seqs:
+            if index >= min(num_runnable, len(running)) or budget <= 0 or len(requests) >= max_seqs:
                 break
             num_new = self._schedule_chunk(running[index], budget, output)
             if not num_new:
@@ -417,12 +419,14 @@ class Scheduler:
         running = {r.lora_int_id for r in self.running if r.lora_int_id}
         return request.lora_int_id in running or len(running) < self.config.max_loras
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, holding: bool) -> int:
         """Admit waiting requests in policy order while the budget, the sequence cap and the
         pool allow; the first that cannot start stops admission. A request preempted in this
         very step (by ``_make_room_for_priority``) is not taken back: it would recompute from
-        scratch the blocks it just gave up, so it waits for the next step like any victim."""
-        max_seqs = self.config.max_num_seqs
+        scratch the blocks it just gave up, so it waits for the next step like any victim. No
+        background request is admitted in a step that holds background work back (``holding``)
+        or admits a more important request (its prompt is read in this step)."""
+        max_seqs, background = self.config.max_num_seqs, self.config.background_priority
         preempted_now = {id(r) for r in output.preempted}
         while (
             self.waiting
@@ -435,12 +439,15 @@ class Scheduler:
                 break  # every waiting request is held (its grammar, its KV blocks)
             if id(request) in preempted_now:
                 break  # a victim of this step waits for the next one
+            if holding and request.priority >= background:
+                break  # background work yields to a prompt (everything behind it is background)
             if not self._adapter_fits(request):
                 break  # the head waits for an adapter slot; nothing behind it jumps the queue
             num_new = self._admit(request, budget, output)
             if num_new is None:
                 break  # the head waits for blocks; nothing behind it jumps the queue
             budget -= num_new
+            holding = holding or (background is not None and request.priority < background)
         return budget
 
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
@@ -503,6 +510,23 @@ class Scheduler:
             self.kv.free(request_id)
             request.status = RequestStatus.WAITING
 
+    def _num_before_held_background(self) -> int:
+        """How many running requests run this step: all of them, or, while background work
+        yields (``SchedulerConfig.background_priority``: a more important request waits or
+        still reads its prompt), those before the background ones, which are the tail of
+        ``running`` (policy order). The scan for prompts runs only when background work runs."""
+        running, background = self.running, self.config.background_priority
+        if background is None or not running or running[-1].priority < background:
+            return len(running)
+        num_foreground = bisect.bisect_left(running, background, key=_priority)
+        head = self.waiting.first_ready() if self.waiting else None
+        if (head is not None and head.priority < background) or any(
+            r.num_computed_tokens + 1 < len(r.prompt_token_ids) + len(r.output_token_ids)
+            for r in itertools.islice(running, num_foreground)
+        ):
+            return num_foreground
+        return len(running)
+
     def _make_room_for_priority(self, output: SchedulerOutput) -> None:
         """The priority policy's admission: a waiting request that matters more than the
         running tail (a lower ``policy_key``) and finds no room (the sequence cap is reached,
@@ -551,3 +575,7 @@ class Scheduler:
             request.kv_transfer_params = self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
         self._finished.append(request)
+
+
+def _priority(request: Request) -> int:
+    return request.priority

@@ -25,7 +25,7 @@ import time
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from importlib import metadata
 
 from pagedserve.engine import (
@@ -292,8 +292,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             model, default_name = resolve_model(model_path)
             name = config.served_model_name or default_name or model
-            engine_args = EngineArgs(
-                model=model, **config_kwargs(args, EngineArgs, skip=("model",))
+            engine_args = with_batch_background(
+                EngineArgs(model=model, **config_kwargs(args, EngineArgs, skip=("model",))), config
             )
             # a decode engine with a prefill server sends each prompt there first (the
             # concrete AsyncLLM built here knows its block size; EngineClient does not say it)
@@ -307,6 +307,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(engine, config, name, sock=sock)
 
     return reported("serve", serve)
+
+
+def with_batch_background(engine_args: EngineArgs, config: ServerConfig) -> EngineArgs:
+    """Under the priority policy, the Batch API's lines (``--batch-priority``) are the engine's
+    background work unless ``--background-priority`` says otherwise: they yield every step in
+    which an interactive request reads its prompt (docs/offline_jobs.md)."""
+    if engine_args.scheduling_policy != "priority" or engine_args.background_priority is not None:
+        return engine_args
+    return replace(engine_args, background_priority=config.batch_priority)
 
 
 # ---- run-batch -------------------------------------------------------------------------------
