@@ -161,6 +161,19 @@ def test_background_work_yields_the_steps_that_read_a_more_important_prompt():
     assert s.kv.num_free_blocks == 64
 
 
+def test_background_work_does_not_yield_to_a_prompt_waiting_for_its_adapter_slot():
+    """The interactive head needs an adapter slot that a background request holds: background
+    work keeps running (held, it would never finish and free the slot), then the head runs."""
+    s = make_scheduler(policy="priority", background_priority=100, max_loras=1)
+    s.add_request(Request("batch", [1, 2, 3], max_tokens=6, priority=100, lora_int_id=1))
+    step(s)
+    s.add_request(Request("chat", [4, 5, 6, 7], max_tokens=2, lora_int_id=2))
+    ran = [shares(step(s)) for _ in range(8)]
+    assert ran[:5] == [[("batch", 1)]] * 5  # its last decode finishes it; the slot is free
+    assert ran[5] == [("chat", 4)]
+    assert not s.has_unfinished_requests()
+
+
 def test_background_priority_needs_the_priority_policy():
     with pytest.raises(ValueError, match="needs the priority policy"):
         SchedulerConfig(background_priority=100)

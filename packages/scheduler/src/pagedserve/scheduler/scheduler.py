@@ -226,7 +226,7 @@ class Scheduler:
         num_runnable = self._num_before_held_background()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens, num_runnable)
         if len(output.preempted) == made_room:  # the running requests found their blocks
-            budget = self._schedule_waiting(output, budget, num_runnable < len(self.running))
+            budget = self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
@@ -419,15 +419,15 @@ class Scheduler:
         running = {r.lora_int_id for r in self.running if r.lora_int_id}
         return request.lora_int_id in running or len(running) < self.config.max_loras
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int, holding: bool) -> int:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in policy order while the budget, the sequence cap and the
         pool allow; the first that cannot start stops admission. A request preempted in this
         very step (by ``_make_room_for_priority``) is not taken back: it would recompute from
         scratch the blocks it just gave up, so it waits for the next step like any victim. No
-        background request is admitted in a step that holds background work back (``holding``)
-        or admits a more important request (its prompt is read in this step)."""
+        background request is admitted in a step that reads a more important prompt."""
         max_seqs, background = self.config.max_num_seqs, self.config.background_priority
         preempted_now = {id(r) for r in output.preempted}
+        yields = None  # whether background work yields this step: asked at a background head
         while (
             self.waiting
             and budget > 0
@@ -439,15 +439,17 @@ class Scheduler:
                 break  # every waiting request is held (its grammar, its KV blocks)
             if id(request) in preempted_now:
                 break  # a victim of this step waits for the next one
-            if holding and request.priority >= background:
-                break  # background work yields to a prompt (everything behind it is background)
+            if background is not None and request.priority >= background:
+                if yields is None:
+                    yields = _reads_a_prompt_before(output, background)
+                if yields:
+                    break  # background work yields to a prompt (all behind it is background)
             if not self._adapter_fits(request):
                 break  # the head waits for an adapter slot; nothing behind it jumps the queue
             num_new = self._admit(request, budget, output)
             if num_new is None:
                 break  # the head waits for blocks; nothing behind it jumps the queue
             budget -= num_new
-            holding = holding or (background is not None and request.priority < background)
         return budget
 
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
@@ -520,8 +522,10 @@ class Scheduler:
             return len(running)
         num_foreground = bisect.bisect_left(running, background, key=_priority)
         head = self.waiting.first_ready() if self.waiting else None
-        if (head is not None and head.priority < background) or any(
-            r.num_computed_tokens + 1 < len(r.prompt_token_ids) + len(r.output_token_ids)
+        # a head waiting for an adapter slot that background requests hold does not count:
+        # held, they would never finish and free it
+        if (head is not None and head.priority < background and self._adapter_fits(head)) or any(
+            _reads_its_prompt(r, r.num_computed_tokens)
             for r in itertools.islice(running, num_foreground)
         ):
             return num_foreground
@@ -579,3 +583,17 @@ class Scheduler:
 
 def _priority(request: Request) -> int:
     return request.priority
+
+
+def _reads_its_prompt(request: Request, start: int) -> bool:
+    """A chunk from ``start`` computes more than the last known token: a prompt (or, after a
+    preemption, its recomputation), not a decode."""
+    return start + 1 < len(request.prompt_token_ids) + len(request.output_token_ids)
+
+
+def _reads_a_prompt_before(output: SchedulerOutput, background: int) -> bool:
+    """Whether the step so far reads the prompt of a request more important than background."""
+    return any(
+        r.priority < background and _reads_its_prompt(r, start)
+        for r, start in zip(output.requests, output.num_computed_tokens)
+    )
