@@ -61,7 +61,8 @@ def timed_per_request(timer: PhaseTimer) -> Iterator[None]:
     """Time the per-request work inside "outputs + detokenize", wrapped on the classes for the
     measurement and put back: detokenizing and the stop checks (each sequence's
     ``process_new_tokens``, whose common decode calls its detokenizer's ``add_token``), and
-    making outputs (``SequenceGroup.make_output``). A call nested in another of its phase
+    making outputs (``SequenceGroup.make_output``, and ``running_output``, which the output
+    processor calls for a plain decode). A call nested in another of its phase
     counts once (``PhaseTimer.wrap``)."""
     from pagedserve.engine import detokenizer
     from pagedserve.engine.sequence_group import SequenceGroup, SequenceState
@@ -72,6 +73,7 @@ def timed_per_request(timer: PhaseTimer) -> Iterator[None]:
         (detokenizer.FinalTextDetokenizer, "add_token", DETOKENIZE),
         (detokenizer.IncrementalDetokenizer, "add_token", DETOKENIZE),
         (SequenceGroup, "make_output", MAKE_OUTPUTS),
+        (SequenceGroup, "running_output", MAKE_OUTPUTS),
     ]
     real = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in targets]
     for owner, attribute, phase in targets:

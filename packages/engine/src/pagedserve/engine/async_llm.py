@@ -209,10 +209,10 @@ class AsyncLLM:
         try:
             # shield: a cancelled caller must not cancel ``done`` itself, or the engine thread's
             # set_result raises InvalidStateError and kills the loop (the finally aborts instead).
-            # A shield cancelled first no longer reads ``accepted``: _mark_retrieved does, or a
-            # refusal that arrives after its caller gave up is logged "never retrieved".
+            # A shield cancelled first drops ``accepted``: it reads itself, or a late refusal is
+            # logged "never retrieved" by the garbage collector.
             accepted = asyncio.wrap_future(done)
-            accepted.add_done_callback(_mark_retrieved)
+            accepted.add_done_callback(lambda future: future.cancelled() or future.exception())
             await asyncio.shield(accepted)
             while not finished:
                 item = await stream.get()
@@ -396,11 +396,3 @@ class AsyncLLM:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.put(error)
-
-
-def _mark_retrieved(future: asyncio.Future) -> None:
-    """Read a finished future's exception so asyncio does not report it as never retrieved
-    (the engine's answer to a request whose caller was cancelled: the finally in ``_stream``
-    has already dealt with it)."""
-    if not future.cancelled():
-        future.exception()

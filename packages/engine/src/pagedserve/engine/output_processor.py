@@ -130,9 +130,8 @@ class OutputProcessor:
         for request in updated:
             state = request.payload
             group = state.group
-            # the group's token times; its prompt counts once, with its first token; the time
-            # since its previous token is an inter-token latency (a sibling's token in the same
-            # step is not a new interval)
+            # token times: the prompt counts once, with the first token; a sibling's token in
+            # the same step is no new inter-token interval
             metrics = group.metrics
             last = metrics.last_token_time
             if last is None:
@@ -141,12 +140,8 @@ class OutputProcessor:
             elif now > last:
                 latencies.append(now - last)
             metrics.last_token_time = now
-            generated = request.output_token_ids
-            if (
-                state.plain
-                and state.num_processed == len(generated) - 1
-                and request.status is _RUNNING
-            ):  # the common decode: one new token, not its last, no logprobs/grammar/stops
+            generated, plain = request.output_token_ids, state.plain and request.status is _RUNNING
+            if plain and state.num_processed == len(generated) - 1:  # a plain sequence's 1 token
                 state.num_processed += 1
                 state.detokenizer.add_token(generated[-1])
                 num_plain += 1
