@@ -32,8 +32,9 @@ token, and holds no block after it.
 The scheduler decides; it does not compute. It never imports torch.
 
 Why one file: scheduling and updating read and change the same state (``running``, the block
-manager, each request's computed count) at every step, so they are one class, of some 400
-lines, rather than two halves joined by inheritance.
+manager, each request's computed count) at every step, so they are one class rather than two
+halves joined by inheritance. What reads that state without changing it lives beside it:
+admission checks (admission.py), the waiting queue (queue.py), background work (background.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
 from pagedserve.blockmgr import KVCacheManager
+from pagedserve.scheduler import background
 from pagedserve.scheduler.admission import check_fits, check_not_overloaded
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_connector import KVConnectorScheduler
@@ -223,7 +225,9 @@ class Scheduler:
         if self.config.policy == "priority" and self.waiting and self.running:
             self._make_room_for_priority(output)
         made_room = len(output.preempted)
-        num_runnable = self._num_before_held_background()
+        num_runnable = background.num_runnable(
+            self.running, self.waiting, self.config.background_priority, self._adapter_fits
+        )
         budget = self._schedule_running(output, self.config.max_num_batched_tokens, num_runnable)
         if len(output.preempted) == made_room:  # the running requests found their blocks
             budget = self._schedule_waiting(output, budget)
@@ -425,7 +429,7 @@ class Scheduler:
         very step (by ``_make_room_for_priority``) is not taken back: it would recompute from
         scratch the blocks it just gave up, so it waits for the next step like any victim. No
         background request is admitted in a step that reads a more important prompt."""
-        max_seqs, background = self.config.max_num_seqs, self.config.background_priority
+        max_seqs, lowest = self.config.max_num_seqs, self.config.background_priority
         preempted_now = {id(r) for r in output.preempted}
         yields = None  # whether background work yields this step: asked at a background head
         while (
@@ -439,9 +443,9 @@ class Scheduler:
                 break  # every waiting request is held (its grammar, its KV blocks)
             if id(request) in preempted_now:
                 break  # a victim of this step waits for the next one
-            if background is not None and request.priority >= background:
+            if lowest is not None and request.priority >= lowest:
                 if yields is None:
-                    yields = _reads_a_prompt_before(output, background)
+                    yields = background.reads_a_prompt(output, lowest)
                 if yields:
                     break  # background work yields to a prompt (all behind it is background)
             if not self._adapter_fits(request):
@@ -512,25 +516,6 @@ class Scheduler:
             self.kv.free(request_id)
             request.status = RequestStatus.WAITING
 
-    def _num_before_held_background(self) -> int:
-        """How many running requests run this step: all of them, or, while background work
-        yields (``SchedulerConfig.background_priority``: a more important request waits or
-        still reads its prompt), those before the background ones, which are the tail of
-        ``running`` (policy order). The scan for prompts runs only when background work runs."""
-        running, background = self.running, self.config.background_priority
-        if background is None or not running or running[-1].priority < background:
-            return len(running)
-        num_foreground = bisect.bisect_left(running, background, key=_priority)
-        head = self.waiting.first_ready() if self.waiting else None
-        # a head waiting for an adapter slot that background requests hold does not count:
-        # held, they would never finish and free it
-        if (head is not None and head.priority < background and self._adapter_fits(head)) or any(
-            _reads_its_prompt(r, r.num_computed_tokens)
-            for r in itertools.islice(running, num_foreground)
-        ):
-            return num_foreground
-        return len(running)
-
     def _make_room_for_priority(self, output: SchedulerOutput) -> None:
         """The priority policy's admission: a waiting request that matters more than the
         running tail (a lower ``policy_key``) and finds no room (the sequence cap is reached,
@@ -579,21 +564,3 @@ class Scheduler:
             request.kv_transfer_params = self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
         self._finished.append(request)
-
-
-def _priority(request: Request) -> int:
-    return request.priority
-
-
-def _reads_its_prompt(request: Request, start: int) -> bool:
-    """A chunk from ``start`` computes more than the last known token: a prompt (or, after a
-    preemption, its recomputation), not a decode."""
-    return start + 1 < len(request.prompt_token_ids) + len(request.output_token_ids)
-
-
-def _reads_a_prompt_before(output: SchedulerOutput, background: int) -> bool:
-    """Whether the step so far reads the prompt of a request more important than background."""
-    return any(
-        r.priority < background and _reads_its_prompt(r, start)
-        for r, start in zip(output.requests, output.num_computed_tokens)
-    )
