@@ -13,6 +13,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from python_source import parse_source
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ROOT / "packages"
@@ -38,7 +39,7 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[s
             else:
                 visit(child, prefix)
 
-    visit(ast.parse(source), "")
+    visit(parse_source(source), "")
     return found
 
 
@@ -66,7 +67,7 @@ def test_a_file_past_400_lines_says_why_it_is_one_idea(path):
     if lines <= MAX_FILE_LINES:
         return
     assert lines <= MAX_EXPLAINED_FILE_LINES, f"{path}: {lines} lines: two ideas at least"
-    docstring = ast.get_docstring(ast.parse(source)) or ""
+    docstring = ast.get_docstring(parse_source(source)) or ""
     assert "Why one file:" in docstring, (
         f"{path}: {lines} lines; past {MAX_FILE_LINES} it is two ideas, or its docstring says "
         "why not (a paragraph that starts 'Why one file:')"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from python_source import parse_source
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ROOT / "packages"
@@ -55,7 +56,7 @@ def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
     """``(line, absolute module name)`` of every import in one file; ``package`` is the file's
     own package (``pagedserve.engine.distributed``), which relative imports start from."""
     found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(parse_source(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
