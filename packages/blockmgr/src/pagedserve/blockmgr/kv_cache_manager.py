@@ -255,15 +255,13 @@ class KVCacheManager:
         scheduler then preempts). One call per running request is the scheduler's tight loop;
         a token that lands in place (nearly every one) costs two dict lookups."""
         known = self._in_place.get(seq_id)
-        if known is not None and known[0] <= num_computed_tokens <= known[1]:
-            ids = self._block_ids.get(seq_id)
-            if ids is not None:
-                return ids
-        elif not self.allocate_slots(
+        in_place = known is not None and known[0] <= num_computed_tokens <= known[1]
+        if not in_place and not self.allocate_slots(
             seq_id, token_ids, num_computed_tokens, 1, (), cache_salt, lora_int_id
         ):
             return None
-        return self.block_ids(seq_id)
+        ids = self._block_ids.get(seq_id)  # block_ids, inline: the table rarely changes
+        return ids if ids is not None else self.block_ids(seq_id)
 
     def cache_blocks(
         self,

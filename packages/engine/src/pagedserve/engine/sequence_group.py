@@ -314,7 +314,8 @@ class SequenceGroup:
     def make_output(self) -> RequestOutput:
         """Every sequence's output: a snapshot of its whole text and tokens so far, or with
         ``output_kind`` DELTA what it added since the request's last output."""
-        first = self.sequences[0]
+        sequences = self.sequences
+        first = sequences[0]
         state: SequenceState = first.payload
         if self.is_plain_running and state.plain and first.status is _RUNNING:
             return self.running_output(first, state)
@@ -323,9 +324,7 @@ class SequenceGroup:
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [completion(first)]
-            if len(self.sequences) == 1
-            else [completion(s) for s in self.sequences],
+            [completion(first)] if len(sequences) == 1 else [completion(s) for s in sequences],
             self.is_finished,
             max(first.num_cached_tokens, 0),
             self.metrics,

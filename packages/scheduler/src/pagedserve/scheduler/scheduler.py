@@ -273,11 +273,9 @@ class Scheduler:
             updated.append(request)
             if type(tokens) is int:  # one new token: nearly every request, every step
                 output_ids.append(tokens)
-                num_output = len(output_ids)  # check_stop's screen, inline: it stops rarely
-                if num_output >= request.max_tokens or (
-                    tokens in request.stop_token_ids and num_output >= request.min_tokens
-                ):
-                    self._finish(request, request.check_stop())
+                stop = request.check_stop()
+                if stop is not None:
+                    self._finish(request, stop)
                     stopped = True
                 continue
             for token in tokens:
@@ -318,11 +316,15 @@ class Scheduler:
         ``_schedule_chunk``, and so on."""
         max_seqs, running, requests = self.config.max_num_seqs, self.running, output.requests
         index = 0
-        while index < min(num_runnable, len(running)) and budget > 0 and len(requests) < max_seqs:
-            stop = index + min(budget, max_seqs - len(requests), num_runnable - index)
-            num_decodes = self._schedule_decodes(output, index, stop)
+        while budget > 0 and len(requests) < max_seqs:
+            end = min(num_runnable, len(running))  # a preemption shortens ``running``
+            if index >= end:
+                break
+            num_decodes = self._schedule_decodes(
+                output, index, index + min(budget, max_seqs - len(requests), end - index)
+            )
             index, budget = index + num_decodes, budget - num_decodes
-            if index >= min(num_runnable, len(running)) or budget <= 0 or len(requests) >= max_seqs:
+            if index >= end or budget <= 0 or len(requests) >= max_seqs:
                 break
             num_new = self._schedule_chunk(running[index], budget, output)
             if not num_new:
