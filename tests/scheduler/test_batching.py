@@ -174,6 +174,72 @@ def test_background_work_does_not_yield_to_a_prompt_waiting_for_its_adapter_slot
     assert not s.has_unfinished_requests()
 
 
+def test_background_work_runs_in_a_step_whose_more_important_prompt_cannot_start():
+    """Background work yields only to a prompt that is read in the step. Here the interactive
+    prompt found room before the step, but a foreground decode took a block first: the prompt
+    waits, so background work runs; in the next step the prompt preempts it for the room."""
+    s = make_scheduler(
+        num_blocks=7, block_size=2, caching=False, policy="priority", background_priority=100
+    )
+    s.add_request(Request("fg", [1, 2, 3], max_tokens=10))
+    s.add_request(Request("batch", [4, 5, 6], max_tokens=10, priority=100))
+    assert shares(step(s)) == [("fg", 3)]  # background yields to fg's prompt
+    assert shares(step(s)) == [("fg", 1), ("batch", 3)]
+    s.add_request(Request("chat", [7, 8, 9, 10, 11], max_tokens=1))  # 3 blocks: 3 are free
+    assert shares(step(s)) == [("fg", 1), ("batch", 1)]  # fg's decode took one of them
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["batch"]
+    assert shares(out) == [("fg", 1), ("chat", 5)]
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.num_free_blocks == 7
+
+
+def test_a_more_important_whole_prompt_preempts_the_background_work_in_its_way():
+    """Without chunked prefill the whole prompt must find its blocks at once (the long-prefill
+    threshold does not apply): the interactive request preempts the background request that
+    holds one of them, instead of waiting behind it for ever (background work yields to it)."""
+    s = make_scheduler(
+        num_blocks=6,
+        block_size=2,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=3,
+        policy="priority",
+        background_priority=100,
+    )
+    s.add_request(Request("batch", [1], max_tokens=4, priority=100))
+    step(s)
+    s.add_request(Request("chat", list(range(11, 22)), max_tokens=1))  # all 6 blocks
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["batch"]
+    assert shares(out) == [("chat", 11)]
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.requests == {} and s.kv.num_free_blocks == 6
+
+
+def test_a_more_important_prompt_counts_the_idle_cached_blocks_it_takes_back():
+    """A prefix-cache hit on blocks no running request holds takes them out of the free pool
+    (they were ready to evict): the room a more important prompt makes counts them."""
+    s = make_scheduler(
+        num_blocks=8,
+        block_size=2,
+        max_num_batched_tokens=3,
+        policy="priority",
+        background_priority=100,
+    )
+    s.add_request(Request("warm", [0, 7, 3, 10, 6], max_tokens=1))
+    while s.has_unfinished_requests():
+        step(s)  # leaves [0, 7] and [3, 10] cached, idle
+    s.add_request(Request("batch", list(range(20, 31)), max_tokens=3, priority=100))
+    while s.kv.num_free_blocks > 2:
+        step(s)
+    s.add_request(Request("chat", [0, 7, 3, 10, 6], max_tokens=1))  # 2 idle hits + 1 new block
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["batch"]
+    assert shares(out) == [("chat", 1)]
+
+
 def test_background_priority_needs_the_priority_policy():
     with pytest.raises(ValueError, match="needs the priority policy"):
         SchedulerConfig(background_priority=100)

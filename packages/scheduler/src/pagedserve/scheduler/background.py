@@ -8,7 +8,16 @@ computed beside interactive work only, never beside a step's budget of batch pro
 decodes. The policy keeps ``running`` in priority order, so the background requests are its
 tail and the step simply stops before them.
 
-One exception keeps this live: an interactive request that waits for a LoRA adapter slot does
+Whether the step will read such a prompt is known only once its admissions are tried:
+``num_runnable`` predicts it (a more important request waits at the head, or is part-way
+through its prompt), and when the waiting head then cannot start after all (the blocks it was
+counted on went to a running request's decode first), the scheduler runs the background
+requests it held back in the same step. So background work yields exactly to prompts that are
+read, and a prompt that needs the blocks background work holds makes its room by preemption
+(``Scheduler._make_room_for_priority``) instead of waiting for a background request that would
+never run again.
+
+One exception keeps this live too: an interactive request that waits for a LoRA adapter slot does
 not hold background work back, since the background requests that hold the slot would then never
 finish and free it.
 """

@@ -228,9 +228,14 @@ class Scheduler:
         num_runnable = background.num_runnable(
             self.running, self.waiting, self.config.background_priority, self._adapter_fits
         )
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens, num_runnable)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, 0, num_runnable)
         if len(output.preempted) == made_room:  # the running requests found their blocks
+            num_running = len(self.running)
             budget = self._schedule_waiting(output, budget)
+            if num_runnable < num_running == len(self.running) and not background.reads_a_prompt(
+                output, self.config.background_priority
+            ):  # the prompt that background work yielded to could not start: it runs after all
+                self._schedule_running(output, budget, num_runnable, num_running)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
@@ -309,15 +314,15 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int, num_runnable: int) -> int:
-        """The next chunk of each of the first ``num_runnable`` running requests, in order,
+    def _schedule_running(self, output: SchedulerOutput, budget: int, start: int, stop: int) -> int:
+        """The next chunk of each of the running requests from ``start`` to ``stop``, in order,
         preempting from the tail as needed; returns the budget left. Runs of decodes go through
         ``_schedule_decodes``; the first request it does not take goes through
         ``_schedule_chunk``, and so on."""
         max_seqs, running, requests = self.config.max_num_seqs, self.running, output.requests
-        index = 0
+        index = start
         while budget > 0 and len(requests) < max_seqs:
-            end = min(num_runnable, len(running))  # a preemption shortens ``running``
+            end = min(stop, len(running))  # a preemption shortens ``running``
             if index >= end:
                 break
             num_decodes = self._schedule_decodes(
@@ -528,19 +533,29 @@ class Scheduler:
         head = self.waiting.first_ready()
         if head is None:
             return
-        key, kv, config = policy_key(head), self.kv, self.config
-        first_chunk = min(
-            head.num_tokens,
-            config.max_num_batched_tokens,
-            config.long_prefill_token_threshold or head.num_tokens,
-        )
-        needed = -(-first_chunk // kv.block_size) + kv.watermark_blocks
+        key, max_seqs = policy_key(head), self.config.max_num_seqs
         while self.running and policy_key(self.running[-1]) > key:
-            if len(self.running) < config.max_num_seqs and kv.num_free_blocks >= needed:
+            if len(self.running) < max_seqs and self.kv.num_free_blocks >= self._blocks_to_admit(
+                head
+            ):
                 return
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
+
+    def _blocks_to_admit(self, request: Request) -> int:
+        """The free blocks that admitting ``request`` takes: those of its first chunk, and of
+        its cached prefix those that no running request holds (the pool counts them as free,
+        ready to evict), plus the watermark an admission leaves. Asked again after each
+        preemption, since a victim may have held blocks of that prefix."""
+        kv = self.kv
+        hits, num_cached = kv.get_computed_blocks(
+            request.all_token_ids, request.cache_salt, request.lora_int_id
+        )
+        num_new = self._num_new_tokens(request, num_cached, self.config.max_num_batched_tokens)
+        num_blocks = -(-(num_cached + num_new) // kv.block_size)
+        num_idle_hits = sum(1 for block in hits if block.ref_count == 0)
+        return num_blocks - len(hits) + num_idle_hits + kv.watermark_blocks
 
     def _add_running(self, request: Request) -> None:
         """Keep ``running`` in policy order, so that its tail is the next preemption victim."""
