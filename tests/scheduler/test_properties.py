@@ -8,7 +8,8 @@ The scheduler is driven by a simulated engine that checks it from the outside:
 - a fake model: the next token is a fixed function of the whole sequence, so each request's
   output must equal the one computed for it alone, however it was chunked, preempted or batched.
 
-Checked at every step: the token budget and the sequence cap; FCFS admits in arrival order and
+Checked at every step: the token budget and the sequence cap; the decodes' tokens that the
+model runner reads from the output; FCFS admits in arrival order and
 never lets a later arrival run while an earlier one waits; priority admits in key order. At the
 end: every admitted request finished, aborted ones at random points included, and no block is
 held.
@@ -158,6 +159,7 @@ class SimulatedEngine:
         waiting_before = list(s.waiting)
         out = s.schedule()
         self.check_limits(out)
+        self.check_decode_tokens(out)
         self.check_policy(out, waiting_before)
         self.run_kv(out)
         sampled = {
@@ -215,6 +217,20 @@ class SimulatedEngine:
         assert stats.num_scheduled_tokens == out.num_scheduled_tokens
         assert (stats.num_running, stats.num_waiting) == (len(s.running), len(s.waiting))
         assert stats.num_waiting_tokens == sum(r.num_tokens for r in s.waiting)
+
+    def check_decode_tokens(self, out) -> None:
+        """The column the model runner lays decodes out from: an entry's token is its request's
+        last known token, and it is a one-token decode; every other entry is listed apart."""
+        others = set(out.other_entries)
+        assert len(out.decode_token_ids) == len(out.requests)
+        assert len(others) == len(out.other_entries) == out.decode_token_ids.count(-1)
+        for index, (x, token) in enumerate(zip(out.scheduled, out.decode_token_ids)):
+            if token < 0:
+                assert index in others
+            else:
+                assert x.num_new_tokens == 1 and not x.spec_token_ids
+                assert x.num_computed_tokens + 1 == x.request.num_tokens
+                assert token == x.request.all_token_ids[-1]
 
     def check_policy(self, out, waiting_before: list[Request]) -> None:
         s = self.scheduler

@@ -48,21 +48,25 @@ def build_paged_batch(
 
 
 def layout_paged_batch(
-    table_array: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
+    table_array: np.ndarray, starts: np.ndarray, counts: np.ndarray | None, block_size: int
 ) -> PagedBatch:
     """Lay out one step from its block-table array (``[B, max_blocks]`` int32; a model runner
-    keeps one across steps), each sequence's computed count and its new tokens' count (int64)."""
+    keeps one across steps), each sequence's computed count and its new tokens' count (int64;
+    None when every sequence runs one token, as in a step of decodes: token i is then sequence
+    i's, and the layout takes a handful of numpy calls, the fewest a busy server's step makes)."""
     num_seqs = len(starts)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(counts, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    if num_tokens == num_seqs:  # one token each (a decode step): token i is sequence i's
-        seq_index, positions = np.arange(num_seqs), starts
+    if counts is None:
+        query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
+        seq_index, positions, seq_lens = np.arange(num_seqs), starts, starts + 1
     else:
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
         seq_index = np.repeat(np.arange(num_seqs), counts)
         positions = starts[seq_index] + (
             np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][seq_index]
         )
+        seq_lens = starts + counts
     slot_mapping = (
         table_array[seq_index, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
@@ -71,7 +75,7 @@ def layout_paged_batch(
         positions=positions,
         slot_mapping=slot_mapping,
         block_tables=table_array,
-        seq_lens=(starts + counts).astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
         query_start_loc=query_start_loc,
     )
 

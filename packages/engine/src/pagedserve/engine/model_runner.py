@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagedserve.blockmgr import CacheConfig
-from pagedserve.blockmgr.slot_mapping import build_paged_batch, layout_paged_batch
+from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch, layout_paged_batch
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
 from pagedserve.engine.input_batch import (
     BlockTable,
@@ -274,64 +274,73 @@ class ModelRunner:
     def prepare_input(self, output: SchedulerOutput) -> tuple[ModelInput, LogitsLayout]:
         """The flat batch of a step and the layout of the rows it scores (``LogitsLayout``).
 
-        Most items of a busy step are decodes (one token, the last known one, sampled); they
-        take the loop's first branch, every other item (a prefill chunk, prompt logprobs,
-        proposals to verify) the second."""
+        Most items of a busy step are decodes (one token, the last known one, sampled), whose
+        token the scheduler wrote down (``decode_token_ids``): the runs of them between the
+        step's other items (a prefill chunk, prompt logprobs, proposals to verify; the
+        scheduler lists them in ``other_entries``) are laid out a run at a time, each other
+        item by ``_lay_out_item``. A sampled item's row is its last token's, so the sampled
+        rows come from the batch layout's ``query_start_loc`` in one numpy step."""
+        requests, fed = output.requests, output.decode_token_ids
         tokens: list[int] = []
         layout = LogitsLayout()
-        sampled, sample_rows = layout.sampled, []
-        prompt_rows: list[int] = []
-        spec_rows: list[int] = []
-        offset = 0
-        for request, start, count in zip(
-            output.requests, output.num_computed_tokens, output.num_new_tokens
-        ):
-            prompt, generated = request.prompt_token_ids, request.output_token_ids
-            if count == 1 and start + 1 == len(prompt) + len(generated):  # a decode
-                tokens.append(generated[-1] if generated else prompt[-1])
-                sampled.append(request.request_id)
-                sample_rows.append(offset)
-            else:
-                self._lay_out_item(
-                    output, request, start, count, offset, tokens, layout,
-                    (sample_rows, prompt_rows, spec_rows),
-                )  # fmt: skip
-            offset += count
+        rows: tuple[list[int], list[int]] = ([], [])  # prompt-logprob and proposal rows
+        unsampled: list[int] = []  # entries whose chunk is not sampled
+        offset = run_start = 0
+        for index in (*output.other_entries, len(requests)):
+            tokens += fed[run_start:index]  # the run of decodes before entry ``index``
+            offset += index - run_start
+            if index < len(requests):
+                start, count = output.num_computed_tokens[index], output.num_new_tokens[index]
+                if not self._lay_out_item(
+                    output, index, start, count, offset, tokens, layout, rows
+                ):
+                    unsampled.append(index)
+                offset += count
+            run_start = index + 1
+        batch = self._layout_batch(output)
+        sample_rows = batch.query_start_loc[1:] - 1
+        layout.sampled = [request.request_id for request in requests]
+        if unsampled:
+            sample_rows = np.delete(sample_rows, unsampled)
+            layout.sampled = [layout.sampled[i] for i in np.delete(np.arange(len(fed)), unsampled)]
+        logits_rows = np.concatenate([sample_rows, int64_array(rows[0] + rows[1])])
+        return self._model_input(output, int64_array(tokens), batch, logits_rows), layout
+
+    def _layout_batch(self, output: SchedulerOutput) -> PagedBatch:
+        """Positions, slots and block tables of the step (``layout_paged_batch``)."""
         starts = int64_array(output.num_computed_tokens)
-        counts = int64_array(output.num_new_tokens)
+        one_each = output.num_scheduled_tokens == len(starts)
+        counts = None if one_each else int64_array(output.num_new_tokens)
         tables = self.block_table.fill(output.block_ids)
-        batch = layout_paged_batch(tables, starts, counts, self.cache_config.block_size)
-        rows = sample_rows + prompt_rows + spec_rows
-        token_ids = int64_array(tokens)
-        return self._model_input(output, token_ids, batch, rows), layout
+        return layout_paged_batch(tables, starts, counts, self.cache_config.block_size)
 
     @staticmethod
-    def _lay_out_item(output, request, start, count, offset, tokens, layout, rows) -> None:
-        """``prepare_input`` for an item that is not a plain decode: its tokens, and the rows it
-        scores (``rows``: the sampled, prompt and proposal rows so far)."""
-        sample_rows, prompt_rows, spec_rows = rows
+    def _lay_out_item(output, index, start, count, offset, tokens, layout, rows) -> bool:
+        """``prepare_input`` for entry ``index`` when it is not a plain decode: its tokens, and
+        the prompt-logprob or proposal rows it scores (``rows``). Whether its last row is
+        sampled."""
+        request = output.requests[index]
+        prompt_rows, spec_rows = rows
         drafts = output.spec_token_ids.get(request.request_id)
         if drafts:  # the last known token, then the proposals to verify
             tokens.append(token_at(request, start))
             tokens.extend(drafts)
             layout.spec.append((request.request_id, drafts))
             spec_rows.extend(range(offset, offset + count))
-            return
+            return False
         tokens.extend(token_slice(request, start, count))
-        if start + count == request.num_tokens:
-            layout.sampled.append(request.request_id)
-            sample_rows.append(offset + count - 1)
         if request.needs_prompt_logits:
             positions = prompt_logit_positions(request, start, count)
             if positions:
                 layout.prompt.append((request.request_id, positions.start, len(positions)))
                 prompt_rows.extend(offset + p - start for p in positions)
+        return start + count == request.num_tokens
 
-    def _model_input(self, output, token_ids, batch, rows) -> ModelInput:
+    def _model_input(self, output, token_ids, batch, rows: np.ndarray) -> ModelInput:
         """A laid-out step as tensors: into the padded decode buffers when it is a pure-decode
         step with a bucket, else one tensor per input."""
         dev = self.device
-        logits_indices = to_device(int64_array(rows), dev)
+        logits_indices = to_device(rows, dev)
         bucket = self._decode_bucket(len(token_ids), output.num_scheduled_seqs)
         if bucket is not None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.blockmgr.slot_mapping import layout_paged_batch
 from pagedserve.engine.input_batch import PoolingState, to_device
 from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.engine.outputs import ModelRunnerOutput
@@ -86,14 +85,13 @@ class PoolingModelRunner(ModelRunner):
             chunks.append((state, offset, start, count))
             offset += count
         token_ids = np.array(tokens, dtype=np.int64)
-        starts = np.array(output.num_computed_tokens, dtype=np.int64)
-        counts = np.array(output.num_new_tokens, dtype=np.int64)
         if self.encoder:
+            starts = np.array(output.num_computed_tokens, dtype=np.int64)
+            counts = np.array(output.num_new_tokens, dtype=np.int64)
             model_input = self._encoder_input(token_ids, starts, counts)
-        else:
-            tables = self.block_table.fill(output.block_ids)
-            batch = layout_paged_batch(tables, starts, counts, self.cache_config.block_size)
-            model_input = self._model_input(output, token_ids, batch, [])
+        else:  # no row is scored: the pooler reads the hidden states
+            no_rows = np.empty(0, dtype=np.int64)
+            model_input = self._model_input(output, token_ids, self._layout_batch(output), no_rows)
         if types is not None and any(types):
             model_input.token_type_ids = to_device(np.array(types, dtype=np.int64), self.device)
         return model_input, chunks

@@ -45,7 +45,12 @@ class SchedulerOutput:
     ``num_computed_tokens[i]`` on, into the blocks ``block_ids[i]``. A speculative decode's
     proposals are in ``spec_token_ids`` under its request id (its entry counts them in its new
     tokens). ``block_ids[i]`` is the block manager's list, read-only: it is replaced, never
-    changed in place, when the table changes.
+    changed in place, when the table changes. ``decode_token_ids[i]`` is the one token a decode
+    feeds (its last known token, which the scheduler had in hand when it scheduled it), or -1 for
+    any other entry, whose index is also in ``other_entries``: the model runner lays the runs of
+    decodes between those out in bulk, without reading each request again. (An entry added
+    through ``add`` is such an other entry even when it is a decode: the runner then reads the
+    request, with the same result.)
     """
 
     def __init__(
@@ -58,6 +63,8 @@ class SchedulerOutput:
         self.num_computed_tokens: list[int] = []
         self.num_new_tokens: list[int] = []
         self.block_ids: list[Sequence[int]] = []
+        self.decode_token_ids: list[int] = []
+        self.other_entries: list[int] = []
         self.spec_token_ids: dict[str, list[int]] = {}
         self.blocks_to_copy = [] if blocks_to_copy is None else blocks_to_copy
         self.preempted = [] if preempted is None else preempted
@@ -74,10 +81,12 @@ class SchedulerOutput:
         self, request: Request, num_computed_tokens: int, num_new_tokens: int, block_ids
     ) -> None:
         """Append one request's share of the step (its proposals go to ``spec_token_ids``)."""
+        self.other_entries.append(len(self.requests))
         self.requests.append(request)
         self.num_computed_tokens.append(num_computed_tokens)
         self.num_new_tokens.append(num_new_tokens)
         self.block_ids.append(block_ids)
+        self.decode_token_ids.append(-1)
         self.num_scheduled_tokens += num_new_tokens
 
     @property

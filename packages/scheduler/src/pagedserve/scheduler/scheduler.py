@@ -348,13 +348,12 @@ class Scheduler:
         ``_schedule_chunk``."""
         allocate = self.kv.allocate_decode_slot
         requests, starts = output.requests, output.num_computed_tokens
-        counts, tables = output.num_new_tokens, output.block_ids
+        counts, tables, fed = output.num_new_tokens, output.block_ids, output.decode_token_ids
         count = 0
         for request in self.running[start:stop]:
             num_computed = request.num_computed_tokens
-            if request.spec_token_ids or num_computed + 1 != len(request.prompt_token_ids) + len(
-                request.output_token_ids
-            ):
+            prompt_ids, output_ids = request.prompt_token_ids, request.output_token_ids
+            if request.spec_token_ids or num_computed + 1 != len(prompt_ids) + len(output_ids):
                 break
             table = allocate(
                 request.request_id,
@@ -365,10 +364,11 @@ class Scheduler:
             )
             if table is None:
                 break
-            requests.append(request)  # output.add(request, num_computed, 1, table), written out
+            requests.append(request)  # the columns of output.add, written out, with the token
             starts.append(num_computed)
             counts.append(1)
             tables.append(table)
+            fed.append(output_ids[-1] if output_ids else prompt_ids[-1])
             count += 1
         output.num_scheduled_tokens += count
         return count
