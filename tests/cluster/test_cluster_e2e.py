@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -29,7 +30,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from pagedserve.cluster.config import load_config  # noqa: E402
-from pagedserve.cluster.deploy import deploy  # noqa: E402
+from pagedserve.cluster.deploy import DeployTimeoutError, deploy  # noqa: E402
+from pagedserve.cluster.placement import replicas  # noqa: E402
 from pagedserve.engine import AsyncLLM, EngineArgs  # noqa: E402
 from pagedserve.server.app import build_app  # noqa: E402
 from pagedserve.server.config import ServerConfig  # noqa: E402
@@ -318,6 +320,53 @@ def test_adding_a_model_by_redeploying_leaves_a_running_stream_alone(
     deploy(load_config(cluster_config(port, paths["smollm2"], paths["tiny"])), 300)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="tiny-qwen2", prompt="hi", max_tokens=1)
+
+
+def test_status_lists_every_replica_with_its_process_and_node(cluster, capsys):
+    """`pagedserve cluster status`: each application, and each replica's state, process id and
+    node; the process ids are the replicas' own."""
+    from pagedserve.cluster import cli
+
+    apps = {"pagedserve", "model-smollm2", "model-tiny"}  # a model removed before: deleted
+    wait_for(lambda: set(serve.status().applications) == apps, 120, "only the config's models")
+    assert cli.main(["status"]) == 0
+    sections: dict[str, list[str]] = {}
+    replica_lines: list[str] = []
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  "):
+            replica_lines.append(line.strip())
+        else:
+            app, status = line.split(": ")
+            assert status == "RUNNING", line
+            sections[app] = replica_lines = []
+    assert set(sections) == apps
+    listed = {int(line.split("pid ")[1].split()[0]) for line in sections["model-smollm2"]}
+    assert all(line.startswith("engine replica ALIVE: pid ") for line in sections["model-smollm2"])
+    assert listed == {s.pid for s in replica_stats("model-smollm2")} and len(listed) == 2
+
+
+@pytest.mark.slow
+def test_a_replica_waiting_for_resources_is_reported_within_seconds(cluster, paths):
+    """A model whose replica the head node could hold, but not now (3.5 CPUs; the other
+    replicas hold some of its 4): reported in one line, with its demand and each node's free
+    CPUs, seconds after the deploy, and named again when the wait times out."""
+    greedy = {"name": "greedy", "engine": {"model": paths["tiny"], **TINY_ENGINE}, "num_cpus": 3.5}
+    port, lines = cluster["port"], []
+    config = load_config(cluster_config(port, paths["smollm2"], paths["tiny"], extra=[greedy]))
+    started = time.monotonic()
+    with pytest.raises(DeployTimeoutError, match="model-greedy: 1 replica"):
+        deploy(config, timeout_s=20, report=lambda line: lines.append((time.monotonic(), line)))
+    (at, line), *_ = lines
+    assert at - started < 15, lines
+    assert line.startswith(
+        "model-greedy: 1 replica(s) waiting for resources: each needs {CPU: 3.5}; "
+        "free on the nodes: "
+    )
+    nodes = re.findall(r"\{CPU: ([\d.]+) of ([\d.]+)\}", line)
+    assert sorted(float(total) for _, total in nodes) == [2.0, 4.0], line
+    assert all(float(free) < 3.5 for free, _ in nodes), line  # why it waits
+    deploy(load_config(cluster_config(port, paths["smollm2"], paths["tiny"])), 300)
+    wait_for(lambda: not replicas({"model-greedy"}), 60, "the waiting replica gone")
 
 
 @pytest.mark.slow

@@ -90,7 +90,10 @@ def test_resizing_changes_only_the_replica_count_and_new_args_change_the_revisio
     [
         ({"models": []}, "non-empty list"),
         ({"modles": []}, "unknown field"),
-        ({"models": [{"name": "a", "engine": {}}]}, "engine.model"),
+        (
+            {"models": [{"name": "a", "engine": {}}]},
+            "engine.model \\(a model folder or a .gguf file\\) is required",
+        ),
         ({"models": [{"name": "a", "engine": {"model": "/m", "dtyp": "x"}}]}, "dtyp"),
         ({"models": [{"name": "a", "engine": {"model": "/m"}, "replicas": 2}]}, "replicas"),
         ({"routing": "random", "models": [{"name": "a", "engine": {"model": "/m"}}]}, "routing"),
@@ -156,5 +159,8 @@ def test_the_cli_prints_ray_serves_config_and_plugs_into_pagedserves(tmp_path, c
     )
     monkeypatch.setattr(server_cli.metadata, "entry_points", lambda group: [entry])
     args = server_cli.build_parser().parse_args(["cluster", "deploy", str(path)])
-    assert args.func is cli.cmd_deploy and args.address == "auto"
+    assert args.cluster_command == "deploy" and args.address == "auto"
     assert isinstance(args, argparse.Namespace)
+    # and its failures are one line there too, not a traceback
+    assert server_cli.main(["cluster", "build", str(bad)]) == 2
+    assert capsys.readouterr().err == "pagedserve cluster: 'models' must be a non-empty list\n"

@@ -5,6 +5,12 @@
 - ``deploy``: apply an edited config to a running cluster (``--address auto`` from one of its
   nodes) and return once every model is served: models added, resized or removed in place.
 - ``build``: print the Ray Serve config the file becomes (for ``serve deploy``, or to read).
+- ``status``: join a running cluster and print its models' applications and every replica: its
+  state, process id and node (Ray's ``ray list actors`` needs the dashboard, which is off).
+
+A deploy that cannot finish says why in one line: replicas the cluster can never place (before
+anything is deployed, when ``serve`` started the cluster itself), replicas waiting for resources
+(within seconds, with their demand and what the cluster has), a failed or timed-out deploy.
 
 The server's CLI finds this subcommand through the ``pagedserve.cli`` entry point, so that the
 server never imports the cluster.
@@ -16,6 +22,7 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from pagedserve.cluster.config import ClusterConfigError, build_serve_config, load_config
 
@@ -44,7 +51,51 @@ def add_cluster_parser(sub) -> None:
             parser.add_argument(
                 "--timeout", type=float, default=600.0, help="seconds to wait for every model"
             )
-        parser.set_defaults(func=func)
+        parser.set_defaults(func=_in_one_line(func))
+    status = commands.add_parser(
+        "status", help="models, replicas, their PIDs and nodes", description=cmd_status.__doc__
+    )
+    status.add_argument("--address", default="auto", help="Ray cluster to join (default: auto)")
+    status.set_defaults(func=_in_one_line(cmd_status))
+
+
+def _in_one_line(command: Callable[[argparse.Namespace], int]) -> Callable:
+    """``command`` whose expected failures are one line on stderr, not a traceback: a bad
+    config or a placement that can never be (exit 2), a deploy that failed or timed out (1)."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except ClusterConfigError as error:
+            print(f"pagedserve cluster: {error}", file=sys.stderr)
+            return 2
+        except (TimeoutError, RuntimeError) as error:
+            print(f"pagedserve cluster: {error}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print each application's status and every replica: state, process id, node."""
+    from ray import serve
+
+    from pagedserve.cluster.deploy import connect
+    from pagedserve.cluster.placement import replicas
+
+    connect(args.address)
+    applications = serve.status().applications
+    by_app: dict[str, list] = {}
+    for replica in replicas():
+        by_app.setdefault(replica.app, []).append(replica)
+    for name, app in sorted(applications.items()):
+        print(f"{name}: {getattr(app.status, 'value', app.status)}")
+        for replica in by_app.get(name, []):
+            where = f"pid {replica.pid} on {replica.node_ip}" if replica.pid else "not placed"
+            print(f"  {replica.deployment} replica {replica.state}: {where}")
+    if not applications:
+        print("no applications deployed")
+    return 0
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -75,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # after ray.init, which installs a SIGTERM handler of its own: stop as on Ctrl-C instead
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        deploy(config, timeout_s=args.timeout)
+        deploy(config, timeout_s=args.timeout, local=args.address is None)
         print(f"serving {[m.name for m in config.models]} at http://{config.host}:{config.port}/v1")
         sys.stdout.flush()
         while True:
@@ -96,11 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve")
     add_cluster_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["cluster", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ClusterConfigError as error:
-        print(f"pagedserve cluster: {error}", file=sys.stderr)
-        return 2
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,9 @@ def _model_from_dict(data) -> ModelDeploymentConfig:
     _reject_unknown(data, known, f"model {data['name']!r}")
     engine = dict(data["engine"])
     if "model" not in engine:
-        raise ClusterConfigError(f"model {data['name']!r}: engine.model (the folder) is required")
+        raise ClusterConfigError(
+            f"model {data['name']!r}: engine.model (a model folder or a .gguf file) is required"
+        )
     engine["model"] = str(Path(engine["model"]).expanduser())
     if isinstance(engine.get("kv_cache_memory"), str):
         from pagedserve.server.cli import parse_size
