@@ -31,6 +31,7 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
 from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
+from pagedserve.engine.gc_tuning import raise_gc_threshold
 from pagedserve.engine.input_batch import SamplingState
 from pagedserve.engine.kv_cache import kv_cache_manager_for
 from pagedserve.engine.kv_connector import create_kv_connector
@@ -64,6 +65,7 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         set_cpu_threads(args.num_cpu_threads)
+        raise_gc_threshold(self.scheduler_config.max_num_seqs)  # gc_tuning.py says why
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         spec_config = args.create_speculative_config()  # checked before the model is loaded
         self.speculator = (
