@@ -346,10 +346,13 @@ def test_status_lists_every_replica_with_its_process_and_node(cluster, capsys):
 
 
 @pytest.mark.slow
-def test_a_replica_waiting_for_resources_is_reported_within_seconds(cluster, paths):
+def test_a_replica_waiting_for_resources_is_reported_within_seconds(cluster, paths, capsys):
     """A model whose replica the head node could hold, but not now (3.5 CPUs; the other
     replicas hold some of its 4): reported in one line, with its demand and each node's free
-    CPUs, seconds after the deploy, and named again when the wait times out."""
+    CPUs, seconds after the deploy, named again when the wait times out, and listed by
+    `pagedserve cluster status` with what it waits for."""
+    from pagedserve.cluster import cli
+
     greedy = {"name": "greedy", "engine": {"model": paths["tiny"], **TINY_ENGINE}, "num_cpus": 3.5}
     port, lines = cluster["port"], []
     config = load_config(cluster_config(port, paths["smollm2"], paths["tiny"], extra=[greedy]))
@@ -365,6 +368,10 @@ def test_a_replica_waiting_for_resources_is_reported_within_seconds(cluster, pat
     nodes = re.findall(r"\{CPU: ([\d.]+) of ([\d.]+)\}", line)
     assert sorted(float(total) for _, total in nodes) == [2.0, 4.0], line
     assert all(float(free) < 3.5 for free, _ in nodes), line  # why it waits
+    assert cli.main(["status"]) == 0  # the waiting replica, and what it waits for
+    assert "  engine replica PENDING_CREATION: not placed, needs {CPU: 3.5}" in (
+        capsys.readouterr().out.splitlines()
+    )
     deploy(load_config(cluster_config(port, paths["smollm2"], paths["tiny"])), 300)
     wait_for(lambda: not replicas({"model-greedy"}), 60, "the waiting replica gone")
 

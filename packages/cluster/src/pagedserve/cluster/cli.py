@@ -81,17 +81,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ray import serve
 
     from pagedserve.cluster.deploy import connect
-    from pagedserve.cluster.placement import replicas
+    from pagedserve.cluster.placement import deployment_demands, replicas, show_resources
 
     connect(args.address)
     applications = serve.status().applications
+    demands = deployment_demands()
     by_app: dict[str, list] = {}
     for replica in replicas():
         by_app.setdefault(replica.app, []).append(replica)
     for name, app in sorted(applications.items()):
         print(f"{name}: {getattr(app.status, 'value', app.status)}")
         for replica in by_app.get(name, []):
-            where = f"pid {replica.pid} on {replica.node_ip}" if replica.pid else "not placed"
+            if replica.pid:
+                where = f"pid {replica.pid} on {replica.node_ip}"
+            else:  # waiting to be placed: what it waits for
+                demand = demands.get((replica.app, replica.deployment))
+                where = "not placed" + (f", needs {show_resources(demand)}" if demand else "")
             print(f"  {replica.deployment} replica {replica.state}: {where}")
     if not applications:
         print("no applications deployed")

@@ -29,19 +29,23 @@ def replica_demands(schema: dict[str, Any]) -> list[tuple[str, int, dict[str, fl
     demands = []
     for app in schema["applications"]:
         for deployment in app["deployments"]:
-            options = deployment.get("ray_actor_options", {})
-            wanted = {
-                "CPU": options.get("num_cpus", 1),
-                "GPU": options.get("num_gpus", 0),
-                **options.get("resources", {}),
-            }
             autoscaling = deployment.get("autoscaling_config") or {}
             replicas = deployment.get("num_replicas") or autoscaling.get(
                 "initial_replicas", autoscaling.get("min_replicas", 1)
             )
-            demand = {name: float(amount) for name, amount in wanted.items() if amount}
+            demand = actor_demand(deployment.get("ray_actor_options") or {})
             demands.append((app["name"], int(replicas), demand))
     return demands
+
+
+def actor_demand(options: dict[str, Any]) -> dict[str, float]:
+    """The resources an actor with these ``ray_actor_options`` takes (Ray's default: 1 CPU)."""
+    wanted = {
+        "CPU": options.get("num_cpus", 1),
+        "GPU": options.get("num_gpus", 0),
+        **(options.get("resources") or {}),
+    }
+    return {name: float(amount) for name, amount in wanted.items() if amount}
 
 
 def placement_problems(schema: dict[str, Any], nodes: list[dict[str, float]]) -> list[str]:
@@ -56,8 +60,8 @@ def placement_problems(schema: dict[str, Any], nodes: list[dict[str, float]]) ->
             continue
         if not any(_fits(demand, node) for node in nodes):
             problems.append(
-                f"{app}: a replica needs {_show(demand)} and no node has that much "
-                f"(nodes: {', '.join(_show(_relevant(node, demand)) for node in nodes) or 'none'})"
+                f"{app}: a replica needs {show_resources(demand)} and no node has that much "
+                f"(nodes: {', '.join(show_resources(_relevant(node, demand)) for node in nodes) or 'none'})"
             )
         for name, amount in demand.items():
             needed[name] += replicas * amount
@@ -111,6 +115,23 @@ def replicas(apps: set[str] | None = None) -> list[Replica]:
     return sorted(found, key=lambda r: (r.app, r.state, r.pid))
 
 
+def deployment_demands() -> dict[tuple[str, str], dict[str, float]]:
+    """The resources one replica of each running deployment asks for, by (application,
+    deployment), as Serve's controller holds them (empty if it cannot say)."""
+    from ray.serve.context import _get_global_client
+
+    try:
+        details = _get_global_client().get_serve_details()
+    except Exception:  # noqa: BLE001 - no controller (nothing deployed): nothing to say
+        return {}
+    demands = {}
+    for app_name, app in (details.get("applications") or {}).items():
+        for name, deployment in (app.get("deployments") or {}).items():
+            options = (deployment.get("deployment_config") or {}).get("ray_actor_options")
+            demands[app_name, name] = actor_demand(options or {})
+    return demands
+
+
 def pending_report(app: str, num_pending: int, demand: dict[str, float]) -> str:
     """One line on replicas that wait for resources: the demand, and each node's free and total
     amounts of what it asks for (Ray places a replica on one node, so the sums would mislead)."""
@@ -123,7 +144,7 @@ def pending_report(app: str, num_pending: int, demand: dict[str, float]) -> str:
         for node, amount in total.items()
     ]  # fmt: skip
     return (
-        f"{app}: {num_pending} replica(s) waiting for resources: each needs {_show(demand)}; "
+        f"{app}: {num_pending} replica(s) waiting for resources: each needs {show_resources(demand)}; "
         f"free on the nodes: {', '.join(nodes)}"
     )
 
@@ -136,5 +157,5 @@ def _relevant(node: dict[str, float], demand: dict[str, float]) -> dict[str, flo
     return {name: node.get(name, 0.0) for name in demand}
 
 
-def _show(resources: dict[str, float]) -> str:
+def show_resources(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"
