@@ -102,9 +102,10 @@ def replicas(apps: set[str] | None = None) -> list[Replica]:
     found = []
     for info in state.actors().values():
         name = info.get("Name") or ""
-        if not name.startswith(REPLICA_PREFIX) or info.get("State") == "DEAD":
-            continue
-        app, deployment, _ = name[len(REPLICA_PREFIX) :].split("#", 2)
+        parts = name[len(REPLICA_PREFIX) :].rsplit("#", 2)  # the app name may hold a "#"
+        if not name.startswith(REPLICA_PREFIX) or len(parts) < 3 or info.get("State") == "DEAD":
+            continue  # not a replica of an application (or gone)
+        app, deployment = parts[0], parts[1]
         if apps is None or app in apps:
             address = info.get("Address") or {}
             found.append(
