@@ -18,12 +18,18 @@ def _operands(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch
     return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
 
 
+# The two loops: the default's (one weight row against four rows of ``x``) and the
+# batch-invariant mode's (four weight rows against four rows), each invariant on its own.
+LOOPS = pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+
+
+@LOOPS
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, dense.MAX_ROWS])
-def test_as_accurate_as_mkl_against_float64(n, k, rows):
+@pytest.mark.parametrize("rows", [1, 3, dense.MAX_ROWS, 70])
+def test_as_accurate_as_mkl_against_float64(n, k, rows, invariant):
     x, w = _operands(rows, n, k, seed=n + rows)
     exact = F.linear(x.double(), w.double())
-    got = dense.dense_linear_numba(x, w)
+    got = dense.dense_linear_numba(x, w, invariant)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     mkl_error = (F.linear(x, w).double() - exact).abs().max().item()
     our_error = (got.double() - exact).abs().max().item()
@@ -31,39 +37,42 @@ def test_as_accurate_as_mkl_against_float64(n, k, rows):
     assert our_error <= max(2 * mkl_error, 1e-6), (our_error, mkl_error)
 
 
+@LOOPS
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_a_rows_result_does_not_depend_on_its_batch(n, k):
+def test_a_rows_result_does_not_depend_on_its_batch(n, k, invariant):
     x, w = _operands(dense.MAX_ROWS, n, k, seed=k)
-    together = dense.dense_linear_numba(x, w)
+    together = dense.dense_linear_numba(x, w, invariant)
     for size in (1, 2, 5):
         for start in range(0, dense.MAX_ROWS - size + 1, size):
-            part = dense.dense_linear_numba(x[start : start + size].clone(), w)
+            part = dense.dense_linear_numba(x[start : start + size].clone(), w, invariant)
             assert torch.equal(part, together[start : start + size]), (size, start)
 
 
+@LOOPS
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_a_rows_result_is_the_same_in_a_prefill_of_any_length(n, k):
+def test_a_rows_result_is_the_same_in_a_prefill_of_any_length(n, k, invariant):
     x, w = _operands(150, n, k, seed=k + 1)
-    together = dense.dense_linear_numba(x, w)
+    together = dense.dense_linear_numba(x, w, invariant)
     assert (together.double() - F.linear(x.double(), w.double())).abs().max() < 1e-4
     for start, size in [(0, 1), (149, 1), (63, 2), (64, 17), (5, 100)]:
-        part = dense.dense_linear_numba(x[start : start + size].clone(), w)
+        part = dense.dense_linear_numba(x[start : start + size].clone(), w, invariant)
         assert torch.equal(part, together[start : start + size]), (size, start)
 
 
+@LOOPS
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_the_serial_kernel_gives_the_parallel_ones_bits(n, k):
+def test_the_serial_kernel_gives_the_parallel_ones_bits(n, k, invariant):
     x, w = _operands(5, n, k, seed=3)
     arrays = [x.numpy(), w.numpy()]
     parallel, serial = (torch.empty(5, n).numpy() for _ in range(2))
-    dense.dense_linear_parallel(*arrays, parallel)
-    dense.dense_linear_serial(*arrays, serial)
+    dense.dense_linear_parallel(*arrays, parallel, invariant)
+    dense.dense_linear_serial(*arrays, serial, invariant)
     assert (parallel == serial).all()
     x = _operands(130, n, k, seed=4)[0]  # several row tiles
     arrays[0] = x.numpy()
     parallel, serial = (torch.empty(130, n).numpy() for _ in range(2))
-    dense.dense_linear_parallel(*arrays, parallel)
-    dense.dense_linear_serial(*arrays, serial)
+    dense.dense_linear_parallel(*arrays, parallel, invariant)
+    dense.dense_linear_serial(*arrays, serial, invariant)
     assert (parallel == serial).all()
 
 

@@ -138,6 +138,7 @@ def _layer_weights(layer: nn.Module):
         (attn.num_heads, attn.num_kv_heads, attn.head_dim),
         (cos_sin, attn.rotary_emb.is_neox),
         (attn.attn.scale, attn.attn.sliding_window, None),
+        getattr(attn.qkv_proj.linear_method, "batch_invariant", False),
     )
 
 

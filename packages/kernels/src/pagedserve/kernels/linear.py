@@ -8,7 +8,8 @@ numba kernel (cpu/dense_linear.py: MKL streams the weights at well under the mem
 there), everything else to ``F.linear`` (MKL, whose blocking also follows the row count).
 
 Batch invariant (``batch_invariant=True``, the engine's ``--batch-invariant``): on a CPU the
-numba kernel at every row count (each output element is one dot product in one fixed order);
+numba kernel at every row count, in its four-by-four loop (each output element is one dot
+product in one fixed order, four weight rows against four rows of ``x`` at a time);
 on a GPU and under Triton's interpreter the Triton kernel below, with one tile shape per dtype
 whatever the row count and no split-K: every output element is the same sequence of
 ``tl.dot`` steps over ``BLOCK_K`` slices of the input features, whichever tile its row lands in.
@@ -137,7 +138,7 @@ def _linear_batch_invariant(x, weight, bias) -> torch.Tensor:
     if x.numel() == 0:
         return F.linear(x, weight, bias)
     if path == "numba" and _numba_gemm().supports(x, weight, max_rows=None):
-        out = _numba_gemm().dense_linear_numba(x, weight)
+        out = _numba_gemm().dense_linear_numba(x, weight, batch_invariant=True)
         return out if bias is None else out.add_(bias)
     raise ValueError(
         f"linear: no batch-invariant GEMM for {x.dtype} x {weight.dtype} on {x.device} "

@@ -60,17 +60,20 @@ from pagedserve.kernels.cpu.paged_attention_plan import StepPlan
 from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 
-def project(x, weight, threads):  # pragma: no cover - compiled
-    """``x @ W.T``: ``weight`` an fp32 ``[out, in]`` matrix, or a GGUF projection ``(parts,
-    types, lanes)`` (``DecoderLayerWeights.of``)."""
+def project(x, weight, threads, batch_invariant):  # pragma: no cover - compiled
+    """``x @ W.T``: ``weight`` an fp32 ``[out, in]`` matrix (``batch_invariant``: the loop of
+    the batch-invariant mode, as the modules' ``linear`` runs it), or a GGUF projection
+    ``(parts, types, lanes)`` (``DecoderLayerWeights.of``)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
 @overload(project, inline="always")
-def _project_impl(x, weight, threads):
+def _project_impl(x, weight, threads, batch_invariant):
     if isinstance(weight, types.Array):
-        return lambda x, weight, threads: dense_linear_compiled(x, weight, threads)
-    return lambda x, weight, threads: gguf_parts_compiled(
+        return lambda x, weight, threads, batch_invariant: dense_linear_compiled(
+            x, weight, threads, batch_invariant
+        )
+    return lambda x, weight, threads, batch_invariant: gguf_parts_compiled(
         x, weight[0], weight[1], weight[2], threads
     )
 
@@ -87,14 +90,15 @@ def _qkv_heads(qkv, n_heads, n_kv_heads, head_dim):
 
 @numba.njit(cache=True)
 def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias, heads,
-                   rotary, cache, attention, threads):  # fmt: skip  # pragma: no cover
+                   rotary, cache, attention, threads, batch_invariant):  # fmt: skip  # pragma: no cover
     """One layer (see the module docstring); returns (the MLP's output, the new residual).
 
     ``norms``: (input, post-attention) RMSNorm weights; ``eps``: theirs; ``weights``: (qkv,
     o, gate_up, down), each for ``project``; ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
     dim); ``rotary``: (positions, cos/sin cache, neox?); ``cache``: (K cache, V cache, slot
     mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap, sinks:
-    none, the fused layers are of models without them)."""
+    none, the fused layers are of models without them); ``batch_invariant``: the GEMMs' loop
+    (``project``)."""
     w_qkv, w_o, w_gate_up, w_down = weights
     normed = np.empty_like(hidden)
     if has_residual:
@@ -103,7 +107,7 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     else:
         summed = hidden
         _rms_norm_kernel(hidden, hidden, norms[0], eps[0], normed, hidden, False)
-    qkv = project(normed, w_qkv, threads)
+    qkv = project(normed, w_qkv, threads, batch_invariant)
     if qkv_bias.shape[0]:
         for t in range(qkv.shape[0]):
             qkv[t] += qkv_bias
@@ -114,13 +118,13 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     _store_kv_kernel(k, v, cache[0], cache[1], cache[2])
     attended = np.empty(q.shape, np.float32)  # every row is some work item's: see supports
     launch_attention(q, cache[0], cache[1], *attention, attended)
-    projected = project(attended.reshape(q.shape[0], -1), w_o, threads)
+    projected = project(attended.reshape(q.shape[0], -1), w_o, threads, batch_invariant)
     normed2, summed2 = np.empty_like(hidden), np.empty_like(hidden)
     _rms_norm_kernel(projected, summed, norms[1], eps[1], normed2, summed2, True)
-    gate_up = project(normed2, w_gate_up, threads)
+    gate_up = project(normed2, w_gate_up, threads, batch_invariant)
     activated = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     _silu_and_mul_kernel(gate_up, activated)
-    return project(activated, w_down, threads), summed2
+    return project(activated, w_down, threads, batch_invariant), summed2
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,8 @@ class DecoderLayerWeights:
     ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
     sliding window or 0; ``cap``: the scores' soft cap or 0. A GGUF projection is ``(rows,
     types, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their ggml type ids, and
-    the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why)."""
+    the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why). ``batch_invariant``:
+    the fp32 projections run the batch-invariant mode's GEMM loop, as the modules' do."""
 
     norms: tuple[np.ndarray, np.ndarray]
     eps: tuple[np.float32, np.float32]
@@ -145,6 +150,7 @@ class DecoderLayerWeights:
     scale: np.float32
     window: int
     cap: np.float32
+    batch_invariant: bool = False
 
     @property
     def reads_blocks(self) -> bool:
@@ -160,6 +166,7 @@ class DecoderLayerWeights:
         heads: tuple[int, int, int],
         rotary: tuple[torch.Tensor, bool],
         attention: tuple[float, int | None, float | None],
+        batch_invariant: bool = False,
     ) -> DecoderLayerWeights:
         """From the modules' tensors: ``linears`` fp32 weights, or GGUF projections as lists of
         ``(uint8 rows, type id)`` parts; ``rotary`` (cos/sin cache, neox?), ``attention``
@@ -177,6 +184,7 @@ class DecoderLayerWeights:
             np.float32(scale),
             window or 0,
             np.float32(cap or 0.0),
+            batch_invariant,
         )
 
 
@@ -215,7 +223,7 @@ def decoder_layer_numba(
         (cache_as_numpy(kv_cache[0]), cache_as_numpy(kv_cache[1]), _int64(slot_mapping)),
         (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap,
          NO_SINKS),
-        follow_torch_threads(),
+        follow_torch_threads(), layer.batch_invariant,
     )  # fmt: skip
     return torch.from_numpy(out), torch.from_numpy(summed)
 

@@ -83,18 +83,52 @@ def _dot_four_rows(x, w, out, g, o):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _features(x, w, out, first_row, stop_row, first, stop):  # pragma: no cover - compiled
+def _dot_four_by_four(x, w, out, g, o):  # pragma: no cover - compiled
+    """``out[g:g + 4, o:o + 4] = x[g:g + 4] @ w[o:o + 4].T``: four weight rows against four rows
+    of ``x`` in one loop, sixteen sums side by side (eight vector loads feed sixteen FMAs, where
+    ``_dot_four_rows`` needs five for four). The batch-invariant mode's loop at every row count:
+    past the last row of ``x`` or of ``w`` the group repeats that row, so every output element,
+    in a decode of one row or a prefill of thousands, comes out of this one loop."""
+    last_row, last_feature = x.shape[0] - 1, w.shape[0] - 1
+    r0, r1, r2, r3 = g, min(g + 1, last_row), min(g + 2, last_row), min(g + 3, last_row)
+    o0, o1 = o, min(o + 1, last_feature)
+    o2, o3 = min(o + 2, last_feature), min(o + 3, last_feature)
+    x0, x1, x2, x3 = x[r0], x[r1], x[r2], x[r3]
+    w0, w1, w2, w3 = w[o0], w[o1], w[o2], w[o3]
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+    for j in range(x.shape[1]):
+        p0, p1, p2, p3 = x0[j], x1[j], x2[j], x3[j]
+        v0, v1, v2, v3 = w0[j], w1[j], w2[j], w3[j]
+        # fmt: off
+        a00 += p0 * v0; a01 += p0 * v1; a02 += p0 * v2; a03 += p0 * v3  # noqa: E702
+        a10 += p1 * v0; a11 += p1 * v1; a12 += p1 * v2; a13 += p1 * v3  # noqa: E702
+        a20 += p2 * v0; a21 += p2 * v1; a22 += p2 * v2; a23 += p2 * v3  # noqa: E702
+        a30 += p3 * v0; a31 += p3 * v1; a32 += p3 * v2; a33 += p3 * v3  # noqa: E702
+        # fmt: on
+    out[r3, o3], out[r3, o2], out[r3, o1], out[r3, o0] = a33, a32, a31, a30
+    out[r2, o3], out[r2, o2], out[r2, o1], out[r2, o0] = a23, a22, a21, a20
+    out[r1, o3], out[r1, o2], out[r1, o1], out[r1, o0] = a13, a12, a11, a10
+    out[r0, o3], out[r0, o2], out[r0, o1], out[r0, o0] = a03, a02, a01, a00
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _features(x, w, out, first_row, stop_row, first, stop, batch_invariant):  # pragma: no cover
     """Output features ``first:stop`` of rows ``first_row:stop_row`` (``first_row`` a multiple
-    of four): the rows four at a time, the features of a group one weight row after another (a
-    block's 16 weight rows, 37-98 KB, stay in L2 while the groups take turns; at one row each
-    weight row is read once, in order)."""
+    of four): the rows four at a time, the features of a group one weight row after another
+    (a block's 16 weight rows, 37-98 KB, stay in L2 while the groups take turns; at one row
+    each weight row is read once, in order), or with ``batch_invariant`` four at a time."""
     for g in range(first_row, stop_row, _ROWS):
-        for o in range(first, stop):
-            _dot_four_rows(x, w, out, g, o)
+        if batch_invariant:
+            for o in range(first, stop, _ROWS):
+                _dot_four_by_four(x, w, out, g, o)
+        else:
+            for o in range(first, stop):
+                _dot_four_rows(x, w, out, g, o)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
+def dense_linear_parallel(x, w, out, batch_invariant):  # pragma: no cover - compiled
     """Tiles of ``_ROW_TILE`` rows x ``_BLOCK`` output features under ``prange``: a decode's
     rows are one row tile, so its tasks are the blocks of features; a prefill's many rows
     are cut so that a tile's rows stay in cache while its features' weight rows take turns.
@@ -104,25 +138,27 @@ def dense_linear_parallel(x, w, out):  # pragma: no cover - compiled
     for task in numba.prange(blocks * row_tiles):
         block, tile = task % blocks, task // blocks
         first_row, stop_row = tile * _ROW_TILE, min(x.shape[0], tile * _ROW_TILE + _ROW_TILE)
-        _features(x, w, out, first_row, stop_row, block * _BLOCK, block * _BLOCK + _BLOCK)
-    _features(x, w, out, 0, x.shape[0], blocks * _BLOCK, w.shape[0])
+        first = block * _BLOCK
+        _features(x, w, out, first_row, stop_row, first, first + _BLOCK, batch_invariant)
+    _features(x, w, out, 0, x.shape[0], blocks * _BLOCK, w.shape[0], batch_invariant)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def dense_linear_serial(x, w, out):  # pragma: no cover - compiled
-    _features(x, w, out, 0, x.shape[0], 0, w.shape[0])
+def dense_linear_serial(x, w, out, batch_invariant):  # pragma: no cover - compiled
+    _features(x, w, out, 0, x.shape[0], 0, w.shape[0], batch_invariant)
 
 
 @numba.njit(cache=True)
-def dense_linear_compiled(x, w, threads):  # pragma: no cover - compiled
+def dense_linear_compiled(x, w, threads, batch_invariant):  # pragma: no cover - compiled
     """``x @ w.T`` into a new array: the weight shared out over the threads from
-    ``PARALLEL_FROM_WEIGHTS`` on, else in this thread. Compiled, so that the fused decoder layer
-    (cpu/decoder_layer.py) makes the same choice as :func:`dense_linear_numba`."""
+    ``PARALLEL_FROM_WEIGHTS`` on, else in this thread; ``batch_invariant``: the four-by-four
+    loop. Compiled, so that the fused decoder layer (cpu/decoder_layer.py) makes the same
+    choices as :func:`dense_linear_numba`."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     if threads > 1 and w.size >= PARALLEL_FROM_WEIGHTS:
-        dense_linear_parallel(x, w, out)
+        dense_linear_parallel(x, w, out, batch_invariant)
     else:
-        dense_linear_serial(x, w, out)
+        dense_linear_serial(x, w, out, batch_invariant)
     return out
 
 
@@ -144,13 +180,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = MAX_R
     )
 
 
-def dense_linear_numba(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def dense_linear_numba(
+    x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False
+) -> torch.Tensor:
     """``F.linear(x, weight)`` for fp32 ``x [..., K]`` and ``weight [N, K]`` (see
-    :func:`supports`); returns ``[..., N]``."""
+    :func:`supports`); returns ``[..., N]``. ``batch_invariant``: the loop the engine's
+    batch-invariant mode runs at every row count (four weight rows at a time)."""
     n, k = weight.shape
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     result = torch.from_numpy(
-        dense_linear_compiled(x2.numpy(), weight.numpy(), follow_torch_threads())
+        dense_linear_compiled(x2.numpy(), weight.numpy(), follow_torch_threads(), batch_invariant)
     )
     return result if x.dim() == 2 else result.view(*x.shape[:-1], n)
 
@@ -159,4 +198,5 @@ def warm_up() -> None:
     """Compile (or load from numba's disk cache) the GEMM now, not in the first request: one
     signature (C-contiguous fp32 arrays); the parallel and serial kernels compile with it."""
     x, w = np.zeros((2, 8), np.float32), np.zeros((2 * _BLOCK + 1, 8), np.float32)
-    dense_linear_compiled(x, w, 1)
+    for batch_invariant in (False, True):
+        dense_linear_compiled(x, w, 1, batch_invariant)

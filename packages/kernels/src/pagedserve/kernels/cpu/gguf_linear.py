@@ -138,7 +138,7 @@ def gguf_parts_compiled(x, parts, qtypes, lanes, threads):  # pragma: no cover -
         if rows.shape[0] == 0:
             continue
         if qtypes[i] == F32:
-            part = dense_linear_compiled(x, rows.view(np.float32), threads)
+            part = dense_linear_compiled(x, rows.view(np.float32), threads, False)
         else:
             part = gguf_linear_compiled(x, rows, qtypes[i], lanes, threads)
         out[:, first : first + rows.shape[0]] = part
