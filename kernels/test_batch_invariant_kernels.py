@@ -7,10 +7,13 @@ call holds.
 - paged attention with ``batch_invariant=True``, Triton and numba: every position of a
   530-token prompt computed whole equals the same position computed as a decode, inside a
   prefill chunk, beside other sequences and (Triton) by split programs folded afterwards;
-  across the first fixed split boundary (512), with a sliding window and a soft cap;
+  across the first fixed split boundary (512), with a sliding window and a soft cap, and in
+  multi-head latent attention's absorbed form (one cache as keys and values);
 - the MoE grouped GEMMs with their slots summed in order: a token alone against the same
   token among 40 others routed elsewhere.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -130,6 +133,24 @@ def test_attention_rows_are_the_same_bits_in_any_step(impl, layer):
             steps["in a chunk of 7"] = (attend(_truncated(batch, p, 7), **layer), -1)
         for name, (out, row) in steps.items():
             assert torch.equal(out[row], whole[p]), (p, name)
+
+
+@pytest.mark.parametrize("impl", list(ATTENTION))
+def test_latent_attention_rows_are_the_same_bits_in_any_step(impl):
+    """Multi-head latent attention in the mode (layers/mla.py, ``absorbed_every_row``): the
+    absorbed queries of four heads over one cache that is both keys and values, a latent of
+    48 values (the tiny DeepSeek's 32 + 16: no power of two), for decode and prefill rows."""
+    if impl == "numba" and DEVICE == "cuda":
+        pytest.skip("the numba kernel runs on CPU tensors")
+    batch = make_paged_batch([(PROMPT, PROMPT)], 4, 1, 48, 16, device=DEVICE, seed=2)
+    batch = dataclasses.replace(batch, v_cache=batch.k_cache)
+    whole = ATTENTION[impl](batch)
+    assert_close(whole, paged_attention_literal(*batch.args()), attention=True)
+    for p in POSITIONS:
+        decode = ATTENTION[impl](_truncated(batch, p, 1))
+        assert torch.equal(decode[-1], whole[p]), p
+        beside = ATTENTION[impl](_beside_others(batch, p))
+        assert torch.equal(beside[1], whole[p]), p
 
 
 def test_attention_tensor_core_branch_rows_are_the_same_bits():

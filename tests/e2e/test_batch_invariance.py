@@ -87,12 +87,7 @@ def differences(
     return found
 
 
-# refused by the mode (tests/engine/test_batch_invariant_config.py): multi-head latent
-# attention, Qwen2-MoE's gated shared expert
-REFUSED = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
-
-
-@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a not in REFUSED])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_models_give_the_same_bits_in_any_batch(tiny_checkpoint, arch):
     assert differences(tiny_checkpoint(arch), True, vocab=512) == []
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedserve.kernels import fused_moe
 from pagedserve.models.config import ModelLoadError
-from pagedserve.models.layers.batch_invariance import building_batch_invariant
+from pagedserve.models.layers.batch_invariance import building_batch_invariant, on_whole_vectors
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
 from pagedserve.models.moe_routing import SoftmaxTopKRouter
 from pagedserve.models.weights import CheckpointTensor
@@ -139,8 +139,16 @@ class GatedSharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.gate_weights(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.reduce(self.routed(x) + shared)
+
+    def gate_weights(self, logits: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(logits)``, one value a token (``[T, 1]``); in the batch-invariant mode with
+        every token's value on the same vector code (``on_whole_vectors``: in a ``[T, 1]``
+        tensor a token's place in the batch would decide whether libm's scalar code rounds it)."""
+        if not self.batch_invariant:
+            return torch.sigmoid(logits)
+        return on_whole_vectors(torch.sigmoid, logits)
 
 
 def split_expert_weights(model: nn.Module, weights):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.linear import linear
-from pagedserve.models.layers.batch_invariance import building_batch_invariant
+from pagedserve.models.layers.batch_invariance import building_batch_invariant, on_whole_vectors
 from pagedserve.models.weights import default_weight_loader
 
 
@@ -101,9 +101,11 @@ class GroupLimitedRouter(nn.Module):
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = _replicated(num_experts, hidden_size, dtype=torch.float32)
+        self.batch_invariant = building_batch_invariant()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.softmax(F.linear(x.float(), self.weight), dim=-1)
+        logits = router_logits(x.float(), self.weight, None, self.batch_invariant)
+        scores = torch.softmax(logits, dim=-1)
         if self.n_group > 1:
             group_best = scores.view(x.shape[0], self.n_group, -1).amax(dim=-1)
             scores = keep_top_groups(scores, group_best, self.topk_group, 0.0)
@@ -122,9 +124,14 @@ class NoAuxRouter(nn.Module):
         self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
         self.weight = _replicated(num_experts, hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = _replicated(num_experts, dtype=torch.float32)
+        self.batch_invariant = building_batch_invariant()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))
+        logits = router_logits(x.float(), self.weight, None, self.batch_invariant)
+        if self.batch_invariant:  # a row of a few scores: see on_whole_vectors
+            scores = on_whole_vectors(torch.sigmoid, logits)
+        else:
+            scores = torch.sigmoid(logits)
         choice = scores + self.e_score_correction_bias
         group_top2 = choice.view(x.shape[0], self.n_group, -1).topk(2, dim=-1).values.sum(-1)
         choice = keep_top_groups(choice, group_top2, self.topk_group, float("-inf"))

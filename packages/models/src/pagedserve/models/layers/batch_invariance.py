@@ -15,9 +15,12 @@ once, in its own constructor, and passes it to every kernel call. Never read dur
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
 
 _BUILD_BATCH_INVARIANT: ContextVar[bool] = ContextVar(
     "pagedserve_build_batch_invariant", default=False
@@ -37,3 +40,22 @@ def batch_invariant_layers(enabled: bool) -> Iterator[None]:
 def building_batch_invariant() -> bool:
     """Whether the layer being constructed now is to run batch invariantly."""
     return _BUILD_BATCH_INVARIANT.get()
+
+
+# A row this long (in floats) is whole vectors for torch's CPU elementwise kernels at any vector
+# width up to AVX-512's (their loop takes two vectors at a time), and two threads split a tensor
+# of such rows at a multiple of it.
+VECTOR_ROW = 64
+
+
+def on_whole_vectors(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``op(x)`` for an elementwise op (``torch.sigmoid``) over ``x [T, n]``, each row computed
+    by the same code whatever ``T``. torch's elementwise kernels on a CPU run a tensor's whole
+    vectors with vector code and its last elements with scalar libm, which may round one ulp
+    differently; in a ``[T, 8]`` router's scores the last tokens of a batch would land on the
+    scalar tail and the same tokens in a longer batch would not. Rows padded (with zeros) to a
+    multiple of ``VECTOR_ROW`` all land on vector code (with one or two threads)."""
+    pad = -x.shape[-1] % VECTOR_ROW
+    if not pad:
+        return op(x)
+    return op(F.pad(x, (0, pad)))[..., : x.shape[-1]]

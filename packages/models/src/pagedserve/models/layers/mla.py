@@ -22,6 +22,11 @@ Two ways to compute the same attention, both held to ``mla_attention_literal``:
   rows, attending in the L + R-wide latent space would cost more multiplies than expanding.
 
 The split is per sequence, from the step's ``DecodeSplit`` (host-side, no device sync).
+
+In the batch-invariant mode (docs/batch_invariance.md) every row takes the absorbed path, prefill
+rows too, through paged attention's batch-invariant kernel: a token's bits then do not depend on
+whether it is decoded, prefilled whole or in chunks, after a prefix hit, or recomputed after a
+preemption (the expanded path's SDPA tiles by the chunk).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import mla_paged_decode, store_latent
+from pagedserve.kernels import mla_paged_decode, paged_attention, store_latent
+from pagedserve.kernels.linear import linear
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.layers.batch_invariance import building_batch_invariant
 from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
 from pagedserve.models.layers.norm import RMSNorm
@@ -69,6 +76,16 @@ class LatentUpProjection(nn.Module):
         """``W_UK [H, P, L]`` and ``W_UV [H, V, L]``, views of the weight."""
         w = self.weight.view(self.num_heads, -1, self.weight.shape[1])
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def key_absorption(self) -> torch.Tensor:
+        """``W_UK[h]^T``, ``[H, L, P]`` contiguous: the absorbed query ``q_nope @ W_UK[h]`` as a
+        GEMM against an ``[out, in]`` weight (the batch-invariant GEMM's layout). Transposed once
+        per version of the weight, not per step."""
+        stamp = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_key_absorption_stamp", None) != stamp:
+            self._key_absorption = self.per_head()[0].transpose(1, 2).contiguous()
+            self._key_absorption_stamp = stamp
+        return self._key_absorption
 
 
 def mla_rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
@@ -134,6 +151,7 @@ class MultiHeadLatentAttention(nn.Module):
         )  # fmt: skip
         self.rotary_emb = rotary_emb or mla_rotary_embedding(config)
         self.scale = mla_softmax_scale(c, self.nope_dim + self.rope_dim)
+        self.batch_invariant = building_batch_invariant()
 
     def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor], meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
@@ -154,7 +172,10 @@ class MultiHeadLatentAttention(nn.Module):
 
     def attend(self, q_nope, q_pe, latent_cache: torch.Tensor, meta: AttentionMetadata):
         """``[T, H, V]``: each decode row by the absorbed path, each longer sequence by the
-        expanded one (the latents of this step already stored)."""
+        expanded one (the latents of this step already stored); in the batch-invariant mode every
+        row by the absorbed path."""
+        if self.batch_invariant:
+            return self.absorbed_every_row(q_nope, q_pe, latent_cache, meta)
         split = meta.decode_split
         if split.num_decodes and split.decode_rows is None:  # a pure-decode step
             return self.absorbed_decode(
@@ -183,6 +204,23 @@ class MultiHeadLatentAttention(nn.Module):
             query, latent_cache, block_tables, seq_lens, self.scale, self.kv_lora_rank
         )  # [B, H, L]
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def absorbed_every_row(self, q_nope, q_pe, latent_cache, meta: AttentionMetadata):
+        """The batch-invariant mode's attention, ``[T, H, V]`` for every row of the step: the
+        absorbed query per head through the batch-invariant GEMM, then paged attention's
+        batch-invariant kernel over the latents as multi-query attention whose one KV head is
+        the latent row (keys: its L + R values; values: the same row, of which the first L are
+        kept), causal within each sequence's new rows, then ``W_UV`` per head by the same GEMM."""
+        heads, w_uv = range(self.num_heads), self.kv_b_proj.per_head()[1]
+        w_uk_t = self.kv_b_proj.key_absorption()
+        q_latent = torch.stack([linear(q_nope[:, h], w_uk_t[h], None, True) for h in heads], 1)
+        query = torch.cat([q_latent, q_pe], dim=-1)
+        out = paged_attention(
+            query, latent_cache, latent_cache, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, self.scale, batch_invariant=True,
+        )  # fmt: skip
+        out_latent = out[..., : self.kv_lora_rank]
+        return torch.stack([linear(out_latent[:, h], w_uv[h], None, True) for h in heads], 1)
 
     def expanded_prefill(self, q_nope, q_pe, latent_cache, block_table, seq_len: int):
         """The new tokens of one sequence (the last ``n`` of its ``seq_len`` cached positions):
