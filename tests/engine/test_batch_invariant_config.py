@@ -31,7 +31,6 @@ def test_the_flag_and_vllms_variable_turn_it_on(tiny_checkpoint, monkeypatch):
     [
         (dict(dtype="bfloat16"), "dtype"),
         (dict(quantization="int8"), "quantization"),
-        (dict(runner="pooling", convert="embed"), "runner"),
     ],
 )
 def test_what_it_cannot_keep_invariant_is_refused(tiny_checkpoint, options, field):

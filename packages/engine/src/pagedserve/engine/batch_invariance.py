@@ -34,14 +34,12 @@ def check_batch_invariant(config: ModelConfig) -> None:
     device = config.torch_device
     path = kernel_path(torch.empty(0, device=device), has_numba=True)
     refusals = {
-        "runner": config.runner_type == "pooling",
         "quantization": config.quantization is not None or config.gguf_file is not None,
         "kv_lora_rank": path == "triton" and bool(config.hf_config.get("kv_lora_rank")),
         "dtype": device.type == "cpu" and path == "numba" and config.torch_dtype != torch.float32,
         "PAGEDSERVE_KERNELS": path == "ref",
     }
     why = {
-        "runner": "a pooling model is not covered yet; serve it without --batch-invariant",
         "quantization": "the quantized and GGUF GEMMs pick their tiles by the batch; serve an "
         "unquantized checkpoint",
         "kv_lora_rank": "multi-head latent attention runs batch invariantly on a CPU (numba); on "

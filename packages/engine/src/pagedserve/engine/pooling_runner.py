@@ -129,7 +129,7 @@ class PoolingModelRunner(ModelRunner):
         finished, rows = self._pooled_rows(hidden, chunks)
         if not finished:
             return {}
-        outputs = self.pooler(torch.stack(rows)).cpu()
+        outputs = self.pooler(torch.stack(rows).to(hidden.device)).cpu()
         return {
             state.request_id: self._apply_options(out, state)
             for state, out in zip(finished, outputs, strict=True)
@@ -137,21 +137,14 @@ class PoolingModelRunner(ModelRunner):
 
     def _pooled_rows(self, hidden: torch.Tensor, chunks: list[Chunk]):
         """Fold each chunk into its request's pooling; the pooled row of each request whose
-        prompt is now complete. MEAN sums every chunk's rows in one ``index_add_``."""
+        prompt is now complete (MEAN: ``_running_sums``)."""
         kind = self.pooler.pooling_type
-        sums = None
-        if kind is PoolingType.MEAN:
-            counts = torch.tensor([c[3] for c in chunks], device=hidden.device)
-            segment = torch.repeat_interleave(
-                torch.arange(len(chunks), device=hidden.device), counts
-            )
-            sums = torch.zeros(len(chunks), hidden.shape[1], device=hidden.device)
-            sums.index_add_(0, segment, hidden.float())
+        sums = self._running_sums(hidden, chunks) if kind is PoolingType.MEAN else None
         finished, rows = [], []
         for i, (state, offset, start, count) in enumerate(chunks):
             prompt_len = state.request.num_prompt_tokens
             if kind is PoolingType.MEAN:
-                part = sums[i] if state.partial is None else state.partial + sums[i]
+                part = sums[i]
             elif kind is PoolingType.CLS:
                 part = hidden[offset] if start == 0 else state.partial
             else:
@@ -162,6 +155,23 @@ class PoolingModelRunner(ModelRunner):
             finished.append(state)
             rows.append(part / prompt_len if kind is PoolingType.MEAN else part)
         return finished, rows
+
+    def _running_sums(self, hidden: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+        """Each chunk's rows added onto its request's running sum (zeros at its first chunk)
+        in one ``index_add_``. On a CPU that adds the rows one after another, in the prompt's
+        order, so a prompt's sum is the same bits read whole or in chunks of any size (adding
+        a chunk's own sum to the earlier ones' would not be). A GPU's ``index_add_`` adds with
+        atomics, in whatever order they land: in the batch-invariant mode the rows are summed
+        on the host instead."""
+        if self.model_config.batch_invariant:
+            hidden = hidden.cpu()
+        sums = torch.zeros(len(chunks), hidden.shape[1], device=hidden.device)
+        for i, (state, *_) in enumerate(chunks):
+            if state.partial is not None:
+                sums[i] = state.partial
+        counts = torch.tensor([c[3] for c in chunks], device=hidden.device)
+        segment = torch.repeat_interleave(torch.arange(len(chunks), device=hidden.device), counts)
+        return sums.index_add_(0, segment, hidden.float())
 
     def _apply_options(self, out: torch.Tensor, state: PoolingState) -> torch.Tensor:
         """A request's own options: an embedding cut to ``dimensions`` and normalised, class
