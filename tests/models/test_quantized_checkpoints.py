@@ -36,6 +36,10 @@ CASES = {  # name: (architecture, how to quantize)
     "gptq-g32": ("llama", Int4Layout("gptq", group_size=32)),
     "gptq-sym-g64-act-order": ("llama", Int4Layout("gptq", 64, sym=True, act_order=True)),
     "gptq-v2-g128-act-order": ("qwen2", Int4Layout("gptq", 128, act_order=True, v2=True)),
+    # MoE: the experts dequantized at load, the rest 4-bit (models/moe_quantized.py)
+    "awq-g32-mixtral": ("mixtral", Int4Layout("awq", group_size=32)),
+    "gptq-act-order-qwen2-moe": ("qwen2_moe", Int4Layout("gptq", 32, act_order=True)),
+    "gptq-v2-sym-qwen3-moe": ("qwen3_moe", Int4Layout("gptq", 32, sym=True, v2=True)),
     "fp8-per-tensor": ("llama", {"per_channel": False, "static": False}),
     "fp8-per-channel-static": ("llama", {"per_channel": True, "static": True}),
 }
@@ -127,6 +131,16 @@ def _edited(src: str, dst, config=None, drop: str | None = None, change=None) ->
         ("gptq-g32", {"drop": "qzeros"}, r"missing weights.*qzeros"),
         ("awq-g32", {"config": {"group_size": 12}}, r"group_size = 12"),
         ("fp8-per-tensor", {"config": {"weight_block_size": [128, 128]}}, r"block-wise"),
+        (
+            "awq-g32-mixtral",
+            {"drop": "experts.3.w2.qzeros"},  # in both layers
+            r"missing \['qzeros'\] of 2 expert projections.*experts\.3\.w2",
+        ),
+        (
+            "awq-g32-mixtral",
+            {"config": {"modules_to_not_convert": ["gate", "w2"]}},
+            r"modules_to_not_convert = \['w2'\]",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v else None,
 )
@@ -163,8 +177,21 @@ def test_a_pre_quantized_gpt2_is_refused_naming_the_architecture(tiny_checkpoint
         LLM(model=str(folder))
 
 
+def test_moe_experts_are_held_dequantized_and_the_rest_runs_4_bit(quantized, tmp_path):
+    """AutoAWQ's Mixtral lists its router as not converted: pagedserve never quantizes a
+    router, so that is accepted; the experts load unquantized, attention stays 4-bit."""
+    folder = _edited(
+        quantized("awq-g32-mixtral")[0], tmp_path / "q", {"modules_to_not_convert": ["gate"]}
+    )
+    model = LLM(model=folder, block_size=8, kv_cache_memory=KV).engine.runner.model
+    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]
+    assert experts and all(e.w13_weight.dtype == torch.float32 for e in experts)
+    attention = [m for name, m in model.named_modules() if name.endswith("qkv_proj")]
+    assert attention and all(m.qweight.dtype == torch.int32 for m in attention)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gptq-sym-g64-act-order"])  # layer shards: test_int4_layouts
+@pytest.mark.parametrize("case", ["gptq-sym-g64-act-order", "gptq-act-order-qwen2-moe"])
 def test_two_ranks_serve_a_quantized_checkpoint_as_one_process(quantized, case):
     """Column shards hold whole words of output channels; row shards start on a group
     boundary, or (act-order) hold every group's scales with their sorted g_idx."""

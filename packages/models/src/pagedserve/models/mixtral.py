@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.layers.linear import ColumnParallelLinear
+from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
 from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP
 from pagedserve.models.moe import GatedSharedExpertMoeBlock, SparseMoeBlock, split_expert_weights
 from pagedserve.models.parallel import ParallelContext
@@ -74,7 +75,11 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
         c = config.hf_config
         unreduced = dataclasses.replace(par, all_reduce=None)
         shared = LlamaMLP(config, unreduced, int(c["shared_expert_intermediate_size"]))
-        gate = ColumnParallelLinear(config.hidden_size, 1, dtype=config.torch_dtype)  # whole
+        # whole on every rank; one output, never quantized (a 4-bit word packs eight)
+        gate = ColumnParallelLinear(
+            config.hidden_size, 1, dtype=config.torch_dtype,
+            linear_method=UnquantizedLinearMethod(),
+        )  # fmt: skip
         return GatedSharedExpertMoeBlock(
             shared, gate, num_experts=experts, top_k=int(c["num_experts_per_tok"]),
             hidden_size=config.hidden_size, intermediate_size=int(c["moe_intermediate_size"]),

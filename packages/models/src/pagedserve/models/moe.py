@@ -27,6 +27,7 @@ from pagedserve.kernels import fused_moe
 from pagedserve.models.config import ModelLoadError
 from pagedserve.models.layers.batch_invariance import building_batch_invariant, on_whole_vectors
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
+from pagedserve.models.moe_quantized import EXPERT_PART, Int4Experts
 from pagedserve.models.moe_routing import SoftmaxTopKRouter
 from pagedserve.models.weights import CheckpointTensor
 
@@ -153,9 +154,16 @@ class GatedSharedExpertMoeBlock(SparseMoeBlock):
 
 def split_expert_weights(model: nn.Module, weights):
     """Route the per-expert checkpoint tensors to their blocks' ``load_expert``; yield the
-    rest for the ordinary loader. Each block then checks that every expert arrived."""
+    rest for the ordinary loader. Each block then checks that every expert arrived. An AWQ or
+    GPTQ checkpoint's experts arrive as their stored parts and load dequantized
+    (moe_quantized.py)."""
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    int4_experts = Int4Experts.of(getattr(model, "config", None))
     for name, tensor in weights:
+        if int4_experts is not None and EXPERT_PART.match(name):
+            if (dequantized := int4_experts.take(name, tensor)) is None:
+                continue
+            name, tensor = dequantized
         match = EXPERT_NAME.match(name)
         if match is None or match.group(3) not in EXPERT_PROJECTIONS:
             yield name, tensor
@@ -166,5 +174,7 @@ def split_expert_weights(model: nn.Module, weights):
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching expert")
         param_name, part = EXPERT_PROJECTIONS[proj]
         block.load_expert(getattr(block.experts, param_name), tensor, (expert, part))
+    if int4_experts is not None:
+        int4_experts.check_complete()
     for name, block in blocks.items():
         block.check_loaded(name)

@@ -56,6 +56,9 @@ from pagedserve.models.layers.linear_method import (
 from pagedserve.models.weights import copy_shard
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds channel AWQ_ORDER[i]
+# Modules a checkpoint may list as left unquantized that pagedserve never quantizes anyway: the
+# LM head, an MoE's router ("gate": AutoAWQ's Mixtral) and Qwen2-MoE's one-output expert gate.
+NEVER_QUANTIZED = ("lm_head", "gate", "shared_expert_gate")
 GPTQ_ORDER = tuple(range(PACK))
 _SHIFTS = tuple(range(0, 32, 4))
 
@@ -104,7 +107,7 @@ def parse_int4_config(qc: dict[str, Any]) -> Int4Config:
             )
         if qc.get("zero_point") is False:
             raise ModelLoadError("quantization_config.zero_point = false: AWQ GEMM needs zeros")
-        skipped = [m for m in qc.get("modules_to_not_convert") or [] if m != "lm_head"]
+        skipped = [m for m in qc.get("modules_to_not_convert") or [] if m not in NEVER_QUANTIZED]
         if skipped:
             raise ModelLoadError(
                 f"quantization_config.modules_to_not_convert = {skipped}: pagedserve quantizes "
@@ -223,12 +226,7 @@ class Int4LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         gptq = self.config.method == "gptq"
-        order = GPTQ_ORDER if gptq else AWQ_ORDER
-        if gptq:  # packed along the input features: unpack the transpose's columns
-            q = unpack_columns(layer.qweight.data.t(), GPTQ_ORDER).t()
-        else:
-            q = unpack_columns(layer.qweight.data, AWQ_ORDER)
-        zeros = unpack_columns(layer.qzeros.data, order) + self.config.zero_offset
+        q, zeros = unpack_int4(layer.qweight.data, layer.qzeros.data, self.config)
         scales = layer.scales.data
         g_idx = layer.g_idx.data if gptq else None
         for name in list(self.layout):
@@ -279,6 +277,33 @@ class Int4LinearMethod(LinearMethodBase):
             x, layer.qweight, layer.scales, layer.zeros, self.group_size, layer.g_idx, bias,
             self.workspace,
         )  # fmt: skip
+
+
+def unpack_int4(
+    qweight: torch.Tensor, qzeros: torch.Tensor, config: Int4Config
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [in, out], zeros [groups, out])``, values 0..15 (the zeros with the format's
+    offset added) from one layer's stored words, whichever format packed them."""
+    if config.method == "gptq":  # packed along the input features: unpack the transpose's columns
+        q, order = unpack_columns(qweight.t(), GPTQ_ORDER).t(), GPTQ_ORDER
+    else:
+        q, order = unpack_columns(qweight, AWQ_ORDER), AWQ_ORDER
+    return q, unpack_columns(qzeros, order) + config.zero_offset
+
+
+def dequantize_int4(stored: dict[str, torch.Tensor], config: Int4Config) -> torch.Tensor:
+    """The ``[out, in]`` fp32 weight that one layer's stored tensors (``qweight``, ``qzeros``,
+    ``scales``, GPTQ's ``g_idx``) encode: ``(q - zero[g]) * scale[g]``, ``g`` each input
+    feature's group. For weights held unquantized once loaded: an MoE's experts
+    (moe_quantized.py)."""
+    q, zeros = unpack_int4(stored["qweight"], stored["qzeros"], config)
+    if "g_idx" in stored:
+        groups = stored["g_idx"].long()
+    else:
+        size = q.shape[0] if config.group_size == -1 else config.group_size
+        groups = torch.arange(q.shape[0]) // size
+    scales = stored["scales"].float()
+    return ((q - zeros[groups]).float() * scales[groups]).t().contiguous()
 
 
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:

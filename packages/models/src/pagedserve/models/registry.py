@@ -26,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 INT4_AND_FP8 = ("awq", "gptq", "fp8")
+INT4 = ("awq", "gptq")
+# An MoE's AWQ / GPTQ experts are held dequantized (moe_quantized.py); the rest runs 4-bit.
+_INT4_EXPERTS = "; AWQ/GPTQ experts dequantized at load"
 
 
 @dataclass(frozen=True)
@@ -92,20 +95,22 @@ ARCHITECTURES: dict[str, Architecture] = {
         gguf="phi3", cpu_fused=True,
     ),
     "MixtralForCausalLM": Architecture(
-        "mixtral", "Mixtral 8x7B, 8x22B", "top-2 of 8 experts, renormalised; fused MoE kernel",
-        gguf="llama",
+        "mixtral", "Mixtral 8x7B, 8x22B",
+        "top-2 of 8 experts, renormalised; fused MoE kernel" + _INT4_EXPERTS,
+        gguf="llama", quantized=INT4,
     ),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe",
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
-        "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel",
-        gguf="qwen3moe",
+        "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel" + _INT4_EXPERTS,
+        gguf="qwen3moe", quantized=INT4,
     ),
     "Qwen2MoeForCausalLM": Architecture(
         "qwen2_moe",
         "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
-        "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel",
-        gguf="qwen2moe",
+        "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel"
+        + _INT4_EXPERTS,
+        gguf="qwen2moe", quantized=INT4,
     ),
     "DeepseekV2ForCausalLM": Architecture(
         "deepseek_v2",

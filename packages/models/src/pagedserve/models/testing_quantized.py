@@ -26,8 +26,13 @@ from pagedserve.kernels.int4_linear import PACK, pack_int4
 from pagedserve.kernels.weight_only_linear import quantize_per_channel
 from pagedserve.models.quantization_int4 import AWQ_ORDER
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+# The decoder layers' projections, an MoE's experts' among them (Mixtral's w1 / w3 / w2 are its
+# experts' gate / up / down); routers and Qwen2-MoE's one-output expert gate stay unquantized,
+# as AutoAWQ and GPTQ releases keep them.
+PROJECTIONS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+)  # fmt: skip
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
 
 
 @dataclass(frozen=True)
