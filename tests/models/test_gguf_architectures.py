@@ -9,12 +9,14 @@ in test_gguf.py), the model it builds from the same file must agree too. For the
 does not: it ignores Qwen3's ``attention.key_length`` (a head_dim other than hidden / heads,
 as Qwen3's are), maps no expert or shared-expert sizes (qwen2moe, qwen3moe), reads a
 Mixtral file as a dense Llama, leaves Gemma's soft caps, query scale and local rope base and
-Phi-3's LongRoPE factors at their defaults, and refuses GPT-2's and DeepSeek's files.
+Phi-3's LongRoPE factors at their defaults, refuses GPT-2's and DeepSeek's files, and fails
+on gpt-oss's (its reader takes each rope key's length field for its value).
 
 Each tiny checkpoint is one a GGUF can describe: what llama.cpp's format has no key for is
 set to what llama.cpp assumes (Qwen3-MoE: every layer sparse, top-k renormalised; Gemma 2:
 tied head, query scale ``head_dim ** -0.5``; Gemma 3: a 5 local : 1 global layer pattern, a
-vocabulary the size of its tokenizer; DeepSeek-V2: YaRN's ``mscale == mscale_all_dim``).
+vocabulary the size of its tokenizer; DeepSeek-V2: YaRN's ``mscale == mscale_all_dim``;
+gpt-oss: the SwiGLU limit 7, its weights drawn wide enough that the activations reach it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -38,7 +41,7 @@ from pagedserve.models import ModelConfig, ModelLoadError
 from pagedserve.models.gguf_config import served_gguf_architectures
 from pagedserve.models.gguf_testing import write_gguf
 from pagedserve.models.registry import ARCHITECTURES
-from pagedserve.models.testing import transformers_greedy
+from pagedserve.models.testing import make_mxfp4_checkpoint, transformers_greedy
 
 PROMPT = list(range(5, 45))  # past Gemma's 16-token and Phi-3's 24-token windows
 _YARN = dict(
@@ -59,6 +62,7 @@ CASES = {  # id: (tiny arch, config overrides)
     "gpt2": ("gpt2", {}),
     "deepseek_v2": ("deepseek_v2", {"rope_parameters": _YARN}),
     "deepseek_v3": ("deepseek_v3", {}),
+    "gpt_oss": ("gpt_oss", {"swiglu_limit": 7.0, "initializer_range": 0.4}),
 }  # fmt: skip
 TRANSFORMERS_READS = {"llama (q/k/v/o biases)", "mistral"}
 
@@ -155,9 +159,10 @@ runpy.run_path(str(source / "convert_hf_to_gguf.py"), run_name="__main__")
 """
 
 
-def _llama_cpp_converter() -> tuple[Path, Path]:
-    """(llama.cpp's source tree, the converter's own imports), where tools/llamacpp_build.py
-    put them; the test skips without them (it never downloads)."""
+def _llama_cpp_convert(src: Path, out: Path) -> Path:
+    """``src`` converted to ``out`` (F32 where the converter chooses) by llama.cpp's own
+    converter, where tools/llamacpp_build.py put it and its imports; the test skips without
+    them (it never downloads)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import llamacpp_build
 
@@ -165,7 +170,11 @@ def _llama_cpp_converter() -> tuple[Path, Path]:
     source, deps = llamacpp_build.source_dir(cache), cache / "convert-deps"
     if not (source / "conversion").is_dir() or not (deps / "sentencepiece").is_dir():
         pytest.skip("llama.cpp's converter is not here (python tools/llamacpp_build.py)")
-    return source, deps
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(deps)]))
+    command = [sys.executable, "-c", _CONVERT, str(source), str(src), "--outtype", "f32",
+               "--outfile", str(out)]  # fmt: skip
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    return out
 
 
 def _same_file(ours: str, theirs: str) -> None:
@@ -190,50 +199,86 @@ def _same_file(ours: str, theirs: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_files_are_what_llama_cpps_converter_writes(folder, gguf_file, case, tmp_path):
     """Byte for byte, every tensor, and every ``{arch}.*`` key, against the real converter."""
-    source, deps = _llama_cpp_converter()
     src = Path(folder(case))
     if CASES[case][0] == "gpt2":  # transformers 5 no longer writes the n_ctx it reads
         src = Path(shutil.copytree(src, tmp_path / "gpt2"))
         config = json.loads((src / "config.json").read_text())
         (src / "config.json").write_text(json.dumps(dict(config, n_ctx=config["n_positions"])))
-    theirs = tmp_path / "converted.gguf"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(deps)]))
-    command = [sys.executable, "-c", _CONVERT, str(source), str(src), "--outtype", "f32",
-               "--outfile", str(theirs)]  # fmt: skip
-    subprocess.run(command, check=True, env=env, capture_output=True)
+    theirs = _llama_cpp_convert(src, tmp_path / "converted.gguf")
     _same_file(gguf_file(case), str(theirs))
 
 
-def _experts_decoded(folder: str, out: Path, qtype: str) -> str:
-    """``folder`` with each expert's weights replaced by what ``qtype``'s blocks hold, decoded
-    by gguf's own decoder: the model a GGUF with those experts describes."""
+@pytest.mark.slow
+def test_llama_cpps_file_of_gpt_oss_as_released_holds_the_release(folder, tmp_path):
+    """OpenAI releases gpt-oss's experts in MXFP4 (``_blocks`` / ``_scales``); llama.cpp's
+    converter moves those bits into ggml's MXFP4 blocks without rounding again, as every
+    gpt-oss GGUF in circulation was made. Served from its file, the experts are the folder's
+    bit for bit and the model is transformers' on the folder."""
+    release = make_mxfp4_checkpoint(folder("gpt_oss"), tmp_path / "release")
+    path = _llama_cpp_convert(release, tmp_path / "converted.gguf")
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "_exps.w" in t.name}
+    assert types == {"MXFP4"}
+    ours, theirs = (LLM(model=str(m), block_size=8, kv_cache_memory=2**22) for m in (path, release))
+    for layer in (0, 1):
+        mine, other = (
+            llm.engine.runner.model.model.layers[layer].mlp.experts for llm in (ours, theirs)
+        )
+        assert torch.equal(mine.w13_weight, other.w13_weight)
+        assert torch.equal(mine.w2_weight, other.w2_weight)
+    hf = AutoModelForCausalLM.from_pretrained(str(release), dtype=torch.float32).eval()
+    logprobs = prompt_token_logprobs(ours, PROMPT)
+    torch.testing.assert_close(
+        logprobs, transformers_token_logprobs(hf, PROMPT), atol=1e-4, rtol=1e-4
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (out,) = ours.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == transformers_greedy(hf, PROMPT, 16)
+
+
+def weights_decoded(folder: str, out: Path, type_of: Callable[[str], str | None]) -> str:
+    """``folder`` with each weight that ``type_of(name)`` gives a block type replaced by what
+    that type's blocks hold, decoded by gguf's own decoder: the model a GGUF with those blocks
+    describes. Blocks run along the input features: gpt-oss's stacked ``[E, in, out]`` experts
+    are quantized transposed."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(folder, out, ignore=shutil.ignore_patterns("model.safetensors"))
-    kind = gguf.GGMLQuantizationType[qtype]
     tensors = load_file(Path(folder) / "model.safetensors")
     for name, t in tensors.items():
-        if ".experts." in name:
-            blocks = gguf.quants.quantize(t.numpy(), kind)
-            tensors[name] = torch.from_numpy(gguf.quants.dequantize(blocks, kind).copy())
+        if type_of(name) is None:
+            continue
+        kind = gguf.GGMLQuantizationType[type_of(name)]
+        stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        rows = t.transpose(-1, -2).contiguous() if stacked else t
+        decoded = torch.from_numpy(
+            gguf.quants.dequantize(gguf.quants.quantize(rows.numpy(), kind), kind).copy()
+        )
+        tensors[name] = decoded.transpose(-1, -2).contiguous() if stacked else decoded
     save_file(tensors, out / "model.safetensors")
     return str(out)
 
 
-@pytest.mark.parametrize(("case", "qtype"), [("mixtral", "Q4_0"), ("qwen2_moe", "Q8_0")])
+def experts_only(qtype: str) -> Callable[[str], str | None]:
+    """``weights_decoded``'s choice for a file whose experts' weights (not biases) are ``qtype``."""
+    return lambda name: qtype if ".experts." in name and "bias" not in name else None
+
+
+@pytest.mark.parametrize(
+    ("case", "qtype"), [("mixtral", "Q4_0"), ("qwen2_moe", "Q8_0"), ("gpt_oss", "MXFP4")]
+)
 def test_quantized_experts_are_decoded_at_load(folder, tmp_path, case, qtype):
     """Stacked experts in blocks (``ffn_*_exps``) load decoded into the model's dtype: there
-    is no quantized MoE kernel. The served model is the one gguf's decoder describes."""
+    is no quantized MoE kernel (nor an MXFP4 one: gpt-oss's files). The served model is the one
+    gguf's decoder describes."""
     recipe = lambda name: qtype if name.endswith("_exps.weight") else "F32"  # noqa: E731
     path = write_gguf(folder(case), tmp_path / "experts.gguf", recipe)
-    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "_exps" in t.name} == {
-        qtype
-    }
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "_exps.w" in t.name}
+    assert types == {qtype}
     llm = LLM(model=str(path), block_size=8, kv_cache_memory=2**22)
     experts = llm.engine.runner.model.model.layers[1].mlp.experts
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float32
     ours = prompt_token_logprobs(llm, PROMPT)
-    decoded = _experts_decoded(folder(case), tmp_path / "decoded", qtype)
+    decoded = weights_decoded(folder(case), tmp_path / "decoded", experts_only(qtype))
     hf = AutoModelForCausalLM.from_pretrained(decoded, dtype=torch.float32).eval()
     torch.testing.assert_close(ours, transformers_token_logprobs(hf, PROMPT), atol=1e-4, rtol=1e-4)
     unquantized = AutoModelForCausalLM.from_pretrained(folder(case), dtype=torch.float32).eval()

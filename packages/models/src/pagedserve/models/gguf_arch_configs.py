@@ -16,6 +16,11 @@ is what every GGUF in circulation was made to run under:
   YaRN with the cos/sin unscaled and the softmax scaled by ``mscale(factor,
   mscale_all_dim) ** 2``, ``mscale_all_dim`` being ``rope.scaling.yarn_log_multiplier / 0.1``.
 - ``phi3``: LongRoPE's factors are the ``rope_factors_long`` / ``rope_factors_short`` tensors.
+- ``gpt-oss``: a windowed layer then a full one (``sliding_window_pattern`` where the file has
+  it, else a period of 2, as llama.cpp reads it); experts of ``expert_feed_forward_length``,
+  softmax over the top-k router logits; the clamped SwiGLU's alpha 1.702 and limit 7.0, which no
+  key carries (llama.cpp's graph hard-codes both); YaRN as gpt-oss defines it, its correction
+  range unrounded (``truncate: false`` in its config.json; llama.cpp rounds it for every model).
 """
 
 from __future__ import annotations
@@ -205,6 +210,22 @@ def _deepseek2(meta: GGUFMetadata) -> dict[str, Any]:
     return config
 
 
+def _gpt_oss(meta: GGUFMetadata) -> dict[str, Any]:
+    config = decoder_config(meta, "GptOssForCausalLM", "gpt_oss")
+    config.update(
+        num_local_experts=int(meta.require("expert_count")),
+        num_experts_per_tok=int(meta.require("expert_used_count")),
+        intermediate_size=int(meta.require("expert_feed_forward_length")),
+        sliding_window=int(meta.require("attention.sliding_window")),
+        layer_types=_layer_types(meta, config["num_hidden_layers"], 2),
+        attention_bias=True,
+        swiglu_alpha=1.702, swiglu_limit=7.0,  # no key: llama.cpp's graph hard-codes both
+    )  # fmt: skip
+    if config.get("rope_scaling", {}).get("rope_type") == "yarn":  # the model's, not llama.cpp's
+        config["rope_scaling"]["truncate"] = False
+    return _full_rotary(meta, config)
+
+
 # GGUF general.architecture -> its config builder; which of these are served is the
 # registry's ``gguf`` declarations.
 ARCH_CONFIGS: dict[str, Callable[[GGUFMetadata], dict[str, Any]]] = {
@@ -218,4 +239,5 @@ ARCH_CONFIGS: dict[str, Callable[[GGUFMetadata], dict[str, Any]]] = {
     "phi3": _phi3,
     "gpt2": _gpt2,
     "deepseek2": _deepseek2,
+    "gpt-oss": _gpt_oss,
 }

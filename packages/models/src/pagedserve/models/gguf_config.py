@@ -31,6 +31,10 @@ SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
 )  # fmt: skip
+# Types no kernel multiplies, decoded into the model's dtype at load, served where the model
+# holds plain tensors anyway: a MoE layer's stacked experts (``*_exps``). MXFP4 is what
+# llama.cpp's gpt-oss files keep their experts in (mxfp4.py).
+EXPERT_ONLY_TENSOR_TYPES = ("MXFP4",)
 
 
 def open_gguf(path: str | Path):
@@ -65,10 +69,18 @@ def _check_tensor_bytes(reader, path: Path) -> None:
     """Every tensor's bytes lie inside the file and are of a type we can serve."""
     size = path.stat().st_size
     for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        kind = t.tensor_type.name
+        if kind in EXPERT_ONLY_TENSOR_TYPES and "_exps." not in t.name:
             raise ModelLoadError(
-                f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which pagedserve "
-                f"does not serve; supported GGUF types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                f"{path}: tensor {t.name!r} is of type {kind}, which pagedserve does not serve "
+                "outside a MoE layer's stacked experts (decoded at load there); a dense "
+                f"{kind} layer would need a {kind} GEMM kernel"
+            )
+        if kind not in SUPPORTED_TENSOR_TYPES + EXPERT_ONLY_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} is of type {kind}, which pagedserve does not serve; "
+                f"supported GGUF types: {', '.join(SUPPORTED_TENSOR_TYPES)} (and "
+                f"{', '.join(EXPERT_ONLY_TENSOR_TYPES)} for experts)"
             )
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(

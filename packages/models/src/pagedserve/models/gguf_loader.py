@@ -13,17 +13,19 @@ decoded into the model's dtype on load: what the model holds as plain tensors, w
 file's type. That is norms and biases, the routers, DeepSeek's ``kv_b_proj`` (its attention
 reads the per-head blocks directly), GPT-2's position embedding, and the experts of MoE models:
 there is no quantized MoE kernel, so a Q4_0 expert costs its full-precision bytes once loaded.
+Experts may also be MXFP4 (gpt-oss's files), which nothing multiplies in blocks (mxfp4.py).
 
 What llama.cpp's converter did to the tensors is undone here (gguf_tensor_names.py lists it):
 Llama's Q/K rows are un-permuted (on the rows of blocks, which move whole because blocks run
 along the input features), Gemma's ``1 + w`` norms lose their one, GPT-2's matrices are
 handed over as the transposes of its Conv1D layout, each layer's stacked experts are split,
-and DeepSeek's ``attn_k_b`` / ``attn_v_b`` are put back together as ``kv_b_proj``.
+DeepSeek's ``attn_k_b`` / ``attn_v_b`` are put back together as ``kv_b_proj``, and gpt-oss's
+``ffn_gate_exps`` / ``ffn_up_exps`` as ``gate_up_proj``, their rows interleaved again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +75,44 @@ def _experts(names: TensorNames, t, tensor: GGUFTensor) -> Iterator[Weight]:
         yield name, tensor.narrow(0, e * out, out)
 
 
+class InterleavedExperts(Sequence):
+    """A layer's experts as gpt-oss's checkpoint stacks them, from a GGUF's ``parts`` (gate and
+    up, or down alone, each ``[experts * out, in]``): expert ``e``'s ``[out, in]`` rows, the
+    parts' rows interleaved (gate even, up odd), decoded only when the model asks for it (a
+    layer's experts decoded at once would take gigabytes)."""
+
+    def __init__(self, parts: list[GGUFTensor], count: int) -> None:
+        self.parts, self.count = parts, count
+        self.rows = parts[0].shape[0] // count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        rows = [part.narrow(0, e * self.rows, self.rows).dequantize() for part in self.parts]
+        return torch.stack(rows, dim=1).flatten(0, 1)
+
+
+def _stacked_experts(names: TensorNames, t, tensor: GGUFTensor, split: dict) -> Iterator[Weight]:
+    """gpt-oss's ``ffn_{gate,up,down}_exps`` (weights ``[experts, out, in]``, biases
+    ``[experts, out]``) under its checkpoint's stacked names: ``down_proj`` at once,
+    ``gate_up_proj`` when the layer's gate and up have both come (``split`` holds the first)."""
+    _, layer, kind, what = t.name.split(".")
+    if kind == "ffn_down_exps":
+        projection, ordered = "down_proj", [tensor]
+    else:
+        parts = split.setdefault((layer, what), {})
+        parts[kind] = tensor
+        if len(parts) < 2:
+            return
+        projection, ordered = "gate_up_proj", [parts["ffn_gate_exps"], parts["ffn_up_exps"]]
+    name = names.stacked_expert_name(int(layer), projection, what)
+    if what == "bias":  # [experts, out] each, decoded whole: they are small
+        yield name, torch.stack([p.dequantize() for p in ordered], dim=-1).flatten(-2)
+    else:
+        yield name, InterleavedExperts(ordered, int(t.shape[-1]))
+
+
 def _kv_b(k_b: GGUFTensor, v_b: GGUFTensor, heads: int) -> torch.Tensor:
     """DeepSeek's ``kv_b_proj`` ``[heads * (nope + v), kv_lora]`` from llama.cpp's
     ``attn_k_b`` ``[heads, kv_lora, nope]`` (each head's key rows, transposed) and
@@ -88,12 +128,15 @@ def gguf_weights(reader, config: ModelConfig) -> Iterator[Weight]:
     names = TENSOR_NAMES[field(reader, "general.architecture")]
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_kv_heads}
     latent_up: dict[int, dict[str, GGUFTensor]] = {}  # DeepSeek's k_b and v_b, per layer
+    split: dict = {}  # gpt-oss's gate or up experts, waiting for the other
     for t in reader.tensors:
         if t.name in CONFIG_TENSORS:
             continue
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         tensor = _file_tensor(t)
-        if kind.endswith("_exps"):
+        if kind.endswith("_exps") and names.stacked_experts:
+            yield from _stacked_experts(names, t, tensor, split)
+        elif kind.endswith("_exps"):
             yield from _experts(names, t, tensor)
         elif kind in ("attn_k_b", "attn_v_b"):
             parts = latent_up.setdefault(int(t.name.split(".")[1]), {})

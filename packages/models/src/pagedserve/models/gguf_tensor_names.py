@@ -14,7 +14,11 @@ GGUF's tensors through the same ``load_weights`` as a folder's. What the convert
 - experts (``*_exps``): each projection of all a layer's experts is one 3-D tensor
   ``[experts, out, in]``, split per expert on load;
 - DeepSeek's ``kv_b_proj`` is stored as ``attn_k_b`` (each head's key rows, transposed) and
-  ``attn_v_b``, for llama.cpp's absorbed attention; older files keep ``attn_kv_b`` whole.
+  ``attn_v_b``, for llama.cpp's absorbed attention; older files keep ``attn_kv_b`` whole;
+- ``stacked_experts`` (gpt-oss): the checkpoint already stacks each layer's experts, ``[E, in,
+  out]`` with the gate and up columns of ``gate_up_proj`` interleaved (gate even, up odd), and
+  its biases ``[E, out]`` likewise; the converter transposes them to ``[E, out, in]`` and splits
+  gate_up by parity into ``ffn_gate_exps`` and ``ffn_up_exps`` (weights and biases both).
 """
 
 from __future__ import annotations
@@ -70,7 +74,13 @@ _GPT2_TOP = {
     "token_embd": "transformer.wte", "position_embd": "transformer.wpe",
     "output_norm": "transformer.ln_f", "output": "lm_head",
 }  # fmt: skip
+_GPT_OSS = {
+    **_ATTENTION, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+}  # fmt: skip
 _QWEN_EXPERTS = ("mlp.experts", ("gate_proj", "up_proj", "down_proj"))
+# transformers' names that are a parameter, not a module holding a weight and a bias
+_BARE_PARAMETERS = ("e_score_correction_bias", "sinks")
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -86,6 +96,7 @@ class TensorNames:
     permuted_qk: bool = False
     norm_offset: float = 0.0
     conv1d: tuple[str, ...] = ()
+    stacked_experts: bool = False
 
     def hf_name(self, name: str) -> str:
         """The transformers name of a GGUF tensor (``blk.3.attn_q.weight`` ->
@@ -97,8 +108,14 @@ class TensorNames:
         if m is None or m.group(2) not in self.layer:
             raise ModelLoadError(f"GGUF tensor {name!r} has no counterpart in the model")
         module = self.layer[m.group(2)]
-        suffix = "" if module.endswith("_bias") else f".{m.group(3)}"
+        suffix = "" if module.endswith(_BARE_PARAMETERS) else f".{m.group(3)}"
         return f"{self.layer_prefix}.{m.group(1)}.{module}{suffix}"
+
+    def stacked_expert_name(self, layer: int, projection: str, kind: str) -> str:
+        """A stacked checkpoint's tensor (``stacked_experts``): ``projection`` ``gate_up_proj``
+        or ``down_proj``, ``kind`` ``weight`` (no suffix) or ``bias`` (``_bias``)."""
+        suffix = "_bias" if kind == "bias" else ""
+        return f"{self.layer_prefix}.{layer}.{self.experts[0]}.{projection}{suffix}"
 
     def expert_names(self, layer: int, part: str, count: int) -> list[str]:
         """Each expert's name for one projection (``part``: gate, up or down)."""
@@ -129,6 +146,7 @@ TENSOR_NAMES: dict[str, TensorNames] = {
         conv1d=("attn_qkv", "attn_output", "ffn_up", "ffn_down"),
     ),  # fmt: skip
     "deepseek2": TensorNames(_DEEPSEEK2),
+    "gpt-oss": TensorNames(_GPT_OSS, stacked_experts=True),
 }
 # Read into the config (gguf_arch_configs.py), not loaded as weights.
 CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}

@@ -5,8 +5,9 @@ GGUF form as llama.cpp's converter would (gguf_testing_converter.py: its metadat
 tensor names, what it does to the tensors), its tokenizer as ``tokenizer.ggml.*`` (a
 byte-level BPE: the ``gpt2`` tokenizer model) with the chat template, and each matrix in the
 type ``recipe(name)`` picks (a stacked experts tensor too: its rows are quantized alike). The
-block types gguf can encode are encoded by ``gguf.quants.quantize``; the K-quants and IQ4
-types, which it only decodes, by the round-to-nearest encoders of gguf_encode.py.
+block types gguf can encode (MXFP4 among them: gpt-oss's experts) are encoded by
+``gguf.quants.quantize``; the K-quants and IQ4 types, which it only decodes, by the
+round-to-nearest encoders of gguf_encode.py.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _write_tokenizer(writer, folder: Path, vocab_size: int) -> None:
 
 def write_gguf(folder: str | Path, path: str | Path, recipe: Callable[[str], str]) -> Path:
     """Write the checkpoint in ``folder`` as a GGUF file at ``path``; ``recipe(gguf_name)``
-    gives each matrix's type (vectors, and Phi-3's rope factors, are F32, as llama.cpp keeps
-    them)."""
+    gives each matrix's type (vectors, Phi-3's rope factors and every bias, gpt-oss's stacked
+    ``[experts, out]`` ones too, are F32, as llama.cpp keeps them)."""
     import gguf
 
     from pagedserve.models.gguf_testing_converter import (
@@ -59,7 +60,7 @@ def write_gguf(folder: str | Path, path: str | Path, recipe: Callable[[str], str
     writer.add_eos_token_id(config["eos_token_id"])
     _write_tokenizer(writer, folder, config["vocab_size"])
     for name, w in converted_tensors(folder, config):
-        matrix = w.ndim >= 2
+        matrix = w.ndim >= 2 and name.endswith(".weight")
         data, raw_dtype = encode(w, recipe(name)) if matrix else (w.astype(np.float32), None)
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()

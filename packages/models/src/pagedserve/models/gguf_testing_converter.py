@@ -7,7 +7,9 @@ each tensor under the name gguf-py's own ``TensorNameMap`` gives it (the convert
 not pagedserve's), changed as the converter changes it: Llama's Q/K rows permuted, Gemma's
 norms stored as ``1 + w``, Gemma 3's embedding trimmed to its tokenizer, GPT-2's Conv1D
 weights transposed, experts stacked per layer, DeepSeek's ``kv_b_proj`` split into ``k_b``
-(per head, transposed) and ``v_b``, Phi-3's LongRoPE factors as tensors.
+(per head, transposed) and ``v_b``, Phi-3's LongRoPE factors as tensors, gpt-oss's stacked
+experts transposed to ``[E, out, in]`` and its ``gate_up_proj`` split by parity into gate (even
+rows) and up (odd rows), biases alike, and its sinks named as weights.
 
 tests/models/test_gguf_architectures.py holds these files to the real converter's output
 where llama.cpp's converter is on the machine (tools/llamacpp_build.py fetches it).
@@ -29,6 +31,7 @@ GGUF_ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2",
     "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
+    "GptOssForCausalLM": "gpt-oss",
 }  # fmt: skip
 
 
@@ -181,6 +184,9 @@ def write_metadata(w, config: dict[str, Any]) -> None:
         w.add_vocab_size(config["vocab_size"])
         heads = config["num_attention_heads"]
         w.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    if arch == "gpt-oss":
+        w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size") is not None:
@@ -217,8 +223,28 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return rest
 
 
+def _gpt_oss_experts(name: str, t: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """gpt-oss's stacked ``experts.{gate_up,down}_proj[_bias]`` under the per-projection names
+    the converter maps: weights ``[E, in, out]`` -> ``[E, out, in]``, gate_up's rows (bias
+    entries) split by parity, gate even and up odd."""
+    module, _, tail = name.rpartition(".")
+    kind = "bias" if tail.endswith("_bias") else "weight"
+    if kind == "weight":
+        t = t.swapaxes(-1, -2)
+    if tail.startswith("down_proj"):
+        yield f"{module}.down_proj.{kind}", t
+        return
+    yield f"{module}.gate_proj.{kind}", t[:, 0::2]  # dim 1: the out features, weights or biases
+    yield f"{module}.up_proj.{kind}", t[:, 1::2]
+
+
 def _changed(arch: str, config: dict[str, Any], name: str, t: np.ndarray, folder: Path):
     """One tensor as the converter changes it: yields ``(hf name, array)``."""
+    if arch == "gpt-oss" and ".mlp.experts." in name:
+        yield from _gpt_oss_experts(name, t)
+        return
+    if arch == "gpt-oss" and name.endswith("self_attn.sinks"):
+        name += ".weight"
     if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         t = permute_qk(t, config["num_attention_heads"])
     if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -15,7 +15,9 @@ Checkpoint layout (as transformers loads it): each layer's experts are stacked t
 odd), ``experts.gate_up_proj_bias [E, 2I]`` likewise, ``experts.down_proj [E, I, H]`` and
 ``experts.down_proj_bias [E, H]``; OpenAI's release stores the two projections in MXFP4 instead
 (``<name>_blocks`` and ``<name>_scales``, ``[E, out, ...]``: mxfp4.py), dequantized here at
-load. Both become the fused MoE's layout: gate rows then up rows, ``[out, in]`` per expert.
+load. Both become the fused MoE's layout: gate rows then up rows, ``[out, in]`` per expert. A
+GGUF file's experts come as the loader puts them back (gguf_loader.py): the same stacked names,
+each projection a sequence of per-expert ``[out, in]`` matrices decoded one at a time.
 
 Tensor parallelism: query heads (and their sinks) and KV heads split as Llama's; every expert's
 intermediate features split over the ranks (gate and up rows, down columns, the gate/up bias);
@@ -160,6 +162,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             block = blocks[prefix]
             if suffix == "_bias":
                 block.load_stacked(proj, None, materialize(tensor))
+            elif isinstance(tensor, Sequence):  # each expert's [out, in] (a GGUF's experts)
+                block.load_stacked(proj, tensor, None)
             elif suffix is None:  # [E, in, out], as transformers holds it
                 block.load_stacked(proj, materialize(tensor).transpose(1, 2), None)
             elif suffix in ("_blocks", "_scales"):

@@ -13,6 +13,12 @@ pagedserve dequantizes to the model's dtype at load, on every device: gpt-oss-20
 take ~38 GB in bf16 (one H100 holds them), gpt-oss-120b's ~229 GB do not fit one GPU. A Triton
 GEMM that reads MXFP4 tiles in place is not built yet (docs/gpt_oss.md).
 
+llama.cpp's GGUF files hold the same format as ggml's type ``MXFP4`` (``dequantize_gguf_mxfp4``):
+each 32-weight block is 17 bytes, the scale byte first, then 16 bytes whose byte ``j`` holds
+weight ``j`` in its low nibble and weight ``j + 16`` in its high one (Q4_0's order, not the
+checkpoint's pairs). llama.cpp's converter moves the checkpoint's bits into that layout without
+rounding anything again, so a GGUF's experts decode to the very weights of the release.
+
 ``quantize_mxfp4`` is the inverse, for tests and tools that write such checkpoints.
 """
 
@@ -26,6 +32,8 @@ FP4_E2M1_VALUES = (
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 )  # fmt: skip
 MXFP4_BLOCK = 32  # weights per scale
+GGML_MXFP4 = 39  # ggml's type id for MXFP4 (gguf's GGMLQuantizationType.MXFP4)
+GGML_MXFP4_BLOCK_BYTES = 1 + MXFP4_BLOCK // 2  # the scale, then 32 codes in 16 bytes
 
 
 def dequantize_mxfp4(
@@ -45,6 +53,25 @@ def dequantize_mxfp4(
     exponents = scales.to(torch.int32) - 127
     values = torch.ldexp(values.flatten(-2), exponents[..., None])  # [..., G, 32]
     return values.flatten(-2).to(dtype)
+
+
+def dequantize_gguf_mxfp4(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """GGUF rows of ggml MXFP4 blocks, ``uint8 [N, G * 17]``, -> ``[N, G * 32]`` in ``dtype``.
+
+    Each block's codes are put back in the checkpoint's pairs (code ``2j`` low, ``2j + 1``
+    high) and decoded by ``dequantize_mxfp4``: one definition of the values for both layouts.
+    """
+    n, row_bytes = rows.shape
+    if rows.dtype != torch.uint8 or row_bytes % GGML_MXFP4_BLOCK_BYTES:
+        raise ModelLoadError(
+            f"GGUF MXFP4 rows must be uint8 blocks of {GGML_MXFP4_BLOCK_BYTES} bytes, got "
+            f"{rows.dtype} rows of {row_bytes} bytes"
+        )
+    blocks = rows.reshape(n, -1, GGML_MXFP4_BLOCK_BYTES)
+    scales, packed = blocks[..., 0], blocks[..., 1:]
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # [N, G, 32], in weight order
+    paired = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return dequantize_mxfp4(paired, scales, dtype).reshape(n, -1)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ from pagedserve.models.layers.linear_method import (
     WeightShard,
     loadable_param,
 )
+from pagedserve.models.mxfp4 import GGML_MXFP4, dequantize_gguf_mxfp4
 
 
 class GGUFTensor:
@@ -90,7 +91,12 @@ class GGUFTensor:
         return torch.from_numpy(np.array(self.raw, order="C")).to(device)  # a writable copy
 
     def dequantize(self) -> torch.Tensor:
-        return gguf_dequantize_ref(self.rows(torch.device("cpu")), self.qtype)
+        """The matrix in fp32. MXFP4 (stacked experts only: gguf_config.py) decodes here
+        rather than in pagedserve.kernels, whose types are the ones a GEMM multiplies."""
+        rows = self.rows(torch.device("cpu"))
+        if self.qtype == GGML_MXFP4:
+            return dequantize_gguf_mxfp4(rows, torch.float32)
+        return gguf_dequantize_ref(rows, self.qtype)
 
     read = dequantize
 

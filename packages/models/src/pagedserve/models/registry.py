@@ -132,7 +132,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "attention sinks, alternating 128-token sliding-window and full layers, YaRN; "
         "biased experts with a clamped SwiGLU (fused MoE kernel); MXFP4 experts dequantized "
         "at load",
-        quantized=("mxfp4",),
+        gguf="gpt-oss", quantized=("mxfp4",),
     ),
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", gguf="gpt2",

@@ -26,8 +26,10 @@ def load_tokenizer(model_dir: str):
 
 def _gguf_tokenizer(path):
     """transformers' tokenizer for the file; where transformers reads no config for the
-    file's architecture (DeepSeek's ``deepseek2``) and so refuses the file whole, the same
-    tokenizer built from the ``tokenizer.*`` keys alone, as transformers builds it."""
+    file's architecture (DeepSeek's ``deepseek2``) and so refuses the file whole, or fails to
+    read it (its ``gpt-oss`` reader takes a rope key's length field for its value: a
+    TypeError), the same tokenizer built from the ``tokenizer.*`` keys alone, as transformers
+    builds it."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
@@ -37,6 +39,8 @@ def _gguf_tokenizer(path):
     except ValueError as e:
         if "architecture" not in str(e):
             raise
+    except TypeError:
+        pass
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     arch, tokenizer, tokenizer_config = get_gguf_tokenizer(str(path))
