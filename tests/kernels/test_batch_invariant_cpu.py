@@ -93,3 +93,21 @@ def test_lora_rows_are_the_same_bits_among_other_adapters():
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
     for row in (0, 1, 3, 29):
         assert torch.equal(adapted(slice(row, row + 1)), whole[row : row + 1]), row
+
+
+def test_a_sigmoid_over_whole_vectors_is_a_rows_own_at_any_thread_count():
+    """``on_whole_vectors`` (a router's few scores a token): a token's value is the same bits
+    in a batch of any size, also where torch would cut a large tensor among three threads
+    mid-row and send the end of each share to scalar libm (batch sizes from 513 rows on)."""
+    from pagedserve.models.layers.batch_invariance import on_whole_vectors
+
+    x = torch.randn(3000, 8, generator=torch.Generator().manual_seed(0)) * 4
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([on_whole_vectors(torch.sigmoid, row[None]) for row in x])
+        torch.set_num_threads(3)
+        for rows in (1, 7, 513, 1030, 1063, 1150, 1999, 3000):  # 1030..1150: differed before
+            assert torch.equal(on_whole_vectors(torch.sigmoid, x[:rows]), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(threads)

@@ -141,6 +141,11 @@ def _edited(src: str, dst, config=None, drop: str | None = None, change=None) ->
             {"config": {"modules_to_not_convert": ["gate", "w2"]}},
             r"modules_to_not_convert = \['w2'\]",
         ),
+        (
+            "gptq-act-order-qwen2-moe",
+            {"change": lambda state: state["model.layers.1.mlp.experts.2.up_proj.g_idx"].fill_(9)},
+            r"g_idx holds groups 9\.\.9, but the projection has 2 groups",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v else None,
 )
@@ -178,11 +183,12 @@ def test_a_pre_quantized_gpt2_is_refused_naming_the_architecture(tiny_checkpoint
 
 
 def test_moe_experts_are_held_dequantized_and_the_rest_runs_4_bit(quantized, tmp_path):
-    """AutoAWQ's Mixtral lists its router as not converted: pagedserve never quantizes a
-    router, so that is accepted; the experts load unquantized, attention stays 4-bit."""
+    """AutoAWQ's Mixtral lists its router as not converted (by name or by path): pagedserve
+    never quantizes a router, so that is accepted; the experts load unquantized, attention stays 4-bit."""
     folder = _edited(
-        quantized("awq-g32-mixtral")[0], tmp_path / "q", {"modules_to_not_convert": ["gate"]}
-    )
+        quantized("awq-g32-mixtral")[0], tmp_path / "q",
+        {"modules_to_not_convert": ["gate", "block_sparse_moe.gate"]},
+    )  # fmt: skip
     model = LLM(model=folder, block_size=8, kv_cache_memory=KV).engine.runner.model
     experts = [m.experts for m in model.modules() if hasattr(m, "experts")]
     assert experts and all(e.w13_weight.dtype == torch.float32 for e in experts)

@@ -166,8 +166,8 @@ class PoolingModelRunner(ModelRunner):
         if self.model_config.batch_invariant:
             hidden = hidden.cpu()
         sums = torch.zeros(len(chunks), hidden.shape[1], device=hidden.device)
-        for i, (state, *_) in enumerate(chunks):
-            if state.partial is not None:
+        for i, (state, _, start, _) in enumerate(chunks):
+            if state.partial is not None and start > 0:  # a prompt read again starts afresh
                 sums[i] = state.partial
         counts = torch.tensor([c[3] for c in chunks], device=hidden.device)
         segment = torch.repeat_interleave(torch.arange(len(chunks), device=hidden.device), counts)

@@ -89,6 +89,8 @@ class InterleavedExperts(Sequence):
         return self.count
 
     def __getitem__(self, e: int) -> torch.Tensor:
+        if not 0 <= e < self.count:
+            raise IndexError(f"expert {e} of {self.count}")
         rows = [part.narrow(0, e * self.rows, self.rows).dequantize() for part in self.parts]
         return torch.stack(rows, dim=1).flatten(0, 1)
 

@@ -57,7 +57,8 @@ from pagedserve.models.weights import copy_shard
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds channel AWQ_ORDER[i]
 # Modules a checkpoint may list as left unquantized that pagedserve never quantizes anyway: the
-# LM head, an MoE's router ("gate": AutoAWQ's Mixtral) and Qwen2-MoE's one-output expert gate.
+# LM head, an MoE's router ("gate": AutoAWQ's Mixtral) and Qwen2-MoE's one-output expert gate,
+# matched by a listed name's last part ("gate", "mlp.gate" and "block_sparse_moe.gate" alike).
 NEVER_QUANTIZED = ("lm_head", "gate", "shared_expert_gate")
 GPTQ_ORDER = tuple(range(PACK))
 _SHIFTS = tuple(range(0, 32, 4))
@@ -107,7 +108,8 @@ def parse_int4_config(qc: dict[str, Any]) -> Int4Config:
             )
         if qc.get("zero_point") is False:
             raise ModelLoadError("quantization_config.zero_point = false: AWQ GEMM needs zeros")
-        skipped = [m for m in qc.get("modules_to_not_convert") or [] if m not in NEVER_QUANTIZED]
+        listed = qc.get("modules_to_not_convert") or []
+        skipped = [m for m in listed if m.rsplit(".", 1)[-1] not in NEVER_QUANTIZED]
         if skipped:
             raise ModelLoadError(
                 f"quantization_config.modules_to_not_convert = {skipped}: pagedserve quantizes "
@@ -299,6 +301,11 @@ def dequantize_int4(stored: dict[str, torch.Tensor], config: Int4Config) -> torc
     q, zeros = unpack_int4(stored["qweight"], stored["qzeros"], config)
     if "g_idx" in stored:
         groups = stored["g_idx"].long()
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= zeros.shape[0]):
+            raise ModelLoadError(
+                f"g_idx holds groups {int(groups.min())}..{int(groups.max())}, but the "
+                f"projection has {zeros.shape[0]} groups of zeros ({config.describe()})"
+            )
     else:
         size = q.shape[0] if config.group_size == -1 else config.group_size
         groups = torch.arange(q.shape[0]) // size

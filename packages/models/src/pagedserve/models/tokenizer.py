@@ -39,8 +39,11 @@ def _gguf_tokenizer(path):
     except ValueError as e:
         if "architecture" not in str(e):
             raise
-    except TypeError:
-        pass
+    except TypeError:  # transformers' gpt-oss reader (above); any other TypeError is a bug
+        from pagedserve.models.gguf_config import field, open_gguf
+
+        if field(open_gguf(path), "general.architecture") != "gpt-oss":
+            raise
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     arch, tokenizer, tokenizer_config = get_gguf_tokenizer(str(path))

@@ -29,9 +29,11 @@ earlier small-batch kernel that ran one loop for pairs of rows and another for a
 taken out for breaking exactly that; kernels/test_dense_linear_numba.py checks the property.) Above
 ``MAX_ROWS`` MKL takes over, as it did for every batch before this kernel, except in the
 engine's batch-invariant mode (``--batch-invariant``): there every GEMM of the forward takes
-this kernel at any row count, cut into tiles of ``_ROW_TILE`` rows (tiling the rows and the
-features moves no element out of ``_dot_four_rows``), so that a token's hidden state is the
-same bits in a prefill of 2,000 rows as in a decode of one (docs/batch_invariance.md).
+this kernel at any row count, in its other loop, ``_dot_four_by_four`` (four weight rows at a
+time, the same argument: a partial group repeats its last row or weight row), cut into tiles
+of ``_ROW_TILE`` rows (tiling the rows and the features moves no element out of the loop), so
+that a token's hidden state is the same bits in a prefill of 2,000 rows as in a decode of one
+(docs/batch_invariance.md).
 
 Same contract as ``F.linear(x, weight)`` for fp32 CPU tensors, without bias (``linear`` adds
 it). Sums are reassociated, so results differ from MKL's by float rounding: no less accurate
@@ -132,8 +134,8 @@ def dense_linear_parallel(x, w, out, batch_invariant):  # pragma: no cover - com
     """Tiles of ``_ROW_TILE`` rows x ``_BLOCK`` output features under ``prange``: a decode's
     rows are one row tile, so its tasks are the blocks of features; a prefill's many rows
     are cut so that a tile's rows stay in cache while its features' weight rows take turns.
-    Every element still comes out of ``_dot_four_rows`` (row tiles start at multiples of
-    four), so the tiling changes no bit."""
+    Every element still comes out of the one loop of its mode (row tiles and feature blocks
+    start at multiples of four), so the tiling changes no bit."""
     blocks, row_tiles = w.shape[0] // _BLOCK, -(-x.shape[0] // _ROW_TILE)
     for task in numba.prange(blocks * row_tiles):
         block, tile = task % blocks, task // blocks

@@ -43,9 +43,11 @@ def building_batch_invariant() -> bool:
 
 
 # A row this long (in floats) is whole vectors for torch's CPU elementwise kernels at any vector
-# width up to AVX-512's (their loop takes two vectors at a time), and two threads split a tensor
-# of such rows at a multiple of it.
+# width up to AVX-512's (their loop takes two vectors at a time).
 VECTOR_ROW = 64
+# torch runs an elementwise op of fewer values than this (at::internal::GRAIN_SIZE) in one
+# thread; a larger one is cut among the threads wherever the division falls.
+SERIAL_VALUES = 32768
 
 
 def on_whole_vectors(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +56,10 @@ def on_whole_vectors(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     vectors with vector code and its last elements with scalar libm, which may round one ulp
     differently; in a ``[T, 8]`` router's scores the last tokens of a batch would land on the
     scalar tail and the same tokens in a longer batch would not. Rows padded (with zeros) to a
-    multiple of ``VECTOR_ROW`` all land on vector code (with one or two threads)."""
-    pad = -x.shape[-1] % VECTOR_ROW
-    if not pad:
-        return op(x)
-    return op(F.pad(x, (0, pad)))[..., : x.shape[-1]]
+    multiple of ``VECTOR_ROW`` all land on vector code, and the op runs on slabs of whole rows
+    small enough for one thread (three threads would cut a large tensor mid-row, and the end of
+    each thread's share would take the scalar code again)."""
+    width = x.shape[-1]
+    padded = F.pad(x, (0, -width % VECTOR_ROW))
+    slab = max(1, SERIAL_VALUES // padded.shape[-1])
+    return torch.cat([op(rows) for rows in padded.split(slab)])[..., :width]

@@ -71,6 +71,7 @@ class LatentUpProjection(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         shard = WeightShard(0, self.start, self.rows, self.total_rows, "kv_b_proj")
         load_shard(param, loaded, shard)
+        self._key_absorption = None  # key_absorption's transpose, of the weight before
 
     def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, P, L]`` and ``W_UV [H, V, L]``, views of the weight."""
@@ -79,12 +80,10 @@ class LatentUpProjection(nn.Module):
 
     def key_absorption(self) -> torch.Tensor:
         """``W_UK[h]^T``, ``[H, L, P]`` contiguous: the absorbed query ``q_nope @ W_UK[h]`` as a
-        GEMM against an ``[out, in]`` weight (the batch-invariant GEMM's layout). Transposed once
-        per version of the weight, not per step."""
-        stamp = (self.weight.data_ptr(), self.weight._version)
-        if getattr(self, "_key_absorption_stamp", None) != stamp:
+        GEMM against an ``[out, in]`` weight (the batch-invariant GEMM's layout). Transposed at
+        the first step after the weight is loaded (``weight_loader`` drops it), not per step."""
+        if getattr(self, "_key_absorption", None) is None:
             self._key_absorption = self.per_head()[0].transpose(1, 2).contiguous()
-            self._key_absorption_stamp = stamp
         return self._key_absorption
 
 
