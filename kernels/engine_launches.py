@@ -326,6 +326,15 @@ def spec_decode_launches(m: ModelShape, rows: int, k: int = 3) -> None:
         )
 
 
+def _mxfp4_experts(shape: torch.Size):
+    """Packed experts of ``shape [E, out, in]``: code bytes and scale bytes (kernels/mxfp4.py)."""
+    from pagedserve.kernels.mxfp4 import MXFP4Experts
+
+    e, n, k = shape
+    blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8)
+    return MXFP4Experts(blocks, torch.full((e, n, k // 32), 127, dtype=torch.uint8))
+
+
 def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
     """The two grouped GEMMs (gate_up per token, down per pair with the routing weight) of
     each MoE shape, with routing that leaves some experts empty; gpt-oss's with its biases and
@@ -346,6 +355,10 @@ def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
             )  # fmt: skip
         mods["fused_moe"].fused_moe_triton(x, w13, w2, weights, ids, **extra)
         record(f"{name} {label}")
+        if extra:  # gpt-oss's experts held in MXFP4 (kernels/mxfp4.py), decoded in the tile
+            packed = [_mxfp4_experts(w.shape) for w in (w13, w2)]
+            mods["fused_moe"].fused_moe_triton(x, *packed, weights, ids, **extra)
+            record(f"{name} {label} mxfp4")
 
 
 def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:

@@ -14,6 +14,7 @@ import importlib
 from collections import Counter
 
 import pytest
+import torch
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.models.testing import make_tiny_checkpoint
@@ -149,3 +150,24 @@ def test_structured_outputs_mask_through_the_triton_kernel(tmp_path, monkeypatch
         assert re.fullmatch("[0-9]{2,6}", outputs[0].outputs[0].text)
         assert bool(calls) == (kernels == "triton")
     assert runs["triton"] == runs["ref"]
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_stay_packed_on_the_triton_path(tmp_path, monkeypatch):
+    """OpenAI's MXFP4 gpt-oss: on the Triton path the experts are held as their code and scale
+    bytes and decoded in fused_moe's tiles; on the reference path they are dequantized at
+    load. Both generate the same tokens."""
+    from pagedserve.models.gpt_oss import GptOssMoeBlock
+    from pagedserve.models.testing import make_mxfp4_checkpoint
+
+    source = make_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
+    path = str(make_mxfp4_checkpoint(source, tmp_path / "mxfp4"))
+    calls = _count_calls(monkeypatch)
+    reference = _generate(path, monkeypatch, "ref")
+    triton = _generate(path, monkeypatch, "triton")
+    assert set(calls) == EXPECTED["gpt_oss"]
+    assert triton == reference
+    model = LLM(model=path, block_size=8).engine.runner.model  # still on the Triton path
+    blocks = [m for m in model.modules() if isinstance(m, GptOssMoeBlock)]
+    assert blocks and all(b.packed and not hasattr(b.experts, "w13_weight") for b in blocks)
+    assert all(b.experts.w13_blocks.dtype == torch.uint8 for b in blocks)

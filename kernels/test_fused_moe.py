@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from suite_grid import DEVICE, DTYPES, pick
 from tolerances import assert_close
 
-from pagedserve.kernels.fused_moe import fused_moe_ref, moe_align
+from pagedserve.kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_align
+from pagedserve.kernels.mxfp4 import MXFP4Experts, dequantize_mxfp4_ref
 
 contract = pytest.mark.contract("fused_moe")
 
@@ -140,3 +141,34 @@ def test_reference_with_biases_and_clamped_swiglu_matches_the_specification():
     options = dict(activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=2.0, **biases)
     expect = spec(*args, biases["w13_bias"], biases["w2_bias"], oai=(1.702, 2.0))
     assert_close(fused_moe_ref(*args, **options), expect)
+
+
+def mxfp4_experts(n_experts: int, rows: int, cols: int, gen) -> MXFP4Experts:
+    """Random MXFP4 experts: every code byte, scales 2^-9 .. 2^0 (a real checkpoint's range)."""
+    blocks = torch.randint(0, 256, (n_experts, rows, cols // 32, 16), generator=gen)
+    scales = torch.randint(118, 128, (n_experts, rows, cols // 32), generator=gen)
+    return MXFP4Experts(blocks.to(torch.uint8).to(DEVICE), scales.to(torch.uint8).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mxfp4_experts_are_decoded_in_the_tile(dtype):
+    """gpt-oss's experts held packed (kernels/mxfp4.py), with their biases and clamped SwiGLU:
+    the grouped GEMMs decode codes and scales in registers and equal the specification on the
+    decoded weights; so does the reference, which decodes the experts it needs."""
+    gen = torch.Generator().manual_seed(5)
+    n_experts, hidden, inter = 8, 32, 64  # the inputs of both projections in blocks of 32
+    x = torch.randn(pick(19, 200), hidden, generator=gen).to(dtype).to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in routing(x.shape[0], n_experts, 2, True, gen))
+    w13 = mxfp4_experts(n_experts, 2 * inter, hidden, gen)
+    w2 = mxfp4_experts(n_experts, hidden, inter, gen)
+    biases = dict(
+        w13_bias=torch.randn(n_experts, 2 * inter, generator=gen).to(dtype).to(DEVICE),
+        w2_bias=torch.randn(n_experts, hidden, generator=gen).to(dtype).to(DEVICE),
+    )
+    options = dict(activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=2.0, **biases)
+    decoded = [dequantize_mxfp4_ref(w.blocks, w.scales, dtype).cpu() for w in (w13, w2)]
+    cpu = [t.cpu() for t in (x, weights, ids, biases["w13_bias"], biases["w2_bias"])]
+    expect = spec(cpu[0], *decoded, *cpu[1:], oai=(1.702, 2.0)).to(DEVICE)
+    assert_close(fused_moe_triton(x, w13, w2, weights, ids, **options), expect)
+    if dtype == torch.float32:  # the reference keeps the first projection in fp32, the spec not
+        assert_close(fused_moe_ref(x, w13, w2, weights, ids, **options), expect)

@@ -30,22 +30,25 @@ import triton.language as tl
 
 from pagedserve.kernels.dispatch import is_cuda, use_triton
 from pagedserve.kernels.linear import linear
+from pagedserve.kernels.mxfp4 import MXFP4Experts, decode_mxfp4
 from pagedserve.kernels.silu_and_mul import silu_and_mul
 from pagedserve.kernels.swigluoai_and_mul import swigluoai_and_mul, swigluoai_and_mul_ref
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_weights_ptr,
-    num_pairs, n_out, k_in, a_row_stride, w_expert_stride, w_row_stride, bias_expert_stride,
-    out_row_stride,
+    a_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+    pair_weights_ptr, num_pairs, n_out, k_in, a_row_stride, w_expert_stride, w_row_stride,
+    scales_expert_stride, scales_row_stride, bias_expert_stride, out_row_stride,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, W_MXFP4: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M sorted (token, slot) pairs of one expert x BLOCK_N outputs.
     ``out[pair] = (A[row] @ W[e]^T (+ bias[e])) (* weight[pair])``; A's row is the pair's
-    token (``A_PER_TOKEN``, the first projection) or the pair itself (the second)."""
+    token (``A_PER_TOKEN``, the first projection) or the pair itself (the second). ``W_MXFP4``:
+    W is MXFP4 (mxfp4.py): ``w_ptr`` its code bytes (two a byte along the inputs),
+    ``scales_ptr`` a scale byte per 32 inputs, decoded into the tile in registers."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -65,10 +68,18 @@ def _grouped_gemm_kernel(
                 a_ptr + a_row[:, None] * a_row_stride + ks[None, :],
                 mask=valid[:, None] & k_ok[None, :], other=0.0,
             )  # fmt: skip
-            w = tl.load(
-                w_base + cols[None, :] * w_row_stride + ks[:, None],
-                mask=col_ok[None, :] & k_ok[:, None], other=0.0,
-            )  # fmt: skip
+            w_ok = col_ok[None, :] & k_ok[:, None]
+            if W_MXFP4:
+                byte = tl.load(w_base + cols[None, :] * w_row_stride + ks[:, None] // 2, mask=w_ok)
+                scale = tl.load(
+                    scales_ptr + expert.to(tl.int64) * scales_expert_stride
+                    + cols[None, :] * scales_row_stride + ks[:, None] // 32, mask=w_ok,
+                )  # fmt: skip
+                w = tl.where(w_ok, decode_mxfp4(byte, scale, ks[:, None]), 0.0).to(a.dtype)
+            else:
+                w = tl.load(
+                    w_base + cols[None, :] * w_row_stride + ks[:, None], mask=w_ok, other=0.0
+                )
             if DOT_FP32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
@@ -124,12 +135,16 @@ def _grouped_gemm(a, w, bias, sorted_ids, block_expert, weights, top_k, per_toke
     block_n = max(16, min(64, triton.next_power_of_2(n_out)))  # tl.dot needs >= 16
     block_k = max(16, min(32 if dot_fp32 else 64, triton.next_power_of_2(k_in)))
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    mxfp4 = isinstance(w, MXFP4Experts)
+    # MXFP4: the code bytes (w's strides in bytes, two inputs a byte) and the scale bytes
+    data, scales = (w.blocks, w.scales) if mxfp4 else (w, out)
     _grouped_gemm_kernel[grid](
-        a, w, out if bias is None else bias, out, sorted_ids, block_expert, weights, num_pairs,
-        n_out, k_in, a.stride(0), w.stride(0), w.stride(1),
+        a, data, scales, out if bias is None else bias, out, sorted_ids, block_expert, weights,
+        num_pairs, n_out, k_in, a.stride(0), data.stride(0), data.stride(1),
+        scales.stride(0) if mxfp4 else 0, scales.stride(1) if mxfp4 else 0,
         0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, A_PER_TOKEN=per_token, MUL_WEIGHT=not per_token, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_MXFP4=mxfp4,
     )  # fmt: skip
     return out
 
@@ -177,7 +192,7 @@ def fused_moe_triton(
     if n_tokens == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
+    w13, w2 = (w if isinstance(w, MXFP4Experts) else w.contiguous() for w in (w13, w2))
     sorted_ids, block_expert = moe_align(topk_ids, w13.shape[0], block_m)
     weights = topk_weights.flatten().to(torch.float32).contiguous()
     pairs = (sorted_ids, block_expert, weights, top_k)

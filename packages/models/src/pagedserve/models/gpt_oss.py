@@ -33,15 +33,17 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import fused_moe
+from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.kernels.mxfp4 import MXFP4Experts
 from pagedserve.models.config import ModelConfig, ModelLoadError
 from pagedserve.models.layers.attention import PagedAttention
 from pagedserve.models.layers.linear_method import WeightShard, load_shard, loadable_param
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.models.moe import SparseMoeBlock
 from pagedserve.models.moe_routing import TopKSoftmaxRouter
-from pagedserve.models.mxfp4 import dequantize_mxfp4
+from pagedserve.models.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from pagedserve.models.parallel import ParallelContext
-from pagedserve.models.weights import materialize
+from pagedserve.models.weights import copy_shard, materialize
 
 # model.layers.{i}.mlp.experts.{gate_up_proj|down_proj}[_bias|_blocks|_scales]
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(_\w+)?$")
@@ -69,23 +71,57 @@ class GptOssAttention(LlamaAttention):
 
 class GptOssMoeBlock(SparseMoeBlock):
     """The router, and experts with biases and the clamped SwiGLU, over the fused MoE kernel.
-    Loads the checkpoint's stacked expert tensors (``load_stacked``)."""
+    Loads the checkpoint's stacked expert tensors (``load_stacked``), or with ``packed`` holds
+    an MXFP4 checkpoint's experts as they are stored (``load_packed``; see ``holds_mxfp4``)."""
 
-    def __init__(self, swiglu_alpha: float, swiglu_limit: float, **block_args) -> None:
-        super().__init__(**block_args)
-        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
+    def __init__(
+        self, swiglu_alpha: float, swiglu_limit: float, packed: bool = False, **block_args
+    ) -> None:
+        super().__init__(expert_weights=not packed, **block_args)
+        self.swiglu_alpha, self.swiglu_limit, self.packed = swiglu_alpha, swiglu_limit, packed
         n_experts, hidden, dtype = self.num_experts, block_args["hidden_size"], block_args["dtype"]
+        if packed:
+            self._packed_parameters(n_experts, hidden)
         for name, shape in (("w13_bias", (n_experts, 2 * self.inter_per_rank)),
                             ("w2_bias", (n_experts, hidden))):  # fmt: skip
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             param.loaded_elsewhere = True  # type: ignore[attr-defined]  # by load_stacked
             setattr(self.experts, name, param)
 
+    def _packed_parameters(self, n_experts: int, hidden: int) -> None:
+        """uint8 code and scale bytes of both projections, ``[E, out, in / 32, 16]`` and
+        ``[E, out, in / 32]`` (gate rows then up rows in w13)."""
+        inter = self.inter_per_rank
+        if hidden % MXFP4_BLOCK or inter % MXFP4_BLOCK:
+            raise ModelLoadError(f"MXFP4 experts need sizes in blocks of 32: {hidden}, {inter}")
+        for name, (out, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+            for suffix, shape in (("blocks", (out, k // 32, 16)), ("scales", (out, k // 32))):
+                data = torch.empty((n_experts, *shape), dtype=torch.uint8)
+                param = nn.Parameter(data, requires_grad=False)
+                param.loaded_elsewhere = True  # type: ignore[attr-defined]  # by load_packed
+                setattr(self.experts, f"{name}_{suffix}", param)
+
+    def expert_weights(self) -> tuple:
+        """(w13, w2) as fused_moe takes them: tensors, or packed MXFP4Experts."""
+        e = self.experts
+        if self.packed:
+            return MXFP4Experts(e.w13_blocks, e.w13_scales), MXFP4Experts(e.w2_blocks, e.w2_scales)
+        return e.w13_weight, e.w2_weight
+
+    def load_packed(self, proj: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """OpenAI's MXFP4 ``proj`` as stored, gate_up's interleaved rows put gate then up."""
+        name, parts = ("w13", (0, 1)) if proj == "gate_up_proj" else ("w2", (2,))
+        for suffix, tensor in (("blocks", blocks), ("scales", scales)):
+            if proj == "gate_up_proj":
+                tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+            copy_shard(getattr(self.experts, f"{name}_{suffix}").data, tensor, f"{proj} {suffix}")
+        self._loaded.update((e, part) for e in range(self.num_experts) for part in parts)
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         experts = self.experts
         return fused_moe(
-            x, experts.w13_weight, experts.w2_weight, weights, ids, w13_bias=experts.w13_bias,
+            x, *self.expert_weights(), weights, ids, w13_bias=experts.w13_bias,
             w2_bias=experts.w2_bias, activation="swigluoai", swiglu_alpha=self.swiglu_alpha,
             swiglu_limit=self.swiglu_limit, batch_invariant=self.batch_invariant,
         )  # fmt: skip
@@ -130,10 +166,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
         c = config.hf_config
         experts, top_k = int(c["num_local_experts"]), int(c["num_experts_per_tok"])
 
+        packed = holds_mxfp4(config, par)
+
         def build(i: int) -> GptOssMoeBlock:
             router = TopKSoftmaxRouter(experts, top_k, config.hidden_size, config.torch_dtype)
             return GptOssMoeBlock(
-                float(c.get("swiglu_alpha", 1.702)), float(c.get("swiglu_limit", 7.0)),
+                float(c.get("swiglu_alpha", 1.702)), float(c.get("swiglu_limit", 7.0)), packed,
                 num_experts=experts, top_k=top_k, hidden_size=config.hidden_size,
                 intermediate_size=int(c["intermediate_size"]), renormalize=False,
                 dtype=config.torch_dtype, all_reduce=par.all_reduce, gate=router,
@@ -169,7 +207,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
             elif suffix in ("_blocks", "_scales"):
                 parts = pending.setdefault((prefix, proj), {})
                 parts[suffix] = materialize(tensor)
-                if len(parts) == 2:
+                if len(parts) == 2 and block.packed:
+                    del pending[(prefix, proj)]
+                    block.load_packed(proj, parts["_blocks"], parts["_scales"])
+                elif len(parts) == 2:
                     del pending[(prefix, proj)]
                     dtype = block.experts.w13_weight.dtype
                     block.load_stacked(proj, DequantizedExperts(parts, dtype), None)
@@ -179,6 +220,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
             raise ModelLoadError(f"MXFP4 blocks without their scales (or scales alone): {pending}")
         for name, block in blocks.items():
             block.check_loaded(name)
+
+
+def holds_mxfp4(config: ModelConfig, par: ParallelContext) -> bool:
+    """Whether the experts stay MXFP4 in memory (a quarter of their bf16 bytes: gpt-oss-120b's
+    ~61 GB): an MXFP4 checkpoint, served by the Triton kernels (a GPU; fused_moe decodes the
+    codes in its tiles, kernels/mxfp4.py), on one rank (a packed expert is not split over ranks
+    yet). Elsewhere the experts are dequantized at load."""
+    qc = config.hf_config.get("quantization_config") or {}
+    path = kernel_path(torch.empty(0, device=config.torch_device))
+    return qc.get("quant_method") == "mxfp4" and par.tp_size == 1 and path == "triton"
 
 
 class DequantizedExperts(Sequence):

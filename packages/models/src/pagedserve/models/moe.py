@@ -56,7 +56,10 @@ class SparseMoeBlock(nn.Module):
         tp_size: int = 1,
         all_reduce=None,
         gate: nn.Module | None = None,
+        expert_weights: bool = True,
     ) -> None:
+        """``expert_weights`` False: the experts' weights are the subclass's to hold (gpt-oss's
+        packed MXFP4), none allocated here."""
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"expert size {intermediate_size} is not divisible by {tp_size}")
@@ -65,12 +68,13 @@ class SparseMoeBlock(nn.Module):
         self.tp_rank, self.tp_size, self.all_reduce = tp_rank, tp_size, all_reduce
         self.gate = gate or SoftmaxTopKRouter(num_experts, top_k, hidden_size, renormalize, dtype)
         shape13 = (num_experts, 2 * self.inter_per_rank, hidden_size)
-        self.experts = nn.Module()
-        self.experts.w13_weight = loadable_param(shape13, dtype, self.load_expert)
         shape2 = (num_experts, hidden_size, self.inter_per_rank)
-        self.experts.w2_weight = loadable_param(shape2, dtype, self.load_expert)
-        for param in (self.experts.w13_weight, self.experts.w2_weight):
-            param.loaded_elsewhere = True  # type: ignore[attr-defined]  # check_loaded checks
+        self.experts = nn.Module()
+        if expert_weights:
+            self.experts.w13_weight = loadable_param(shape13, dtype, self.load_expert)
+            self.experts.w2_weight = loadable_param(shape2, dtype, self.load_expert)
+            for param in (self.experts.w13_weight, self.experts.w2_weight):
+                param.loaded_elsewhere = True  # type: ignore[attr-defined]  # check_loaded
         self._loaded: set[tuple[int, int]] = set()
         self.batch_invariant = building_batch_invariant()
 

@@ -1,5 +1,5 @@
 """MXFP4 weights (the OCP microscaling 4-bit float format), as gpt-oss's checkpoints store their
-experts; dequantized at load.
+experts; dequantized at load, or held packed on a GPU.
 
 A block of 32 consecutive weights along a row's input features shares one scale, an E8M0
 byte: the power of two ``2 ** (byte - 127)``. Each weight is an FP4 E2M1 code (a sign, two
@@ -9,9 +9,10 @@ byte, the low nibble first. gpt-oss stores, per projection of every expert, ``<n
 (uint8), its quantization_config naming ``quant_method: "mxfp4"``; transformers dequantizes
 them the same way when it runs without the MXFP4 kernels (``Mxfp4Dequantize``).
 
-pagedserve dequantizes to the model's dtype at load, on every device: gpt-oss-20b's experts
-take ~38 GB in bf16 (one H100 holds them), gpt-oss-120b's ~229 GB do not fit one GPU. A Triton
-GEMM that reads MXFP4 tiles in place is not built yet (docs/gpt_oss.md).
+On the Triton kernels (a GPU) and one rank, pagedserve keeps the experts as stored and
+fused_moe decodes each tile in registers (kernels/mxfp4.py; gpt_oss.holds_mxfp4): gpt-oss-120b's
+experts take ~61 GB. Elsewhere (a CPU, several ranks, a GGUF's experts) it dequantizes to the
+model's dtype at load (here): gpt-oss-20b's experts take ~38 GB in bf16, 120b's ~229 GB.
 
 llama.cpp's GGUF files hold the same format as ggml's type ``MXFP4`` (``dequantize_gguf_mxfp4``):
 each 32-weight block is 17 bytes, the scale byte first, then 16 bytes whose byte ``j`` holds
@@ -26,12 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.mxfp4 import FP4_E2M1_VALUES, MXFP4_BLOCK, dequantize_mxfp4_ref
 from pagedserve.models.config import ModelLoadError
 
-FP4_E2M1_VALUES = (
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-)  # fmt: skip
-MXFP4_BLOCK = 32  # weights per scale
 GGML_MXFP4 = 39  # ggml's type id for MXFP4 (gguf's GGMLQuantizationType.MXFP4)
 GGML_MXFP4_BLOCK_BYTES = 1 + MXFP4_BLOCK // 2  # the scale, then 32 codes in 16 bytes
 
@@ -47,12 +45,7 @@ def dequantize_mxfp4(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: "
             f"expected blocks [..., G, {MXFP4_BLOCK // 2}] beside scales [..., G]"
         )
-    codes = blocks.to(torch.uint8)
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1)
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(values.flatten(-2), exponents[..., None])  # [..., G, 32]
-    return values.flatten(-2).to(dtype)
+    return dequantize_mxfp4_ref(blocks, scales, dtype)
 
 
 def dequantize_gguf_mxfp4(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
