@@ -21,7 +21,11 @@ import numpy as np
 import pytest
 import torch
 from test_gguf_architectures import CASES, weights_decoded
-from test_quantization import prompt_token_logprobs, transformers_token_logprobs
+from test_quantization import (
+    assert_two_ranks_serve_as_one_process,
+    prompt_token_logprobs,
+    transformers_token_logprobs,
+)
 from transformers import AutoModelForCausalLM
 
 from pagedserve.engine import LLM, SamplingParams
@@ -126,3 +130,12 @@ def test_a_dense_mxfp4_layer_is_refused_by_name(tiny_checkpoint, tmp_path):
     path = write_gguf(tiny_checkpoint("gpt_oss", **DESCRIBABLE), tmp_path / "q.gguf", recipe)
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.attn_q\.weight' is of type MXFP4"):
         ModelConfig(model=str(path))
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_the_file_as_one_process(tiny_checkpoint, tmp_path):
+    """The file's experts (decoded one at a time) split over two ranks as the folder's are:
+    each rank's intermediate features of gate, up and down, the down bias on rank 0."""
+    folder = tiny_checkpoint("gpt_oss", **DESCRIBABLE)
+    path = write_gguf(folder, tmp_path / "m.gguf", mxfp4_experts_q8_0_dense)
+    assert_two_ranks_serve_as_one_process(str(path), LONG, block_size=8, kv_cache_memory=1 << 22)
