@@ -69,7 +69,8 @@ class EngineArgs:
     num_cpu_threads: int | None = option(
         None,
         "threads of the CPU work (torch's pool; numba's attention follows it, up to "
-        "NUMBA_NUM_THREADS); default: OMP_NUM_THREADS, else every core",
+        "NUMBA_NUM_THREADS); default: OMP_NUM_THREADS, else every core the process may use "
+        "(its CPU affinity, capped by its cgroup's CPU quota)",
     )
     seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
     max_model_len: int | None = option(
