@@ -8,7 +8,9 @@ where the rest of the model does.
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -141,6 +143,24 @@ def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, An
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+# The layers of a model (and models in one process) with the same rotary settings share one
+# cos/sin cache: each layer holding its own would take ``[max_position, rotary_dim]`` fp32 per
+# layer (SmolLM2's 30 layers: 60 MB; a 128K-position, 32-layer model: 2 GB). Held weakly, so
+# the last model using a cache frees it. Nothing writes into a cache once built.
+_SHARED_CACHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]):
+    """``build_cos_sin_cache``'s tensor on the current default device, built once per setting."""
+    device = torch.get_default_device()
+    key = (rotary_dim, max_position, json.dumps(params, sort_keys=True, default=str), str(device))
+    cache = _SHARED_CACHES.get(key)
+    if cache is None:
+        cache = build_cos_sin_cache(rotary_dim, max_position, params)
+        _SHARED_CACHES[key] = cache
+    return cache
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key at the given positions (neox / rotate-half style)."""
 
@@ -151,9 +171,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.is_neox = is_neox
         rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
-        self.register_buffer(
-            "cos_sin_cache", build_cos_sin_cache(rotary_dim, max_position, params), persistent=False
-        )
+        cache = shared_cos_sin_cache(rotary_dim, max_position, params)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         return rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
