@@ -34,8 +34,8 @@ def set_cpu_threads(num_threads: int | None) -> int:
         if num_threads < 1:
             raise ValueError(f"num_cpu_threads must be >= 1, got {num_threads}")
         torch.set_num_threads(num_threads)
-    elif "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > available_cpus():
-        torch.set_num_threads(available_cpus())
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
     threads = torch.get_num_threads()
     try:
         import numba

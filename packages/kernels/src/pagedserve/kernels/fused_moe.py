@@ -136,12 +136,13 @@ def _grouped_gemm(a, w, bias, sorted_ids, block_expert, weights, top_k, per_toke
     block_k = max(16, min(32 if dot_fp32 else 64, triton.next_power_of_2(k_in)))
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
     mxfp4 = isinstance(w, MXFP4Experts)
-    # MXFP4: the code bytes (w's strides in bytes, two inputs a byte) and the scale bytes
+    # MXFP4: the code bytes (strides in bytes, two inputs a byte), then the scale bytes;
+    # otherwise the weight, and ``out`` standing in for the scales (never read)
     data, scales = (w.blocks, w.scales) if mxfp4 else (w, out)
     _grouped_gemm_kernel[grid](
         a, data, scales, out if bias is None else bias, out, sorted_ids, block_expert, weights,
         num_pairs, n_out, k_in, a.stride(0), data.stride(0), data.stride(1),
-        scales.stride(0) if mxfp4 else 0, scales.stride(1) if mxfp4 else 0,
+        *(scales.stride()[:2] if mxfp4 else (0, 0)),
         0 if bias is None else bias.stride(0), out.stride(0),
         TOP_K=top_k, A_PER_TOKEN=per_token, MUL_WEIGHT=not per_token, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_MXFP4=mxfp4,

@@ -41,7 +41,8 @@ def dequantize_mxfp4_ref(blocks: torch.Tensor, scales: torch.Tensor, dtype: torc
 class MXFP4Experts:
     """A layer's experts' projection in MXFP4: ``blocks [E, out, in / 32, 16]`` and ``scales
     [E, out, in / 32]`` (uint8, contiguous). ``shape`` is the weight's, ``[E, out, in]``;
-    ``experts[e]`` decodes one expert's ``[out, in]`` in fp32 (the reference's use)."""
+    ``experts[e]`` decodes one expert's ``[out, in]`` in fp32 (the reference's use, and a
+    model's that loads its experts dequantized)."""
 
     blocks: torch.Tensor
     scales: torch.Tensor
@@ -61,6 +62,9 @@ class MXFP4Experts:
     def shape(self) -> torch.Size:
         e, n, g, _ = self.blocks.shape
         return torch.Size((e, n, g * MXFP4_BLOCK))
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantize_mxfp4_ref(self.blocks[expert], self.scales[expert], torch.float32)

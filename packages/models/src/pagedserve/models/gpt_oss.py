@@ -41,7 +41,7 @@ from pagedserve.models.layers.linear_method import WeightShard, load_shard, load
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.models.moe import SparseMoeBlock
 from pagedserve.models.moe_routing import TopKSoftmaxRouter
-from pagedserve.models.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
+from pagedserve.models.mxfp4 import MXFP4_BLOCK
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.weights import copy_shard, materialize
 
@@ -108,10 +108,16 @@ class GptOssMoeBlock(SparseMoeBlock):
             return MXFP4Experts(e.w13_blocks, e.w13_scales), MXFP4Experts(e.w2_blocks, e.w2_scales)
         return e.w13_weight, e.w2_weight
 
-    def load_packed(self, proj: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
-        """OpenAI's MXFP4 ``proj`` as stored, gate_up's interleaved rows put gate then up."""
+    def load_mxfp4(self, proj: str, experts: MXFP4Experts) -> None:
+        """OpenAI's MXFP4 ``proj``: held as stored when the block is ``packed``, else each
+        expert dequantized as the loader asks for it (a layer's experts decoded at once would
+        take gigabytes)."""
+        if not self.packed:
+            self.load_stacked(proj, experts, None)
+            return
         name, parts = ("w13", (0, 1)) if proj == "gate_up_proj" else ("w2", (2,))
-        for suffix, tensor in (("blocks", blocks), ("scales", scales)):
+        for suffix, tensor in (("blocks", experts.blocks), ("scales", experts.scales)):
+            # gate_up's interleaved rows put gate then up, as the fused MoE reads w13
             if proj == "gate_up_proj":
                 tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
             copy_shard(getattr(self.experts, f"{name}_{suffix}").data, tensor, f"{proj} {suffix}")
@@ -185,7 +191,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def _experts_loaded(self, weights: Iterable) -> Iterator:
         """Load each layer's stacked expert tensors into its block (MXFP4 blocks and scales
-        paired, then dequantized); yield every other tensor under our module names."""
+        paired first); yield every other tensor under our module names."""
         blocks = {n: m for n, m in self.named_modules() if isinstance(m, GptOssMoeBlock)}
         pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
@@ -207,13 +213,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
             elif suffix in ("_blocks", "_scales"):
                 parts = pending.setdefault((prefix, proj), {})
                 parts[suffix] = materialize(tensor)
-                if len(parts) == 2 and block.packed:
+                if len(parts) == 2:
                     del pending[(prefix, proj)]
-                    block.load_packed(proj, parts["_blocks"], parts["_scales"])
-                elif len(parts) == 2:
-                    del pending[(prefix, proj)]
-                    dtype = block.experts.w13_weight.dtype
-                    block.load_stacked(proj, DequantizedExperts(parts, dtype), None)
+                    block.load_mxfp4(proj, _mxfp4_experts(f"{prefix}.experts.{proj}", parts))
             else:
                 raise ModelLoadError(f"checkpoint tensor {name!r}: unknown expert tensor")
         if pending:
@@ -232,17 +234,9 @@ def holds_mxfp4(config: ModelConfig, par: ParallelContext) -> bool:
     return qc.get("quant_method") == "mxfp4" and par.tp_size == 1 and path == "triton"
 
 
-class DequantizedExperts(Sequence):
-    """A layer's MXFP4 experts, ``[out, in]`` in ``dtype`` each, dequantized one expert at a
-    time as the loader asks for it (a layer's experts in fp32 at once would take gigabytes):
-    ``parts``: the checkpoint's ``_blocks [E, out, in / 32, 16]`` and ``_scales [E, out,
-    in / 32]``."""
-
-    def __init__(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        self.blocks, self.scales, self.dtype = parts["_blocks"], parts["_scales"], dtype
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, expert):
-        return dequantize_mxfp4(self.blocks[expert], self.scales[expert], self.dtype)
+def _mxfp4_experts(name: str, parts: dict[str, torch.Tensor]) -> MXFP4Experts:
+    """A projection's ``_blocks`` and ``_scales``, or a ModelLoadError naming it."""
+    try:
+        return MXFP4Experts(parts["_blocks"], parts["_scales"])
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from e

@@ -164,8 +164,8 @@ def split_expert_weights(model: nn.Module, weights):
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
     int4_experts = Int4Experts.of(getattr(model, "config", None))
     for name, tensor in weights:
-        if int4_experts is not None and EXPERT_PART.match(name):
-            if (dequantized := int4_experts.take(name, tensor)) is None:
+        if int4_experts is not None and (part_name := EXPERT_PART.match(name)):
+            if (dequantized := int4_experts.take(part_name, tensor)) is None:
                 continue
             name, tensor = dequantized
         match = EXPERT_NAME.match(name)

@@ -48,11 +48,10 @@ class Int4Experts:
             return None
         return cls(parse_int4_config(qc))
 
-    def take(self, name: str, tensor) -> tuple[str, torch.Tensor] | None:
-        """``name`` (matched by ``EXPERT_PART``) kept; ``(the projection's weight name, its
-        fp32 weight)`` when it was the projection's last missing part, else None."""
-        match = EXPERT_PART.match(name)
-        projection, part = match.group(1), match.group(2)
+    def take(self, part_name: re.Match, tensor) -> tuple[str, torch.Tensor] | None:
+        """The tensor ``part_name`` (an ``EXPERT_PART`` match) names, kept; ``(the projection's
+        weight name, its fp32 weight)`` when it was the projection's last missing part."""
+        projection, part = part_name.group(1), part_name.group(2)
         parts = self.pending.setdefault(projection, {})
         parts[part] = tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
         if not self.parts <= parts.keys():

@@ -67,6 +67,7 @@ class LatentUpProjection(nn.Module):
         self.rows, self.total_rows = self.num_heads * rows_per_head, num_heads * rows_per_head
         self.start = tp_rank * self.rows  # this rank's heads' rows, in the checkpoint tensor
         self.weight = loadable_param((self.rows, kv_lora_rank), dtype, self.weight_loader)
+        self._key_absorption: torch.Tensor | None = None  # key_absorption's, once asked for
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         shard = WeightShard(0, self.start, self.rows, self.total_rows, "kv_b_proj")
@@ -82,7 +83,7 @@ class LatentUpProjection(nn.Module):
         """``W_UK[h]^T``, ``[H, L, P]`` contiguous: the absorbed query ``q_nope @ W_UK[h]`` as a
         GEMM against an ``[out, in]`` weight (the batch-invariant GEMM's layout). Transposed at
         the first step after the weight is loaded (``weight_loader`` drops it), not per step."""
-        if getattr(self, "_key_absorption", None) is None:
+        if self._key_absorption is None:
             self._key_absorption = self.per_head()[0].transpose(1, 2).contiguous()
         return self._key_absorption
 
