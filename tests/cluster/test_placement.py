@@ -53,6 +53,14 @@ def test_a_replica_bigger_than_every_node_is_named_with_what_the_nodes_have():
     )
     wide = schema(chat(engine={"model": "/m", "tensor_parallel_size": 2}, torch_threads=2))
     assert "a replica needs {CPU: 4}" in placement_problems(wide, two_nodes)[0]
+    # a pipeline's ranks are the replica's worker processes (mp): all reserved by the replica
+    staged = {"model": "/m", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    assert (
+        "a replica needs {CPU: 4}" in placement_problems(schema(chat(engine=staged)), two_nodes)[0]
+    )
+    # placed by Ray instead: the replica is rank 0 alone; its workers reserve their own bundles
+    on_ray = schema(chat(engine={**staged, "distributed_executor_backend": "ray"}))
+    assert placement_problems(on_ray, two_nodes) == []
 
 
 def test_the_demand_counts_every_application_and_the_replicas_each_starts_with():

@@ -1,12 +1,16 @@
-"""``pagedserve serve --tensor-parallel-size 2``: a real server whose engine holds rank 0 and
-starts one worker process; the official openai client gets the single-process greedy answers,
-and when the server stops (SIGTERM) its worker goes with it."""
+"""``pagedserve serve --tensor-parallel-size 2`` (and ``--pipeline-parallel-size 2``): a real
+server whose engine holds rank 0 and starts one worker process; the official openai client gets
+the single-process greedy answers, and when the server stops (SIGTERM) its worker goes with it;
+when the worker dies, the engine is dead and the server says so with 503s."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -51,24 +55,32 @@ def _gone(pid: int, timeout: float) -> bool:
     return False
 
 
-def test_server_with_two_ranks_answers_the_openai_client(tiny_checkpoint):
-    path = tiny_checkpoint("llama")
+def _one_process_answers(path: str) -> tuple[str, str]:
+    """The greedy completion of PROMPT and chat answer to MESSAGES, offline, one process."""
     offline = LLM(model=path, **ENGINE_ARGS)
     greedy = SamplingParams(temperature=0, max_tokens=16)
-    expected_completion = offline.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text
-    expected_chat = offline.chat(MESSAGES, greedy, use_tqdm=False)[0].outputs[0].text
-    del offline
+    completion = offline.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text
+    return completion, offline.chat(MESSAGES, greedy, use_tqdm=False)[0].outputs[0].text
 
-    args = ("--tensor-parallel-size", "2", "--served-model-name", NAME)
-    args += ("--max-model-len", "512", "--kv-cache-memory", "4MiB")
-    with live_server(path, *args) as server:
+
+def _serve_args(parallel_flag: str) -> tuple[str, ...]:
+    return (parallel_flag, "2", "--served-model-name", NAME, "--max-model-len", "512",
+            "--kv-cache-memory", "4MiB")  # fmt: skip
+
+
+def _complete(client: openai.OpenAI) -> str:
+    completion = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0)
+    return completion.choices[0].text
+
+
+def test_server_with_two_ranks_answers_the_openai_client(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    expected_completion, expected_chat = _one_process_answers(path)
+    with live_server(path, *_serve_args("--tensor-parallel-size")) as server:
         workers = _worker_pids(server.process.pid)
         assert len(workers) == 1, server.log()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        completion = client.completions.create(
-            model=NAME, prompt=PROMPT, max_tokens=16, temperature=0
-        )
-        assert completion.choices[0].text == expected_completion
+        assert _complete(client) == expected_completion
         stream = client.chat.completions.create(
             model=NAME, messages=MESSAGES, max_tokens=16, temperature=0, stream=True
         )
@@ -77,3 +89,24 @@ def test_server_with_two_ranks_answers_the_openai_client(tiny_checkpoint):
         server.terminate()
         assert server.process.wait(timeout=60) == 0, server.log()
         assert _gone(workers[0], timeout=30), "the worker outlived the server"
+
+
+def test_server_with_two_stages_answers_and_a_dead_stage_is_a_503(tiny_checkpoint):
+    """``--pipeline-parallel-size 2``: the same answers; the first stage's worker killed, the
+    request in hand fails, /health says dead (503), and the next request is a 503."""
+    path = tiny_checkpoint("llama")
+    expected, _ = _one_process_answers(path)
+    with live_server(path, *_serve_args("--pipeline-parallel-size")) as server:
+        workers = _worker_pids(server.process.pid)
+        assert len(workers) == 1, server.log()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert _complete(client) == expected
+        os.kill(workers[0], signal.SIGKILL)
+        assert _gone(workers[0], timeout=30)
+        with pytest.raises(openai.APIError):
+            _complete(client)
+        health = httpx.get(server.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "dead", health.text
+        with pytest.raises(openai.APIStatusError) as refused:
+            _complete(client)
+        assert refused.value.status_code == 503

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from pagedserve.engine.distributed.group import TensorParallelGroup, free_loopback_port
+from pagedserve.engine.distributed.group import ParallelGroups, free_loopback_port
 
 WORLD = 3
 SIZES = (1, 2, 7, 50, 200)
@@ -23,7 +23,7 @@ def _partials(rank: int) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, results) -> None:
-    group = TensorParallelGroup.join(rank, WORLD, "127.0.0.1", port)
+    group = ParallelGroups.join(rank, WORLD, "127.0.0.1", port)
     try:
         ring_whole = group.all_reduce(_partials(rank).clone())
         ordered_whole = group.all_reduce_in_rank_order(_partials(rank).clone())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_spec_decode import NGRAM, repetitive_prompts
-from test_tensor_parallel import one_thread, tp_llm  # noqa: F401  (a fixture)
+from test_tensor_parallel import tp_llm
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.kv_cache import bytes_per_block

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.errors import TensorParallelError
+from pagedserve.engine.errors import DistributedError
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -153,15 +153,6 @@ def test_unshardable_model_is_refused_before_any_process_starts(tiny_checkpoint)
 # ---- the engine over real ranks ------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Two cores, two or three ranks: one thread each (rank 0 here, workers inherit it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @contextmanager
 def tp_llm(path: str, tp_size: int, **kwargs):
     llm = LLM(model=path, tensor_parallel_size=tp_size, **kwargs)
@@ -247,9 +238,9 @@ def test_dead_worker_fails_the_step_at_once(tiny_checkpoint, one_thread):
         worker = llm.engine.runner.workers.procs[1]
         worker.kill()
         worker.wait()
-        with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
+        with pytest.raises(DistributedError, match="rank 1 exited with code -9"):
             _greedy(llm, PROMPTS[:1])
-        with pytest.raises(TensorParallelError, match="rank 1 exited"):  # stays failed
+        with pytest.raises(DistributedError, match="rank 1 exited"):  # stays failed
             _greedy(llm, PROMPTS[:1])
 
 
@@ -268,7 +259,7 @@ def test_idle_engine_outlives_the_timeout_and_a_stuck_worker_times_out(
         worker = llm.engine.runner.workers.procs[1]
         os.kill(worker.pid, signal.SIGSTOP)  # alive but silent
         try:
-            with pytest.raises(TensorParallelError, match="no worker has exited.*= 4 s"):
+            with pytest.raises(DistributedError, match="no worker has exited.*= 4 s"):
                 _greedy(llm, PROMPTS[:1])
         finally:
             if worker.poll() is None:
@@ -289,7 +280,7 @@ def test_worker_that_crashes_while_starting_is_reported_at_once(
     monkeypatch.setenv("PAGEDSERVE_TP_STARTUP_TIMEOUT_S", "600")
     path = tiny_checkpoint("llama")
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="while starting.*rank 1 exited with code 3"):
+    with pytest.raises(DistributedError, match="while starting.*rank 1 exited with code 3"):
         LLM(model=path, tensor_parallel_size=2)
     assert time.monotonic() - start < 120  # far from the 600 s start-up timeout
 

@@ -99,10 +99,11 @@ def test_a_hub_id_says_download_it_first(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_lora_and_tensor_parallel_columns_are_what_loading_does(tiny_checkpoint, arch):
+def test_lora_and_parallel_columns_are_what_loading_does(tiny_checkpoint, arch):
     """Where the registry says LoRA, every projection takes adapters; where it says tensor
-    parallel, rank 0's shard of two builds; where it says no, both are refused by name."""
-    from pagedserve.engine.distributed.executor import check_shardable
+    (pipeline) parallel, rank 0's shard of two (last stage of two) builds; where it says no,
+    each is refused by name."""
+    from pagedserve.engine.distributed.executor import plan_layout
     from pagedserve.models import load_model
     from pagedserve.models.lora import LoRAModel
 
@@ -115,19 +116,24 @@ def test_lora_and_tensor_parallel_columns_are_what_loading_does(tiny_checkpoint,
         with pytest.raises(ValueError, match=f"not supported for {config.hf_architecture}"):
             LoRAModel(model, config, max_loras=1, max_rank=8)
     if declared.tensor_parallel:
-        check_shardable(config, 2)
+        assert plan_layout(config, 2).world_size == 2
     else:
-        with pytest.raises(ValueError, match="runs on one device"):
-            check_shardable(config, 2)
+        with pytest.raises(ValueError, match="runs without tensor parallelism"):
+            plan_layout(config, 2)
+    if declared.pipeline_parallel:
+        assert plan_layout(config, 1, 2).world_size == 2
+    else:
+        with pytest.raises(ValueError, match="runs without pipeline parallelism"):
+            plan_layout(config, 1, 2)
 
 
 def test_pooling_architectures_refuse_tensor_parallelism_by_name(tiny_pooling_checkpoint):
-    from pagedserve.engine.distributed.executor import check_shardable
+    from pagedserve.engine.distributed.executor import plan_layout
 
     config = ModelConfig(model=tiny_pooling_checkpoint("bert"))
     assert not ARCHITECTURES[config.hf_architecture].tensor_parallel
-    with pytest.raises(ValueError, match="BertModel runs on one device"):
-        check_shardable(config, 2)
+    with pytest.raises(ValueError, match="BertModel runs without tensor parallelism"):
+        plan_layout(config, 2)
 
 
 def test_an_expert_format_loads_only_where_the_registry_declares_it(tiny_checkpoint, tmp_path):

@@ -18,7 +18,7 @@ models:
   - name: smollm2        # the request's "model"
     engine: {model: /path/to/SmolLM2-135M-Instruct, kv_cache_memory: 256MiB}
     num_replicas: 2      # or autoscaling: {min_replicas, max_replicas, target_ongoing_requests}
-    torch_threads: 1     # per replica; num_cpus defaults to torch_threads * tensor_parallel_size
+    torch_threads: 1     # per replica; num_cpus defaults to torch_threads * its ranks (tp x pp)
   - name: smollm2-pd     # a disaggregated prefill/decode pair (docs/kv_connectors.md)
     engine: {model: /path/to/SmolLM2-135M-Instruct}   # the decode replicas'
     prefill: {num_replicas: 1, engine: {max_num_batched_tokens: 4096}}  # and their prefill ones
@@ -55,8 +55,12 @@ class ClusterConfigError(ValueError):
 class ModelDeploymentConfig:
     """One served model: its engine arguments and the replicas that run them.
 
-    ``num_gpus`` defaults to ``tensor_parallel_size`` on a cluster with GPUs (one replica's
-    shards must sit on one node, and Ray places an actor's GPUs on one node), else 0.
+    ``num_gpus`` defaults to the replica's ranks on a cluster with GPUs (one replica's shards
+    must sit on one node, and Ray places an actor's GPUs on one node), else 0. Its ranks are
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` as worker processes of the replica,
+    or the replica's own rank 0 alone when Ray places the others (``engine:
+    {distributed_executor_backend: ray}``: a multi-node pipeline-parallel replica, whose
+    workers reserve their own bundles).
     ``busy_threshold``: ongoing requests at which a prefix-preferred replica counts as busy and
     the less loaded of two candidates is taken instead. ``resources``: extra Ray resources a
     replica needs (a custom node label pins a model to certain nodes).
@@ -77,8 +81,12 @@ class ModelDeploymentConfig:
     prefill: dict[str, Any] | None = None
 
     @property
-    def tensor_parallel_size(self) -> int:
-        return int(self.engine.get("tensor_parallel_size", 1))
+    def ranks_in_replica(self) -> int:
+        """The ranks that run inside a replica's actor (itself and its worker processes)."""
+        if self.engine.get("distributed_executor_backend") == "ray":
+            return 1
+        tp = int(self.engine.get("tensor_parallel_size", 1))
+        return tp * int(self.engine.get("pipeline_parallel_size", 1))
 
     @property
     def app_name(self) -> str:
@@ -269,8 +277,8 @@ def _engine_app(m: ModelDeploymentConfig, cluster_has_gpus: bool, prefill=False)
     num_gpus = m.num_gpus
     if num_gpus is None:
         wants_cuda = m.engine.get("device", "auto") in ("auto", "cuda")
-        num_gpus = m.tensor_parallel_size if (cluster_has_gpus and wants_cuda) else 0
-    num_cpus = m.num_cpus if m.num_cpus is not None else m.torch_threads * m.tensor_parallel_size
+        num_gpus = m.ranks_in_replica if (cluster_has_gpus and wants_cuda) else 0
+    num_cpus = m.num_cpus if m.num_cpus is not None else m.torch_threads * m.ranks_in_replica
     actor_options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if m.resources:
         actor_options["resources"] = dict(m.resources)
@@ -287,7 +295,7 @@ def _engine_app(m: ModelDeploymentConfig, cluster_has_gpus: bool, prefill=False)
     if prefill:
         deployment["num_replicas"] = int(m.prefill.get("num_replicas", 1))
         torch_threads = int(m.prefill.get("torch_threads", m.torch_threads))
-        actor_options["num_cpus"] = torch_threads * m.tensor_parallel_size
+        actor_options["num_cpus"] = torch_threads * m.ranks_in_replica
     elif m.autoscaling:
         deployment["autoscaling_config"] = dict(m.autoscaling)
     else:

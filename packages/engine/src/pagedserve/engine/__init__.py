@@ -11,12 +11,12 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.errors import (
+    DistributedError,
     EngineDeadError,
     EngineError,
     InvalidRequestError,
     RequestRejectedError,
     SchedulerOverloadedError,
-    TensorParallelError,
 )
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
@@ -59,7 +59,7 @@ __all__ = [
     "RequestRejectedError",
     "SamplingParams",
     "SchedulerOverloadedError",
-    "TensorParallelError",
+    "DistributedError",
     "apply_chat_template",
     "ensure_default_model",
     "extend_block_hashes",

@@ -129,6 +129,21 @@ class EngineArgs:
         "pooling) or a classifier (its score head); implies --runner pooling",
     )
     tensor_parallel_size: int = option(1, "number of devices to shard the model over")
+    pipeline_parallel_size: int = option(
+        1,
+        "number of pipeline stages to cut the model's layers into, each stage "
+        "tensor_parallel_size devices (one process per device)",
+    )
+    distributed_executor_backend: str = option(
+        "mp",
+        "how the ranks of tensor/pipeline parallelism start: mp (worker processes on this "
+        "machine) or ray (Ray actors placed over the nodes of a Ray cluster)",
+    )
+    pp_layer_partition: str | None = option(
+        None,
+        "decoder layers per pipeline stage, comma-separated, e.g. 10,14 (default: an even "
+        "split; VLLM_PP_LAYER_PARTITION sets it too)",
+    )
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
     max_logprobs: int = option(
         20, "most logprobs (and prompt logprobs) a request may ask for (-1: the whole vocabulary)"
@@ -180,14 +195,20 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r}: "
+                "pagedserve starts its ranks as local processes (mp) or Ray actors (ray)"
+            )
         if not self.batch_invariant:
             self.batch_invariant = batch_invariant_from_env()
         if self.speculative_config is not None:  # a bad config fails here, before any loading
             self.create_speculative_config()
         if self.enable_lora:
             self.create_lora_config()
-            if self.tensor_parallel_size > 1:
-                raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
+            for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+                if getattr(self, name) > 1:
+                    raise ValueError(f"enable_lora does not support {name} > 1 yet")
         from pagedserve.engine.kv_connector.config import KVTransferConfig, check_connector_args
 
         check_connector_args(self)  # KV offloading / transfer: what rules them out, named
@@ -205,6 +226,7 @@ class EngineArgs:
             "speculative_config": self.speculative_config is not None,
             "enable_lora": self.enable_lora,
             "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
             "kv_offload_memory": self.kv_offload_memory is not None,
             "kv_offload_dir": self.kv_offload_dir is not None,
             "kv_transfer_config": self.kv_transfer_config is not None,

@@ -11,7 +11,7 @@ Two kinds, and a caller (the server) needs to tell them apart:
   pending request fails with it.
 
 Nothing here imports torch or the rest of the engine, so any module of the engine (the
-tensor-parallel executor included) can import it without an import cycle.
+distributed executor included) can import it without an import cycle.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 from pagedserve.scheduler import RequestRejectedError, SchedulerOverloadedError
 
 __all__ = [
+    "DistributedError",
     "EngineDeadError",
     "EngineError",
     "InvalidRequestError",
     "RequestRejectedError",
     "SchedulerOverloadedError",
-    "TensorParallelError",
 ]
 
 
@@ -48,5 +48,5 @@ class EngineDeadError(EngineError):
     """The engine loop has stopped (it crashed, or was shut down); no request can be served."""
 
 
-class TensorParallelError(EngineError):
-    """A tensor-parallel rank died or stopped answering; the engine cannot go on."""
+class DistributedError(EngineError):
+    """A tensor- or pipeline-parallel rank died or stopped answering; the engine cannot go on."""

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from pagedserve.blockmgr import CacheConfig
-from pagedserve.blockmgr.slot_mapping import PagedBatch, build_paged_batch, layout_paged_batch
+from pagedserve.blockmgr.slot_mapping import PagedBatch, layout_paged_batch
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
+from pagedserve.engine.gpu_profile import profile_gpu_kv_cache_budget
 from pagedserve.engine.input_batch import (
     BlockTable,
     InputBatch,
@@ -40,7 +41,6 @@ from pagedserve.engine.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
     copy_cache_blocks,
-    gpu_kv_cache_budget,
     kv_cache_torch_dtype,
     log_cache_size,
     num_blocks_for_memory,
@@ -121,14 +121,14 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_torch_dtype(
             cache_config.cache_dtype, model_config.torch_dtype
         )
-        self.kv_cache_spec = kv_cache_spec(model_config, self.par.tp_size)
+        self.kv_cache_spec = kv_cache_spec(model_config, self.par.tp_size, self.par.stage)
         self.model = self._load_model()
         self.lora_manager = (  # its slots are allocated before the KV cache is sized
             LoRAManager(self.model, model_config, lora_config) if lora_config else None
         )
         self.num_blocks = self.par.min_over_ranks(self._num_blocks())
         pads = graph_config is not None and graph_config.pads_decode(self.device)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks + int(pads))
+        self.kv_caches = self.new_kv_caches(self.num_blocks + int(pads))
         if self.num_blocks:  # none: an encoder, which has no KV cache (pooling_runner.py)
             log_cache_size(self.num_blocks, cache_config.block_size, model_config.max_model_len)
         if self.device.type == "cpu":  # numba compiles (or loads its cache) now, not mid-request
@@ -171,7 +171,7 @@ class ModelRunner:
     def _load_model(self):
         return load_model(self.model_config, self.par)
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+    def new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         return allocate_kv_caches(
             self.kv_cache_spec,
             num_blocks,
@@ -190,46 +190,10 @@ class ModelRunner:
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
-            budget = self._profile_gpu_kv_cache_budget(block_bytes)
+            budget = profile_gpu_kv_cache_budget(self, block_bytes)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         return num_blocks_for_memory(budget, block_bytes + self.extra_block_bytes)
-
-    @torch.inference_mode()
-    def _profile_gpu_kv_cache_budget(self, block_bytes: int) -> int:
-        """Run the largest step once on dummy tokens; the KV cache gets what is left.
-
-        The step is ``profile_num_tokens`` tokens (the scheduler's token budget) as prefills of
-        up to ``max_model_len`` each, through the real attention path over a throwaway cache
-        just large enough to hold them; that cache's bytes are taken off the measured peak.
-        """
-        mc, cc, dev = self.model_config, self.cache_config, self.device
-        num_tokens = cc.profile_num_tokens
-        lengths = [mc.max_model_len] * (num_tokens // mc.max_model_len)
-        if num_tokens % mc.max_model_len:
-            lengths.append(num_tokens % mc.max_model_len)
-        tables, num_blocks = [], 0
-        for length in lengths:
-            count = -(-length // cc.block_size)
-            tables.append(range(num_blocks, num_blocks + count))
-            num_blocks += count
-        batch = build_paged_batch(tables, [0] * len(lengths), lengths, cc.block_size)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        caches = self._allocate_kv_caches(num_blocks)
-        meta = attention_metadata(batch, dev)
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(batch.positions).to(dev)
-        hidden = self.model(input_ids, positions, caches, meta)
-        last_rows = torch.from_numpy(batch.query_start_loc[1:].astype(np.int64) - 1).to(dev)
-        self.output_head(hidden[last_rows])
-        torch.cuda.synchronize(dev)
-        peak_torch = torch.cuda.max_memory_allocated(dev) - num_blocks * block_bytes
-        free, total = torch.cuda.mem_get_info(dev)
-        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
-        del caches, hidden, meta, input_ids, positions
-        torch.cuda.empty_cache()
-        return gpu_kv_cache_budget(total, cc.gpu_memory_utilization, peak_torch, non_torch)
 
     def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows' logits (a pooling runner: its pooler's outputs); profiling counts it."""
@@ -370,11 +334,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(
         self, model_input: ModelInput, blocks_to_copy: list[tuple[int, int]]
-    ) -> torch.Tensor:
-        """Copy-on-write copies, the forward and the logits for a prepared batch.
+    ) -> torch.Tensor | None:
+        """Copy-on-write copies, the forward and the logits for a prepared batch (None on a
+        pipeline stage before the last, which hands its hidden states on instead).
 
-        Split from ``execute`` so that tensor-parallel workers, which receive the prepared
-        batch from rank 0 instead of a scheduler output, run exactly the same code.
+        Split from ``execute`` so that the other ranks (distributed/worker.py), which receive
+        the prepared batch from rank 0 instead of a scheduler output, run exactly the same code.
         """
         if blocks_to_copy:
             pairs = torch.tensor(blocks_to_copy, dtype=torch.long, device=self.device)
@@ -386,13 +351,26 @@ class ModelRunner:
             hidden = self.cuda_graphs.replay(bucket)
         else:
             hidden = self.forward(model_input)
+        if hidden is None:
+            return None
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
-    def forward(self, model_input: ModelInput) -> torch.Tensor:
-        """The model's hidden states for every token of the step."""
-        return self.model(
+    def forward(self, model_input: ModelInput) -> torch.Tensor | None:
+        """The model's hidden states for every token of the step. A pipeline stage after the
+        first starts from what the previous stage sent; one before the last sends its output
+        to the next stage and returns None."""
+        stage, extra = self.par.stage, {}
+        if not stage.is_first:
+            num_tokens = model_input.input_ids.shape[0]
+            extra["intermediate"] = self.par.receive_from_previous_stage(num_tokens)
+        output = self.model(
             model_input.input_ids,
             model_input.positions,
             self.kv_caches,
             model_input.attn_metadata,
+            **extra,
         )
+        if stage.is_last:
+            return output
+        self.par.send_to_next_stage(output)
+        return None

@@ -48,8 +48,8 @@ class PoolingModelRunner(ModelRunner):
     def _num_blocks(self) -> int:
         return 0 if self.encoder else super()._num_blocks()
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [] if self.encoder else super()._allocate_kv_caches(num_blocks)
+    def new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [] if self.encoder else super().new_kv_caches(num_blocks)
 
     def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.pooler(hidden)

@@ -209,6 +209,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = config.hf_config.get("final_logit_softcapping")
 
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The whole stack: Gemma is not cut into pipeline stages (registry.py)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
         cap = self.final_logit_softcapping

@@ -39,6 +39,7 @@ from pagedserve.models.gguf_tensor_names import CONFIG_TENSORS, TENSOR_NAMES, Te
 from pagedserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.pipeline import stage_weights
 from pagedserve.models.quantization_gguf import (
     GGUFEmbedding,
     GGUFLinearMethod,
@@ -196,9 +197,9 @@ def _swap_in_gguf_layers(model: nn.Module, config: ModelConfig, par: ParallelCon
                 continue
             setattr(parent, child_name, new)
             swapped[type(child)] = new
-    head = swapped.get(ParallelLMHead)
-    if head is not None and config.hf_config.get("tie_word_embeddings"):
-        head.weight = swapped[VocabParallelEmbedding].weight
+    head, embedding = swapped.get(ParallelLMHead), swapped.get(VocabParallelEmbedding)
+    if head is not None and embedding is not None and config.hf_config.get("tie_word_embeddings"):
+        head.weight = embedding.weight  # (a later pipeline stage loads the tensor as its head)
 
 
 def load_gguf_model(config: ModelConfig, model_cls, par: ParallelContext | None = None):
@@ -214,7 +215,9 @@ def load_gguf_model(config: ModelConfig, model_cls, par: ParallelContext | None 
         model = model_cls(config, par)
         _swap_in_gguf_layers(model, config, par)
     try:
-        model.load_weights(gguf_weights(reader, config))
+        model.load_weights(
+            stage_weights(gguf_weights(reader, config), par.stage, config.num_layers)
+        )
     except ModelLoadError as e:
         raise ModelLoadError(f"{Path(config.model)}: {e}") from e
     for module in model.modules():

@@ -16,6 +16,11 @@ A new architecture is an ``nn.Module`` with these three methods, registered in
 
 The constructor takes ``(config: ModelConfig, par: ParallelContext | None)``.
 
+A model that can be cut into pipeline stages (its registry entry says ``pipeline_parallel``)
+builds only its stage's layers (``par.stage``, pipeline.py) and its ``forward`` takes a fifth,
+optional argument, ``intermediate``: what the previous stage sent (None on the first stage); a
+stage before the last returns ``IntermediateTensors`` instead of hidden states.
+
 A pooling model (``ModelForPooling``) has the same ``forward`` and ``load_weights`` and, instead
 of ``compute_logits``, a ``pooler`` (pooling.py) that says which rows make a sequence's vector
 and turns it into the output. An encoder's ``kv_caches`` is empty and its ``attn_metadata`` an

@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.parallel import kv_heads_per_rank
+from pagedserve.models.pipeline import PipelineStage
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,16 @@ class KVCacheSpec:
         return self.num_layers * per_layer * element_size
 
 
-def kv_cache_spec(config: ModelConfig, tp_size: int = 1) -> KVCacheSpec:
-    """The cache of ``config``'s model on one of ``tp_size`` ranks: a latent for every config
-    that names a ``kv_lora_rank`` (DeepSeek-V2/V3), keys and values of this rank's KV heads
-    otherwise."""
+def kv_cache_spec(
+    config: ModelConfig, tp_size: int = 1, stage: PipelineStage | None = None
+) -> KVCacheSpec:
+    """The cache of ``config``'s model on one of ``tp_size`` ranks of pipeline ``stage`` (its
+    layers only): a latent for every config that names a ``kv_lora_rank`` (DeepSeek-V2/V3),
+    keys and values of this rank's KV heads otherwise."""
     c = config.hf_config
+    num_layers = len((stage or PipelineStage()).layer_range(config.num_layers))
     if c.get("kv_lora_rank"):
         latent = int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])
-        return KVCacheSpec(config.num_layers, 1, latent, tensors_per_layer=1)
+        return KVCacheSpec(num_layers, 1, latent, tensors_per_layer=1)
     heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
-    return KVCacheSpec(config.num_layers, heads, config.head_dim, tensors_per_layer=2)
+    return KVCacheSpec(num_layers, heads, config.head_dim, tensors_per_layer=2)

@@ -24,6 +24,7 @@ from pagedserve.models.layers.linear import (
 from pagedserve.models.layers.norm import RMSNorm
 from pagedserve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.pipeline import IntermediateTensors, MissingLayer
 from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
 
 
@@ -155,31 +156,57 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack, or one pipeline stage of it (models/pipeline.py): the embedding on
+    the first stage, the stage's layers, the final norm on the last."""
+
     def __init__(
         self, config: ModelConfig, par: ParallelContext, mlp_factory=None, attention_factory=None
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size,
-            config.hidden_size,
-            dtype=config.torch_dtype,
-            all_reduce=par.all_reduce,
-            **par.shard_args(),
+        stage = par.stage
+        self.stage_layers = stage.layer_range(config.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                dtype=config.torch_dtype,
+                all_reduce=par.all_reduce,
+                **par.shard_args(),
+            )
+            if stage.is_first
+            else MissingLayer()
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, par, i, mlp_factory, attention_factory)
+            if i in self.stage_layers
+            else MissingLayer()
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(
-            config.hidden_size, config.hf_config["rms_norm_eps"], config.torch_dtype
+        self.norm = (
+            RMSNorm(config.hidden_size, config.hf_config["rms_norm_eps"], config.torch_dtype)
+            if stage.is_last
+            else MissingLayer()
         )
 
     def forward(
-        self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        self,
+        input_ids,
+        positions,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The last stage's normalised hidden states; an earlier stage's ``IntermediateTensors``
+        for the next. ``intermediate``: what the previous stage sent (None on the first)."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+        own_layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+        for layer, kv_cache in zip(own_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if isinstance(self.norm, MissingLayer):
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -203,14 +230,20 @@ class LlamaForCausalLM(nn.Module):
             config, par, self.mlp_factory(config, par), self.attention_factory(config, par)
         )
         self.tie_word_embeddings = bool(config.hf_config.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            dtype=config.torch_dtype,
-            gather=par.gather,
-            **par.shard_args(),
+        self.lm_head = (
+            ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                dtype=config.torch_dtype,
+                gather=par.gather,
+                **par.shard_args(),
+            )
+            if par.stage.is_last
+            else MissingLayer()
         )
-        if self.tie_word_embeddings:
+        # tied: one tensor when one stage holds both; a last stage without the embedding loads
+        # the embedding's tensor as its head (load_weights)
+        if self.tie_word_embeddings and par.stage.count == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def mlp_factory(self, config: ModelConfig, par: ParallelContext):
@@ -228,8 +261,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
@@ -240,6 +274,10 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if self.tie_word_embeddings and name == "lm_head.weight":
                 return None
+            if name == "model.embed_tokens.weight" and isinstance(
+                self.model.embed_tokens, MissingLayer
+            ):  # a later pipeline stage: the tied head's tensor, or another stage's
+                return "lm_head.weight" if self.tie_word_embeddings else None
             return name
 
         load_stacked_weights(self, weights, self.stacked_params, rename)

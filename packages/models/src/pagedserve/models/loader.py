@@ -27,6 +27,7 @@ from pagedserve.models.mixtral import (
 )
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.phi3 import Phi3ForCausalLM
+from pagedserve.models.pipeline import stage_weights
 from pagedserve.models.quantization import (
     checkpoint_linear_methods,
     process_weights_after_loading,
@@ -72,7 +73,8 @@ def load_model(config: ModelConfig, par: ParallelContext | None = None) -> Model
         batch_invariant_layers(config.batch_invariant),
     ):
         model = model_cls(config, par)
-    weights = iterate_weights(config.model)
+    stage = (par or ParallelContext()).stage  # a pipeline stage reads its own tensors only
+    weights = stage_weights(iterate_weights(config.model), stage, config.num_layers)
     if stored_quantized is None:  # integers (gpt-oss's MXFP4 expert blocks) stay as stored
         model.load_weights(
             (name, _in_dtype(tensor, config.torch_dtype)) for name, tensor in weights

@@ -1,9 +1,10 @@
-"""The tensor-parallel context a model is built with.
+"""The parallel context a model is built with: its tensor-parallel shard and pipeline stage.
 
 A model never talks to torch.distributed itself: it receives this context, which says which
-shard it holds and how to combine partial results. With one rank (the default) the collectives
-are absent and the layers are plain. The engine's ``distributed`` package builds a context whose
-callables are torch.distributed collectives over the tensor-parallel group.
+shard it holds, how to combine partial results, and which layers its pipeline stage holds.
+With one rank (the default) the collectives are absent and the layers are plain. The engine's
+``distributed`` package builds a context whose callables are torch.distributed collectives over
+the stage's tensor-parallel group, and the point-to-point sends between stages.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.models.pipeline import IntermediateTensors, PipelineStage
+
 
 @dataclass
 class ParallelContext:
@@ -21,8 +24,12 @@ class ParallelContext:
     ``all_reduce(x)`` sums ``x`` over the ranks (row-parallel outputs, the vocab-parallel
     embedding); ``gather(x)`` concatenates every rank's ``x`` along the last dimension, in rank
     order (the LM head's vocabulary slices); ``reduce_min(n)`` is the smallest ``n`` over the
-    ranks (the KV blocks that fit on every rank). All three are collectives: every rank calls
-    them at the same point, in the same order.
+    ranks (the KV blocks that fit on every rank, every stage's included). All three are
+    collectives: every rank calls them at the same point, in the same order.
+
+    ``stage``: the pipeline stage this rank's model holds (all layers by default).
+    ``send_to_next_stage(t)`` and ``receive_from_previous_stage(num_tokens)`` move a step's
+    ``IntermediateTensors`` between the stages; the runner calls them, never the model.
     """
 
     tp_rank: int = 0
@@ -30,13 +37,16 @@ class ParallelContext:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     reduce_min: Callable[[int], int] | None = None
+    stage: PipelineStage = PipelineStage()
+    send_to_next_stage: Callable[[IntermediateTensors], None] | None = None
+    receive_from_previous_stage: Callable[[int], IntermediateTensors] | None = None
 
     def shard_args(self) -> dict[str, int]:
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (``value`` itself with one rank)."""
-        if self.tp_size == 1 or self.reduce_min is None:
+        if self.reduce_min is None:
             return value
         return self.reduce_min(value)
 

@@ -17,6 +17,7 @@ loading says no):
   config.py's check and the model's own loader);
 - ``lora``: LoRA adapters on its projections (lora/model.py);
 - ``tensor_parallel``: split over ranks (the engine's executor, before any rank starts);
+- ``pipeline_parallel``: its decoder layers cut into pipeline stages (models/pipeline.py);
 - ``cpu_fused``: on a CPU, the runner runs its decoder layers as one numba call each for small
   steps (engine/cpu_runner.py; its layers must also be fusable, which tests hold it to).
 """
@@ -45,6 +46,7 @@ class Architecture:
     quantized: tuple[str, ...] = ()  # pre-quantized checkpoint formats (quant_method)
     lora: bool = False  # LoRA adapters
     tensor_parallel: bool = True  # tensor_parallel_size > 1
+    pipeline_parallel: bool = False  # pipeline_parallel_size > 1 (its model is LlamaModel)
     cpu_fused: bool = False  # the CPU runner's fused decoder layers
 
 
@@ -59,7 +61,7 @@ def _encoder(family: str, examples: str, notes: str, task: str) -> Architecture:
     return Architecture(family, examples, notes, task, encoder=True, tensor_parallel=False)
 
 
-_LLAMA_LIKE = dict(quantized=INT4_AND_FP8, lora=True)
+_LLAMA_LIKE = dict(quantized=INT4_AND_FP8, lora=True, pipeline_parallel=True)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(
@@ -92,39 +94,39 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "Phi3ForCausalLM": Architecture(
         "phi3", "Phi-3, Phi-3.5 mini", "fused qkv and gate_up, LongRoPE, sliding window",
-        gguf="phi3", cpu_fused=True,
+        gguf="phi3", cpu_fused=True, pipeline_parallel=True,
     ),
     "MixtralForCausalLM": Architecture(
         "mixtral", "Mixtral 8x7B, 8x22B",
         "top-2 of 8 experts, renormalised; fused MoE kernel" + _INT4_EXPERTS,
-        gguf="llama", quantized=INT4,
+        gguf="llama", quantized=INT4, pipeline_parallel=True,
     ),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe",
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
         "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel" + _INT4_EXPERTS,
-        gguf="qwen3moe", quantized=INT4,
+        gguf="qwen3moe", quantized=INT4, pipeline_parallel=True,
     ),
     "Qwen2MoeForCausalLM": Architecture(
         "qwen2_moe",
         "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
         "top-k of 60/64 experts plus a sigmoid-gated shared expert, qkv bias; fused MoE kernel"
         + _INT4_EXPERTS,
-        gguf="qwen2moe", quantized=INT4,
+        gguf="qwen2moe", quantized=INT4, pipeline_parallel=True,
     ),
     "DeepseekV2ForCausalLM": Architecture(
         "deepseek_v2",
         "DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2",
         "multi-head latent attention over a paged latent cache (576 values a token and layer), "
         "absorbed decode kernel, YaRN; shared experts, group-limited top-k; fused MoE kernel",
-        gguf="deepseek2",
+        gguf="deepseek2", pipeline_parallel=True,
     ),
     "DeepseekV3ForCausalLM": Architecture(
         "deepseek_v3",
         "DeepSeek-V3, R1 (bf16 weights)",
         "V2's latent attention; sigmoid routing with the correction bias (noaux_tc), top-4 of "
         "8 groups; first 3 layers dense",
-        gguf="deepseek2",
+        gguf="deepseek2", pipeline_parallel=True,
     ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
@@ -132,7 +134,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "attention sinks, alternating 128-token sliding-window and full layers, YaRN; "
         "biased experts with a clamped SwiGLU (fused MoE kernel); MXFP4 experts dequantized "
         "at load",
-        gguf="gpt-oss", quantized=("mxfp4",),
+        gguf="gpt-oss", quantized=("mxfp4",), pipeline_parallel=True,
     ),
     "GPT2LMHeadModel": Architecture(
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", gguf="gpt2",
@@ -177,18 +179,19 @@ def _yes_no(flag: bool) -> str:
 
 
 def _capabilities(a: Architecture) -> list[str]:
-    """HF folder, GGUF, quantized checkpoints, LoRA, tensor parallel, CPU fused: the cells."""
+    """HF folder, GGUF, quantized checkpoints, LoRA, tensor and pipeline parallel, CPU fused:
+    the cells."""
     gguf = f"yes (`{a.gguf}`)" if a.gguf else "no"
     quantized = ", ".join(_QUANT_NAMES[q] for q in a.quantized) or "no"
     return ["yes", gguf, quantized, _yes_no(a.lora), _yes_no(a.tensor_parallel),
-            _yes_no(a.cpu_fused)]  # fmt: skip
+            _yes_no(a.pipeline_parallel), _yes_no(a.cpu_fused)]  # fmt: skip
 
 
 def supported_architectures_table() -> str:
     """The README's table, between its two markers: each architecture, what it is, and what
     it is served with, every cell from its ``Architecture`` entry."""
     head = ["`architectures` in config.json", "Models", "HF folder", "GGUF", "Quantized",
-            "LoRA", "Tensor parallel", "CPU fused", "Notes"]  # fmt: skip
+            "LoRA", "Tensor parallel", "Pipeline parallel", "CPU fused", "Notes"]  # fmt: skip
     rows = [README_START, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, a in ARCHITECTURES.items():
         cells = [f"`{name}`", a.examples, *_capabilities(a), a.notes]

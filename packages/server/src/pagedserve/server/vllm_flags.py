@@ -23,7 +23,11 @@ import re
 from collections.abc import Callable
 
 # vLLM's short forms of flags pagedserve implements
-SHORT_FORMS = {"--tensor-parallel-size": "-tp", "--quantization": "-q"}
+SHORT_FORMS = {
+    "--tensor-parallel-size": "-tp",
+    "--pipeline-parallel-size": "-pp",
+    "--quantization": "-q",
+}
 
 # accepted: what each asks for already holds in pagedserve, whatever is given
 ACCEPTED: dict[str, str] = {
@@ -229,10 +233,6 @@ REFUSED: dict[str, str] = {
         "--guided-decoding-disable-additional-properties",
         "--structured-outputs-config",
     ),
-    "--distributed-executor-backend": "tensor parallelism always runs one process per rank "
-    "(multiprocessing, torch.distributed)",
-    "--pipeline-parallel-size": "pagedserve shards a model only by tensor parallelism "
-    "(--tensor-parallel-size)",
     "--decode-context-parallel-size": VLLM_INTERNALS,
     **_refusing(
         "pagedserve runs mixture-of-experts layers without expert parallelism",

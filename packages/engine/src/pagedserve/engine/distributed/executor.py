@@ -1,18 +1,26 @@
-"""TensorParallelExecutor: rank 0 of a tensor-parallel group, in the engine's own process.
+"""DistributedExecutor: rank 0 of a tensor- and pipeline-parallel group, in the engine's process.
 
 The engine talks to it as it talks to a ``ModelRunner`` (``execute``, ``input_batch``,
 ``num_blocks``, ``device``): rank 0 keeps the scheduler and the sampling state, flattens each
-step, broadcasts the batch to the workers (``step_channel``) and runs its own shard of the
-forward alongside them; the row-parallel all-reduces and the LM head's gather join the shards
-inside the model. Only rank 0 samples.
+step, broadcasts the batch to every other rank (``step_channel``) and runs its own part of the
+forward alongside them. Within a pipeline stage the row-parallel all-reduces and the LM head's
+gather join the tensor-parallel shards inside the model; between stages the hidden states go
+from rank to rank (group.py). Rank 0 holds the last stage, so the logits end where they are
+sampled: only rank 0 samples.
+
+Pipeline parallelism here runs one batch at a time: while stage 1 works on a step, stage 0 has
+nothing to do (the pipeline "bubble": with P stages each rank idles (P - 1) / P of a step).
+Its use is a model that does not fit one machine's memory, not speed (docs/pipeline_parallel.md
+has the figures).
 
 Workers are ``python -m pagedserve.engine.distributed.worker`` processes, started here, one per
-rank 1..tp_size-1, on this machine (rendezvous on 127.0.0.1 at a free port unless MASTER_ADDR
-and MASTER_PORT are set). When ``WORLD_SIZE`` is set in the environment the workers are started
+rank 1..world_size-1, on this machine (launch.py; rendezvous on 127.0.0.1 at a free port unless
+MASTER_ADDR and MASTER_PORT are set), or Ray actors placed over a Ray cluster's nodes with
+``backend="ray"`` (ray_workers.py). When ``WORLD_SIZE`` is set in the environment the workers are started
 elsewhere (other machines, torchrun) and this process joins as rank 0 of that group.
 
 A worker that exits, or a collective that times out, fails the step with a
-``TensorParallelError`` (an ``EngineError``) that says which rank and why; the group is then
+``DistributedError`` (an ``EngineError``) that says which rank and why; the group is then
 unusable and the engine must be restarted. It never hangs. Since the workers' wait for the next
 step is bounded by the same timeout, an idle engine sends them a keep-alive message every
 quarter timeout (a background thread; a lock keeps it from interleaving with a step).
@@ -22,29 +30,30 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.engine.distributed.group import (
-    TensorParallelGroup,
+    ParallelGroups,
+    ParallelLayout,
     collective_timeout,
-    free_loopback_port,
+    memory_of_ranks,
 )
+from pagedserve.engine.distributed.launch import Rendezvous, WorkerProcesses
+from pagedserve.engine.distributed.ray_workers import RayWorkers
 from pagedserve.engine.distributed.step_channel import Step, StepSender
-from pagedserve.engine.errors import TensorParallelError
+from pagedserve.engine.errors import DistributedError
 from pagedserve.engine.input_batch import InputBatch
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.models import ModelConfig, ParallelContext
 from pagedserve.models.loader import MODEL_CLASSES
+from pagedserve.models.pipeline import partition_layers
 from pagedserve.models.registry import ARCHITECTURES
 from pagedserve.scheduler import SchedulerOutput
 
@@ -53,143 +62,87 @@ logger = logging.getLogger("pagedserve.engine")
 STOP_GRACE_S = 10.0  # how long shutdown waits for workers to exit before killing them
 
 
-def check_shardable(model_config: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError now if the model cannot be split over ``tp_size`` ranks.
+def plan_layout(
+    model_config: ModelConfig,
+    tp_size: int,
+    pp_size: int = 1,
+    layer_partition: str | None = None,
+    backend: str = "mp",
+) -> ParallelLayout:
+    """The ranks' layout for the model, or ValueError now if it cannot be split so.
 
-    Builds rank 0's shard on the meta device (no memory, no weights), so every layer's own
-    divisibility check runs before any process is started.
+    Builds rank 0's part (the last stage's shard) on the meta device (no memory, no weights),
+    so every layer's own divisibility check runs before any process is started. With the
+    local (``mp``) backend on CUDA, this machine must have a GPU per rank.
     """
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
-    if tp_size > 1 and not ARCHITECTURES[model_config.hf_architecture].tensor_parallel:
-        served = [name for name, a in ARCHITECTURES.items() if a.tensor_parallel]
-        raise ValueError(
-            f"{model_config.hf_architecture} runs on one device (tensor_parallel_size 1); "
-            f"tensor parallelism serves {', '.join(served)}"
-        )
+    architecture = ARCHITECTURES[model_config.hf_architecture]
+    for size, name, supported in (
+        (tp_size, "tensor", architecture.tensor_parallel),
+        (pp_size, "pipeline", architecture.pipeline_parallel),
+    ):
+        if size > 1 and not supported:
+            served = [n for n, a in ARCHITECTURES.items() if getattr(a, f"{name}_parallel")]
+            raise ValueError(
+                f"{model_config.hf_architecture} runs without {name} parallelism "
+                f"({name}_parallel_size 1); {name} parallelism serves {', '.join(served)}"
+            )
+    stage_layers = partition_layers(model_config.num_layers, pp_size, layer_partition)
+    layout = ParallelLayout(tp_size, pp_size, tuple(stage_layers) if pp_size > 1 else None)
     model_cls = MODEL_CLASSES[model_config.arch]
     with torch.device("meta"):
-        model_cls(model_config, ParallelContext(tp_rank=0, tp_size=tp_size))
-    if model_config.torch_device.type == "cuda" and "WORLD_SIZE" not in os.environ:
+        stage = layout.pipeline_stage(0)
+        model_cls(model_config, ParallelContext(tp_rank=0, tp_size=tp_size, stage=stage))
+    local = backend == "mp" and "WORLD_SIZE" not in os.environ
+    if model_config.torch_device.type == "cuda" and local:
         available = torch.cuda.device_count()
-        if tp_size > available:
+        if layout.world_size > available:
             raise ValueError(
-                f"tensor_parallel_size {tp_size} needs {tp_size} GPUs; {available} seen"
+                f"tensor_parallel_size x pipeline_parallel_size = {layout.world_size} needs "
+                f"{layout.world_size} GPUs; {available} seen"
             )
+    return layout
 
 
-@dataclass
-class Rendezvous:
-    addr: str
-    port: int
-    external_workers: bool  # True: the other ranks are started by someone else
-
-    @classmethod
-    def from_environment(cls, tp_size: int) -> Rendezvous:
-        env = os.environ
-        external = "WORLD_SIZE" in env
-        if external and int(env["WORLD_SIZE"]) != tp_size:
-            raise ValueError(
-                f"WORLD_SIZE={env['WORLD_SIZE']} but tensor_parallel_size={tp_size}: they must match"
-            )
-        if external and int(env.get("RANK", "0")) != 0:
-            raise ValueError(
-                f"this process has RANK={env['RANK']}: only rank 0 runs the engine; start the "
-                "others with `python -m pagedserve.engine.distributed.worker`"
-            )
-        if "MASTER_ADDR" in env and "MASTER_PORT" in env:
-            return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]), external)
-        if external:
-            raise ValueError("WORLD_SIZE is set: set MASTER_ADDR and MASTER_PORT too")
-        return cls("127.0.0.1", free_loopback_port(), external)
-
-
-class WorkerProcesses:
-    """The worker processes this engine started (none when the workers are external)."""
-
-    def __init__(self, procs: dict[int, subprocess.Popen]) -> None:
-        self.procs = procs
-
-    @classmethod
-    def launch(cls, tp_size: int, rv: Rendezvous) -> WorkerProcesses:
-        procs = {}
-        threads = max(1, torch.get_num_threads() // tp_size)  # the cores, shared out
-        for rank in range(1, tp_size):
-            env = dict(os.environ)
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(tp_size),
-                MASTER_ADDR=rv.addr,
-                MASTER_PORT=str(rv.port),
-                PAGEDSERVE_TP_THREADS=env.get("PAGEDSERVE_TP_THREADS", str(threads)),
-            )
-            procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "pagedserve.engine.distributed.worker"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # Ctrl-C reaches rank 0, which stops the workers
-            )
-        return cls(procs)
-
-    def exited(self) -> dict[int, int]:
-        """rank -> exit code of every worker that is no longer running."""
-        codes = {rank: p.poll() for rank, p in self.procs.items()}
-        return {rank: code for rank, code in codes.items() if code is not None}
-
-    def wait(self, timeout: float) -> bool:
-        try:
-            for p in self.procs.values():
-                p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-
-    def kill(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            p.wait()
-
-
-class TensorParallelExecutor:
-    """Rank 0: schedules in this process, runs its shard here, drives the workers' shards."""
+class DistributedExecutor:
+    """Rank 0: schedules in this process, runs its part here (the last stage's first shard),
+    drives the workers' parts. ``rank_memory``: what each rank holds, gathered at start-up."""
 
     def __init__(
         self,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         tp_size: int,
+        pp_size: int = 1,
+        layer_partition: str | None = None,
         extra_block_bytes: int = 0,
         drafter=None,
+        backend: str = "mp",
     ):
-        check_shardable(model_config, tp_size)
-        self.tp_size = tp_size
-        rv = Rendezvous.from_environment(tp_size)
-        if rv.external_workers:
-            self.workers = WorkerProcesses({})
-        else:
-            self.workers = WorkerProcesses.launch(tp_size, rv)
+        layout = plan_layout(model_config, tp_size, pp_size, layer_partition, backend)
+        self.layout = layout
+        self.workers, rv = _start_workers(layout.world_size, model_config, backend)
         self._finalizer = weakref.finalize(self, self.workers.kill)
-        self.group: TensorParallelGroup | None = None
-        self._failed: TensorParallelError | None = None
+        self.group: ParallelGroups | None = None
+        self._failed: DistributedError | None = None
         try:
-            self.group = TensorParallelGroup.join(
-                0, tp_size, rv.addr, rv.port, self._raise_if_worker_exited
+            self.group = ParallelGroups.join(
+                0, layout.world_size, rv.addr, rv.port, layout, self._raise_if_worker_exited
             )
             configs = [(model_config, cache_config)]
             dist.broadcast_object_list(configs, src=0, group=self.group.control)
             self.driver = ModelRunner(  # a draft model's cache lives on rank 0 only
                 model_config,
                 cache_config,
-                self.group.parallel_context(model_config.batch_invariant),
+                self.group.parallel_context(model_config),
                 extra_block_bytes=extra_block_bytes,
                 drafter=drafter,
             )
+            self.rank_memory = memory_of_ranks(self.group, self.driver)
             self.group.finish_startup()
         except Exception as e:
-            error = self._failure("starting the tensor-parallel group", e)
+            error = self._failure("starting the distributed group", e)
             self._abort()
             if isinstance(e, RuntimeError):  # a worker died, a collective failed
                 raise error from e
@@ -199,10 +152,15 @@ class TensorParallelExecutor:
         self._last_sent = time.monotonic()
         self._closing = threading.Event()
         self._keep_alive_thread = threading.Thread(
-            target=self._keep_alive, name="pagedserve-tp-keep-alive", daemon=True
+            target=self._keep_alive, name="pagedserve-keep-alive", daemon=True
         )
         self._keep_alive_thread.start()
-        logger.info("tensor parallelism: %d ranks, %d KV blocks each", tp_size, self.num_blocks)
+        logger.info(
+            "%d ranks (tensor parallel %d x pipeline parallel %d), %d KV blocks each",
+            layout.world_size, tp_size, pp_size, self.num_blocks,
+        )  # fmt: skip
+        for memory in self.rank_memory:
+            logger.info("%s", memory)
 
     @property
     def num_blocks(self) -> int:
@@ -225,7 +183,7 @@ class TensorParallelExecutor:
         model_input, layout = prepared
         with self._lock:
             if self._failed is not None:
-                raise TensorParallelError(f"the tensor-parallel group failed: {self._failed}")
+                raise DistributedError(f"the distributed group failed: {self._failed}")
             self._raise_if_worker_exited()
             try:
                 self.sender.send(Step(model_input, output.blocks_to_copy))
@@ -246,9 +204,9 @@ class TensorParallelExecutor:
                 try:
                     self.sender.stop()
                 except Exception:  # a worker gone at the last moment: the kill below is enough
-                    logger.warning("could not send the stop message to the tensor-parallel workers")
+                    logger.warning("could not send the stop message to the workers")
             if not self.workers.wait(STOP_GRACE_S):
-                logger.warning("tensor-parallel workers did not stop in %.0f s", STOP_GRACE_S)
+                logger.warning("workers did not stop in %.0f s", STOP_GRACE_S)
             self._abort()
         self._keep_alive_thread.join()
 
@@ -275,7 +233,7 @@ class TensorParallelExecutor:
     def _raise_if_worker_exited(self) -> None:
         exited = self.workers.exited()
         if exited:
-            self._failed = TensorParallelError(_describe_exits(exited))
+            self._failed = DistributedError(_describe_exits(exited))
             self._abort()
             raise self._failed
 
@@ -285,7 +243,7 @@ class TensorParallelExecutor:
         logger.error("%s", self._failed)
         self._abort()
 
-    def _failure(self, during: str, error: Exception) -> TensorParallelError:
+    def _failure(self, during: str, error: Exception) -> DistributedError:
         exited = self.workers.exited()
         if exited:
             reason = _describe_exits(exited)
@@ -296,7 +254,7 @@ class TensorParallelExecutor:
                 f"or failed, or this rank's step raised; in-step collectives give up after "
                 f"PAGEDSERVE_TP_TIMEOUT_S = {timeout:g} s)"
             )
-        return TensorParallelError(f"tensor parallelism failed while {during}: {reason}")
+        return DistributedError(f"distributed execution failed while {during}: {reason}")
 
     def _abort(self) -> None:
         self.workers.kill()
@@ -305,6 +263,23 @@ class TensorParallelExecutor:
             self.group = None
 
 
-def _describe_exits(exited: dict[int, int]) -> str:
-    parts = [f"rank {rank} exited with code {code}" for rank, code in sorted(exited.items())]
-    return "tensor-parallel worker " + ", ".join(parts) + " (its log is on stderr above)"
+def _start_workers(world_size: int, model_config: ModelConfig, backend: str):
+    """Ranks 1..world_size-1 started (as processes here, or Ray actors) or left to whoever
+    starts them (``WORLD_SIZE`` set), and where every rank meets rank 0."""
+    rv = Rendezvous.from_environment(world_size)
+    if backend == "ray":
+        if rv.external_workers:
+            raise ValueError(
+                "WORLD_SIZE is set (the workers are started elsewhere): the ray backend places "
+                "its own workers; unset it or use the mp backend"
+            )
+        cuda = model_config.torch_device.type == "cuda"
+        workers, addr, port = RayWorkers.launch(world_size, cuda)
+        return workers, Rendezvous(addr, port, external_workers=False)
+    if rv.external_workers:
+        return WorkerProcesses({}), rv
+    return WorkerProcesses.launch(world_size, rv), rv
+
+
+def _describe_exits(exited: dict[int, str]) -> str:
+    return "worker " + ", ".join(f"rank {rank} {how}" for rank, how in sorted(exited.items()))

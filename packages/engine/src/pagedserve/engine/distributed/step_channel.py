@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.distributed.group import TensorParallelGroup
+from pagedserve.engine.distributed.group import ParallelGroups
 from pagedserve.engine.model_runner import ModelInput
 from pagedserve.models import AttentionMetadata
 
@@ -41,7 +41,7 @@ class Step:
 class StepSender:
     """Rank 0's side: ``send(step)`` each step, ``keep_alive()`` when idle, ``stop()`` once."""
 
-    def __init__(self, group: TensorParallelGroup) -> None:
+    def __init__(self, group: ParallelGroups) -> None:
         self.group = group
         self.control = group.control
 
@@ -65,7 +65,7 @@ class StepSender:
 class StepReceiver:
     """A worker's side: ``receive()`` blocks until the next step, or returns None on stop."""
 
-    def __init__(self, group: TensorParallelGroup, device: torch.device) -> None:
+    def __init__(self, group: ParallelGroups, device: torch.device) -> None:
         self.group = group
         self.control = group.control
         self.device = device

@@ -1,4 +1,5 @@
-"""A tensor-parallel worker: ranks 1..tp_size-1, each holding its shard of the model and cache.
+"""A worker: ranks 1..world_size-1, each holding its part of the model and cache (its pipeline
+stage's layers, its tensor-parallel shard of them).
 
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\
         python -m pagedserve.engine.distributed.worker
@@ -6,8 +7,10 @@
 The engine starts these itself on one machine. On other machines, start one per rank with the
 environment above (LOCAL_RANK picks the GPU; torchrun sets all of it). A worker needs nothing
 else: rank 0 sends it the model and cache configs after the rendezvous (the model folder must
-exist at the same path on every machine). Then it loops: receive a step's batch, run the
-forward on its shard (taking part in the all-reduces and the gather), until rank 0 says stop.
+exist at the same path on every machine) and the layout (``tensor_parallel_size`` x
+``pipeline_parallel_size``, each stage's layers). Then it loops: receive a step's batch, run the
+forward on its part (taking part in its stage's all-reduces and gather, receiving the previous
+stage's hidden states and sending its own to the next), until rank 0 says stop.
 A failed collective (rank 0 gone, a timeout) ends the process with a non-zero exit code.
 """
 
@@ -22,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.distributed.group import TensorParallelGroup
+from pagedserve.engine.distributed.group import ParallelGroups, memory_of_ranks
 from pagedserve.engine.distributed.step_channel import StepReceiver
 from pagedserve.engine.model_runner import ModelRunner
 
@@ -44,7 +47,7 @@ def run_worker() -> None:
     if torch.cuda.is_available():  # NCCL binds this process to its GPU at the rendezvous
         local_rank %= torch.cuda.device_count()
         torch.cuda.set_device(local_rank)
-    group = TensorParallelGroup.join(
+    group = ParallelGroups.join(
         rank, world_size, _required_env("MASTER_ADDR"), int(_required_env("MASTER_PORT"))
     )
     try:
@@ -53,8 +56,8 @@ def run_worker() -> None:
         model_config, cache_config = configs[0]
         if model_config.torch_device.type == "cuda":
             model_config = dataclasses.replace(model_config, device=f"cuda:{local_rank}")
-        par = group.parallel_context(model_config.batch_invariant)
-        runner = ModelRunner(model_config, cache_config, par)
+        runner = ModelRunner(model_config, cache_config, group.parallel_context(model_config))
+        memory_of_ranks(group, runner)
         group.finish_startup()
         receiver = StepReceiver(group, runner.device)
         while (step := receiver.receive()) is not None:
@@ -69,7 +72,7 @@ def main() -> int:
         run_worker()
     except Exception:  # rank 0 reports the failure to the user; this is the detail
         rank = os.environ.get("RANK", "?")
-        print(f"pagedserve tensor-parallel worker rank {rank} failed:", file=sys.stderr)
+        print(f"pagedserve worker rank {rank} failed:", file=sys.stderr)
         traceback.print_exc()
         return 1
     return 0

@@ -156,6 +156,10 @@ def check_connector_args(args) -> None:
             args.tensor_parallel_size > 1,
             "it moves the blocks of one process's cache",
         ),
+        "pipeline_parallel_size > 1": (
+            args.pipeline_parallel_size > 1,
+            "it moves the blocks of one process's cache",
+        ),
         "a draft model (speculative_config)": (
             _has_draft_model(args.speculative_config),
             "it carries the target model's cache, not the draft's",

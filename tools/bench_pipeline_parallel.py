@@ -1,0 +1,122 @@
+"""What the pipeline bubble costs: the same workload on one process and on pipeline stages.
+
+pagedserve's pipeline parallelism runs one batch at a time through its stages, so while one
+stage computes the others wait (the "bubble"): with P stages each rank is busy about 1/P of a
+step. Its use is memory (each rank holds 1/P of the layers and of the KV cache), not speed.
+This measures that cost. The workload is bench_throughput's, seeded and spelled out
+(``--num-requests`` prompts of uniformly random length in [min_prompt, max_prompt] of random
+token ids, each asking for exactly a uniformly random number of output tokens in
+[min_output, max_output], EOS ignored, greedy, at most ``--max-num-seqs`` at once), run on:
+
+- one process with ``--threads`` threads (the baseline; the ratio column is against it);
+- one process with ``--threads / stages`` threads: what one stage's share of the cores does;
+- ``--stages`` pipeline stages, ``--threads / stages`` threads each (one process per stage).
+
+Each configuration runs ``--rounds`` times in turn (the configurations alternate, so the
+machine's other work falls on all alike); the table gives each one's median. Outputs are
+checked equal to the baseline's token for token.
+
+    .venv/bin/python tools/bench_pipeline_parallel.py        # SmolLM2-135M fp32, 2 stages
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_throughput import (  # noqa: E402
+    Workload,
+    add_workload_args,
+    make_workload,
+    parse_workload_args,
+)
+
+
+def build(args: argparse.Namespace, workload: Workload, threads: int, stages: int):
+    from pagedserve.engine import LLM
+
+    torch.set_num_threads(threads)  # the workers started now inherit their share of it
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max(longest + 1, 512),
+        kv_cache_memory=args.kv_cache_memory,
+        pipeline_parallel_size=stages,
+    )
+
+
+def run(llm, workload: Workload, threads: int) -> tuple[float, list[list[int]]]:
+    from pagedserve.engine import SamplingParams
+
+    torch.set_num_threads(threads)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(parser)
+    parser.set_defaults(num_requests=32, max_prompt=128, max_output=64)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=256 << 20)
+    parser.add_argument("--rounds", type=int, default=2)
+    return parse_workload_args(parser, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pagedserve.models import ModelConfig
+
+    workload = make_workload(args, ModelConfig(model=args.model).vocab_size)
+    share = max(1, args.threads // args.stages)
+    configs = {
+        f"1 process, {args.threads} threads": (args.threads, 1),
+        f"1 process, {share} thread(s)": (share, 1),
+        f"{args.stages} stages, {share} thread(s) each": (share, args.stages),
+    }
+    engines = {name: build(args, workload, *config) for name, config in configs.items()}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(args.rounds):
+        for name, (threads, _) in configs.items():
+            seconds, outputs[name] = run(engines[name], workload, threads)
+            times[name].append(seconds)
+    for name, (_, stages) in configs.items():
+        if stages > 1:
+            engines[name].engine.runner.shutdown()
+    baseline = next(iter(configs))
+    print(
+        f"# {Path(args.model).name} {args.dtype}, {args.num_requests} requests, prompts "
+        f"{args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output}, "
+        f"{args.max_num_seqs} streams, seed {args.seed}, {args.rounds} rounds; "
+        f"{platform.processor() or platform.machine()}"
+    )
+    print("| configuration | median s | output tok/s | ratio | outputs equal |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(times[baseline])
+    for name in configs:
+        median = statistics.median(times[name])
+        equal = outputs[name] == outputs[baseline]
+        rate = workload.num_output_tokens / median
+        print(f"| {name} | {median:.1f} | {rate:.1f} | {base / median:.2f} | {equal} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
