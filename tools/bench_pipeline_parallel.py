@@ -14,7 +14,8 @@ token ids, each asking for exactly a uniformly random number of output tokens in
 
 Each configuration runs ``--rounds`` times in turn (the configurations alternate, so the
 machine's other work falls on all alike); the table gives each one's median. Outputs are
-checked equal to the baseline's token for token.
+checked equal to the baseline's token for token. A second table gives what each rank of the
+staged engine holds (its layers, its weights' and KV cache's bytes).
 
     .venv/bin/python tools/bench_pipeline_parallel.py        # SmolLM2-135M fp32, 2 stages
 """
@@ -97,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, (threads, _) in configs.items():
             seconds, outputs[name] = run(engines[name], workload, threads)
             times[name].append(seconds)
-    for name, (_, stages) in configs.items():
-        if stages > 1:
-            engines[name].engine.runner.shutdown()
+    staged = engines[f"{args.stages} stages, {share} thread(s) each"].engine.runner
+    print("| rank | stage | layers | weights MiB | KV cache MiB |\n|---|---|---|---|---|")
+    for m in staged.rank_memory:  # what each rank holds, as the executor gathered it
+        layers = f"{m.layers.start}-{m.layers.stop - 1}"
+        print(f"| {m.rank} | {m.stage} | {layers} | {m.weight_bytes / 2**20:.1f} | "
+              f"{m.kv_cache_bytes / 2**20:.1f} |")  # fmt: skip
+    print()
     baseline = next(iter(configs))
     print(
         f"# {Path(args.model).name} {args.dtype}, {args.num_requests} requests, prompts "
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         equal = outputs[name] == outputs[baseline]
         rate = workload.num_output_tokens / median
         print(f"| {name} | {median:.1f} | {rate:.1f} | {base / median:.2f} | {equal} |")
+    staged.shutdown()
     return 0
 
 

@@ -10,8 +10,8 @@ sampled: only rank 0 samples.
 
 Pipeline parallelism here runs one batch at a time: while stage 1 works on a step, stage 0 has
 nothing to do (the pipeline "bubble": with P stages each rank idles (P - 1) / P of a step).
-Its use is a model that does not fit one machine's memory, not speed (docs/pipeline_parallel.md
-has the figures).
+Its use is a model that does not fit one machine's memory, not speed (docs/parallelism.md has
+the figures).
 
 Workers are ``python -m pagedserve.engine.distributed.worker`` processes, started here, one per
 rank 1..world_size-1, on this machine (launch.py; rendezvous on 127.0.0.1 at a free port unless
