@@ -40,13 +40,19 @@ llm = LLM(model=sys.argv[1], pipeline_parallel_size=2, block_size=8, kv_cache_me
           distributed_executor_backend=sys.argv[2])
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 tokens = llm.generate([{"prompt_token_ids": PROMPT}], greedy, use_tqdm=False)[0].outputs[0]
-hosts = []
+hosts, status = [], ""
 if sys.argv[2] == "ray":
-    import ray
+    import subprocess, time, ray
     address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     hosts = [address[node] for node in llm.engine.runner.workers.nodes.values()]
+    ray_bin = sys.executable.rsplit("/", 1)[0] + "/ray"
+    for _ in range(60):  # the autoscaler's view of usage lags a few seconds
+        status = subprocess.run([ray_bin, "status"], capture_output=True, text=True).stdout
+        if "placement groups" in status:
+            break
+        time.sleep(0.5)
 llm.engine.runner.shutdown()
-print(json.dumps({"tokens": tokens.token_ids, "worker_hosts": hosts}))
+print(json.dumps({"tokens": tokens.token_ids, "worker_hosts": hosts, "ray_status": status}))
 """.replace("PROMPT", repr(PROMPT))
 )
 
@@ -144,4 +150,6 @@ def test_a_ray_worker_node_on_the_other_host_takes_the_first_stage(tiny_checkpoi
             run([ray_bin, "stop", "--force"], ray_env, stdout=subprocess.DEVNULL).wait(60)
         shutil.rmtree(session, ignore_errors=True)
     assert result["worker_hosts"] == ["10.77.0.2"]
+    # Ray's own tool sees the engine's placement group holding the worker's CPU
+    assert "1.0/2.0 CPU (1.0 used of 1.0 reserved in placement groups)" in result["ray_status"]
     assert result["tokens"] == _one_process(path)

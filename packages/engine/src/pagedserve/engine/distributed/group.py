@@ -36,7 +36,8 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -79,20 +80,27 @@ def backend() -> str:
     return "gloo"
 
 
-def choose_gloo_interface(master_addr: str) -> None:
-    """Set ``GLOO_SOCKET_IFNAME`` (unless set) to the network interface this host reaches
-    ``master_addr`` through. Left alone, gloo binds to the address the host name resolves to,
-    often 127.0.0.1 on a machine whose name is only in /etc/hosts: the ranks of other hosts
-    could then never connect to this one. Loopback rendezvous (one machine) needs nothing."""
+@contextmanager
+def gloo_interface_towards(master_addr: str) -> Iterator[None]:
+    """While the groups are made: ``GLOO_SOCKET_IFNAME`` (unless set) is the network interface
+    this host reaches ``master_addr`` through, restored afterwards (the processes this one
+    starts later, on other hosts perhaps, must not inherit it). Left alone, gloo binds to the
+    address the host name resolves to, often 127.0.0.1 on a machine whose name is only in
+    /etc/hosts: the ranks of other hosts could then never connect to this one. A loopback
+    rendezvous (one machine) needs nothing."""
     if "GLOO_SOCKET_IFNAME" in os.environ or ipaddress.ip_address(master_addr).is_loopback:
+        yield
         return
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((master_addr, 9))  # no packet is sent: this only picks the route
         local = probe.getsockname()[0]
-    for _, name in socket.if_nameindex():
-        if _interface_address(name) == local:
-            os.environ["GLOO_SOCKET_IFNAME"] = name
-            return
+    names = [name for _, name in socket.if_nameindex() if _interface_address(name) == local]
+    if names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def _interface_address(name: str) -> str | None:
@@ -197,7 +205,6 @@ class ParallelGroups:
                 "engine per process (shut the previous one down first)"
             )
         timeout = startup_timeout()
-        choose_gloo_interface(addr)
         store = dist.TCPStore(
             addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
         )
@@ -205,12 +212,13 @@ class ParallelGroups:
             _wait_for_workers(store, world_size, timeout, check_workers)
         else:
             store.set(f"pagedserve/joined/{rank}", "1")
-        dist.init_process_group(
-            backend=backend(), store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
-        message = [layout or ParallelLayout(world_size)]  # default: tensor parallel only
-        dist.broadcast_object_list(message, src=0)
-        return cls(rank, message[0])
+        with gloo_interface_towards(addr):  # every gloo group is made inside
+            dist.init_process_group(
+                backend=backend(), store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+            message = [layout or ParallelLayout(world_size)]  # default: tensor parallel only
+            dist.broadcast_object_list(message, src=0)
+            return cls(rank, message[0])
 
     def finish_startup(self) -> None:
         """From now on collectives time out after ``PAGEDSERVE_TP_TIMEOUT_S``."""
