@@ -2,7 +2,8 @@
 
 - The layers are cut into contiguous stages: evenly (the extras before the last stage), by
   ``pp_layer_partition``, or by vLLM's ``VLLM_PP_LAYER_PARTITION``; a bad split or an
-  architecture without stages is refused before any process starts.
+  architecture without stages is refused before any process starts. Rank 0's group holds the
+  last stage; a stage's rank sends to the next stage's rank of the same shard.
 - ``LLM(..., pipeline_parallel_size=2)`` gives the single-process greedy tokens on the tiny
   models (dense, tied head, MoE, latent attention, sinks), with chunked prefill and a prefix
   hit; with tensor parallelism inside each stage (2 x 2 ranks) too; and on SmolLM2's shipped
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 import pytest
 
 from pagedserve.engine import LLM, EngineArgs, SamplingParams
+from pagedserve.engine.distributed.group import ParallelLayout
 from pagedserve.engine.errors import DistributedError
 from pagedserve.models.pipeline import partition_layers
 
@@ -45,6 +47,22 @@ def test_layers_are_cut_into_contiguous_stages(monkeypatch):
     monkeypatch.delenv("VLLM_PP_LAYER_PARTITION")
     with pytest.raises(ValueError, match="more than the model's 2 layers"):
         partition_layers(2, 3)
+
+
+def test_rank_0s_group_holds_the_last_stage_and_peers_share_a_shard():
+    layers = (range(0, 4), range(4, 8), range(8, 10))
+    layout = ParallelLayout(tp_size=2, pp_size=3, stage_layers=layers)
+    assert layout.world_size == 6
+    assert [layout.stage_of(rank) for rank in range(6)] == [2, 2, 0, 0, 1, 1]
+    assert [layout.stage_ranks(s) for s in range(3)] == [[2, 3], [4, 5], [0, 1]]
+    # hidden states go from a rank to the rank of the next stage holding the same shard
+    assert [layout.peer(rank, 1) for rank in (2, 3)] == [4, 5]
+    assert [layout.peer(rank, 2) for rank in (4, 5)] == [0, 1]
+    stage = layout.pipeline_stage(5)
+    assert (stage.index, stage.is_first, stage.is_last) == (1, False, False)
+    assert stage.layer_range(10) == range(4, 8)
+    assert layout.pipeline_stage(1).is_last and layout.pipeline_stage(3).is_first
+    assert ParallelLayout(tp_size=3).stage_ranks(0) == [0, 1, 2]  # one stage: every rank
 
 
 def test_what_cannot_be_staged_is_refused_before_any_process_starts(tiny_checkpoint):
