@@ -6,9 +6,11 @@
   last stage; a stage's rank sends to the next stage's rank of the same shard.
 - ``LLM(..., pipeline_parallel_size=2)`` gives the single-process greedy tokens on the tiny
   models (dense, tied head, MoE, latent attention, sinks), with chunked prefill and a prefix
-  hit; with tensor parallelism inside each stage (2 x 2 ranks) too; and on SmolLM2's shipped
-  GGUF with an uneven split, its tied head loaded on the last stage from the embedding's
-  blocks. Each rank holds its own layers' weights and KV cache only (``rank_memory``).
+  hit; three stages on 3-layer tiny Llama, Qwen2 and Mixtral; tensor parallelism inside each
+  stage (2 x 2 ranks); SmolLM2 at 3 stages and at 2 stages of 3 shards with chunked prefill,
+  prefix hits and preemptions; and SmolLM2's shipped GGUF with an uneven split, its tied head
+  loaded on the last stage from the embedding's blocks. Each rank holds its own layers'
+  weights and KV cache only (``rank_memory``).
 - A stage's worker that dies fails the engine with a clear error, never a hang.
 """
 
