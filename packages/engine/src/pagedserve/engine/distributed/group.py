@@ -315,6 +315,8 @@ class _StageLink:
 
     def send(self, t: IntermediateTensors) -> None:
         both = torch.stack([t.hidden, t.residual])
+        if both.dtype != self.dtype:  # the receiver reads the bytes as the model's dtype
+            raise RuntimeError(f"a stage's output is {both.dtype}, the model's dtype {self.dtype}")
         self.groups.send(both, self.next)
 
     def receive(self, num_tokens: int) -> IntermediateTensors:
