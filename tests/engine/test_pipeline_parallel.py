@@ -74,6 +74,8 @@ def test_what_cannot_be_staged_is_refused_before_any_process_starts(tiny_checkpo
         LLM(model=tiny_checkpoint("llama"), pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="must give each of the 2 stages"):
         LLM(model=tiny_checkpoint("llama"), pipeline_parallel_size=2, pp_layer_partition="2,0")
+    with pytest.raises(ValueError, match="pp_layer_partition '1,1' splits pipeline stages"):
+        EngineArgs(model="unused", pp_layer_partition="1,1")  # one stage: nothing to split
     for refused, kwargs in {
         "enable_lora": dict(enable_lora=True),
         "kv_offload": dict(kv_offload_memory=1 << 20),

@@ -195,6 +195,11 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                f"pp_layer_partition {self.pp_layer_partition!r} splits pipeline stages: give "
+                "pipeline_parallel_size > 1 with it"
+            )
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend {self.distributed_executor_backend!r}: "

@@ -163,7 +163,7 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, par: ParallelContext, mlp_factory=None, attention_factory=None
     ) -> None:
         super().__init__()
-        stage = par.stage
+        stage = self.stage = par.stage
         self.stage_layers = stage.layer_range(config.num_layers)
         self.embed_tokens = (
             VocabParallelEmbedding(
@@ -205,7 +205,7 @@ class LlamaModel(nn.Module):
         own_layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
         for layer, kv_cache in zip(own_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        if isinstance(self.norm, MissingLayer):
+        if not self.stage.is_last:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

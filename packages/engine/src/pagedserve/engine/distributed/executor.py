@@ -16,8 +16,8 @@ the figures).
 Workers are ``python -m pagedserve.engine.distributed.worker`` processes, started here, one per
 rank 1..world_size-1, on this machine (launch.py; rendezvous on 127.0.0.1 at a free port unless
 MASTER_ADDR and MASTER_PORT are set), or Ray actors placed over a Ray cluster's nodes with
-``backend="ray"`` (ray_workers.py). When ``WORLD_SIZE`` is set in the environment the workers are started
-elsewhere (other machines, torchrun) and this process joins as rank 0 of that group.
+``backend="ray"`` (ray_workers.py). When ``WORLD_SIZE`` is set in the environment the workers
+are started elsewhere (other machines, torchrun) and this process joins as rank 0 of that group.
 
 A worker that exits, or a collective that times out, fails the step with a
 ``DistributedError`` (an ``EngineError``) that says which rank and why; the group is then
@@ -121,7 +121,6 @@ class DistributedExecutor:
         backend: str = "mp",
     ):
         layout = plan_layout(model_config, tp_size, pp_size, layer_partition, backend)
-        self.layout = layout
         self.workers, rv = _start_workers(layout.world_size, model_config, backend)
         self._finalizer = weakref.finalize(self, self.workers.kill)
         self.group: ParallelGroups | None = None

@@ -95,12 +95,14 @@ def gloo_interface_towards(master_addr: str) -> Iterator[None]:
         probe.connect((master_addr, 9))  # no packet is sent: this only picks the route
         local = probe.getsockname()[0]
     names = [name for _, name in socket.if_nameindex() if _interface_address(name) == local]
-    if names:
-        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+    if not names:  # no interface holds that address: gloo's own choice
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = names[0]
     try:
         yield
     finally:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def _interface_address(name: str) -> str | None:
@@ -181,8 +183,8 @@ class ParallelGroups:
             dist.new_group(layout.stage_ranks(s), timeout=collective_timeout())
             for s in range(layout.pp_size)
         ]
-        self._stage_startup = startup[layout.stage_of(rank)]
-        self._stage_steps = steps[layout.stage_of(rank)]
+        own = layout.stage_of(rank)
+        self._stage_startup, self._stage_steps = startup[own], steps[own]
         self._current: dist.ProcessGroup | None = None  # None: the default group
         self._current_stage = self._stage_startup
 
