@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -139,6 +140,7 @@ async def run_restart(args) -> tuple[float, float, float]:
     engine = await started(args, num_blocks, kv_offload_dir=folder)
     _, disk = await ask(engine, prefix + questions[2], "disk", 4)
     await engine.shutdown()
+    shutil.rmtree(folder)
     return cold, warm, disk
 
 

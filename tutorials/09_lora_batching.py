@@ -8,6 +8,7 @@ kernels that apply every adapter of a batch at once, then runs one engine step t
 adapters with the base model and checks each row against transformers + peft.
 """
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -80,3 +81,5 @@ short = SamplingParams(temperature=0, max_tokens=1)
 for name in ("attn", "mlp", "attn", None):
     cached = llm.generate(long_prompt, short, use_tqdm=False, lora_request=requests.get(name))
     print(f"{name or 'base':>5}: {cached[0].num_cached_tokens} prompt tokens from the cache")
+
+shutil.rmtree(work)  # the lesson's checkpoint and adapters

@@ -11,6 +11,7 @@ in between, and watches the document's blocks leave the pool, come back from RAM
 a restart, from disk; then it corrupts one block file and watches it be refused.
 """
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -115,3 +116,4 @@ stats = llm.engine.get_stats().kv_connector
 print(f"== 5. One flipped byte: rejected {dict(stats.rejected_blocks)}, {cached} tokens loaded,")
 print(f"   the answer still the cold run's: {text == cold_text}")
 llm.engine.shutdown()
+shutil.rmtree(folder)  # the lesson's temporary folder, left behind by no run

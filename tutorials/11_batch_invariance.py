@@ -9,6 +9,7 @@ provokes exactly that on a tiny model, then turns on ``batch_invariant=True`` (t
 row in an order that depends on that row alone, and shows the tie holding.
 """
 
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -19,7 +20,8 @@ from pagedserve.engine import LLM, SamplingParams
 from pagedserve.models.testing import make_tiny_checkpoint
 
 torch.set_num_threads(1)
-model = str(make_tiny_checkpoint("llama", Path(tempfile.mkdtemp(prefix="bi-tutorial-"))))
+work = Path(tempfile.mkdtemp(prefix="bi-tutorial-"))
+model = str(make_tiny_checkpoint("llama", work))
 gen = torch.Generator().manual_seed(0)
 target = torch.randint(3, 512, (12,), generator=gen).tolist()
 others = [torch.randint(3, 512, (30,), generator=gen).tolist() for _ in range(20)]
@@ -112,3 +114,5 @@ print("the tie holds: the request's answer no longer depends on what it was batc
 
 # What it costs: the mode gives up MKL's faster GEMM for many rows and SDPA for long prefills
 # (docs/batch_invariance.md says where, and tools/bench_batch_invariant.py measures it).
+
+shutil.rmtree(work)  # the lesson's tiny checkpoint
