@@ -65,6 +65,7 @@ class ReservingKVCacheManager(KVCacheManager):
         cache_salt: str | None = None,
         lora_int_id: int = 0,
         delay_caching: bool = False,
+        images=(),
     ) -> bool:
         if seq_id not in self.block_tables:
             num_new_tokens = self.reservation[seq_id] - num_computed_tokens

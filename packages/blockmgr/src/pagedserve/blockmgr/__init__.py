@@ -14,12 +14,13 @@ from pagedserve.blockmgr.kv_cache_manager import (
     StalePrefixHitError,
 )
 from pagedserve.blockmgr.no_kv_cache import NoKVCacheManager
-from pagedserve.blockmgr.prefix_hash import extend_block_hashes, hash_block
+from pagedserve.blockmgr.prefix_hash import ImagePlaceholder, extend_block_hashes, hash_block
 
 __all__ = [
     "BlockPool",
     "BlockPoolExhausted",
     "CacheConfig",
+    "ImagePlaceholder",
     "KVBlock",
     "KVCacheManager",
     "NoKVCacheManager",

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.blockmgr.block_pool import BlockPool, KVBlock
-from pagedserve.blockmgr.prefix_hash import extend_block_hashes
+from pagedserve.blockmgr.prefix_hash import ImagePlaceholder, extend_block_hashes
 
 # The table entry of a block released behind the sliding window: never read, owned by no pool.
 OUT_OF_WINDOW = KVBlock(block_id=0, ref_count=-1)
@@ -101,6 +101,8 @@ class KVCacheManager:
         # Per sequence: hashes of its full known blocks, and how many of them are registered.
         self._block_hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
+        # Per sequence with images in its prompt: where they sit, hashed into its blocks.
+        self._images: dict[str, Sequence[ImagePlaceholder]] = {}
         self._blocks_to_copy: list[tuple[int, int]] = []
         self.prefix_cache_stats = PrefixCacheStats()
         # Per sequence: its block ids, kept between steps until its table changes (block_ids).
@@ -150,15 +152,21 @@ class KVCacheManager:
         num_tokens: int,
         cache_salt: str | None = None,
         lora_int_id: int = 0,
+        images: Sequence[ImagePlaceholder] = (),
     ) -> list[bytes]:
         """The hashes of the full blocks among the first ``num_tokens`` of ``token_ids``, as
         the prefix cache names them (a KV connector looks its own store up by them)."""
         return extend_block_hashes(
-            [], token_ids, self.block_size, cache_salt, num_tokens, lora_int_id, self.hash_root
-        )
+            [], token_ids, self.block_size, cache_salt, num_tokens, lora_int_id, self.hash_root,
+            images,
+        )  # fmt: skip
 
     def get_computed_blocks(
-        self, token_ids: Sequence[int], cache_salt: str | None = None, lora_int_id: int = 0
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_int_id: int = 0,
+        images: Sequence[ImagePlaceholder] = (),
     ) -> tuple[list[KVBlock], int]:
         """Look up the longest cached prefix of ``token_ids``, in whole blocks.
 
@@ -170,7 +178,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = max(0, len(token_ids) - 1) // self.block_size
-        hashes = self.hash_prefix(token_ids, max_blocks * self.block_size, cache_salt, lora_int_id)
+        num_tokens = max_blocks * self.block_size
+        hashes = self.hash_prefix(token_ids, num_tokens, cache_salt, lora_int_id, images)
         hits: list[KVBlock] = []
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)
@@ -191,18 +200,19 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_int_id: int = 0,
         delay_caching: bool = False,
+        images: Sequence[ImagePlaceholder] = (),
     ) -> bool:
         """Make room for ``num_new_tokens`` tokens after ``num_computed_tokens``.
 
         ``computed_blocks`` (from ``get_computed_blocks``; first call for a sequence only) are
         shared, not copied, and must cover exactly ``num_computed_tokens``. A block the new
         tokens land in that another sequence also holds is copied first (copy-on-write). Full
-        blocks whose tokens are all known are registered in the prefix cache (with
-        ``delay_caching``, whose keys and values a KV connector is still loading, only once
-        ``cache_blocks`` says they arrived). A new sequence must leave the watermark free, so
-        that admitting it does not force a preemption at the next decode step. All or nothing:
-        False, nothing changed, when the pool cannot supply the blocks (the scheduler then
-        preempts or waits)."""
+        blocks whose tokens are all known are registered in the prefix cache, the prompt's
+        ``images`` hashed in (with ``delay_caching``, whose keys and values a KV connector is
+        still loading, only once ``cache_blocks`` says they arrived). A new sequence must
+        leave the watermark free, so that admitting it does not force a preemption at the next
+        decode step. All or nothing: False, nothing changed, when the pool cannot supply the
+        blocks (the scheduler then preempts or waits)."""
         if num_new_tokens == 1 and not computed_blocks:  # a decode: nearly every call
             known = self._in_place.get(seq_id)
             if (known is not None and known[0] <= num_computed_tokens <= known[1]) or (
@@ -215,11 +225,9 @@ class KVCacheManager:
         _check_allocation(seq_id, table, num_computed_tokens, num_new_tokens, computed_blocks)
         self._table_changed(seq_id)
         is_new = table is None
-        hit_hashes = None
-        if computed_blocks:
-            hit_hashes = self._check_hits(
-                token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id
-            )
+        hit_hashes = self._check_hits(
+            token_ids, num_computed_tokens, computed_blocks, cache_salt, lora_int_id, images
+        )
         table = [] if table is None else table
         total = num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-total // self.block_size) - len(table) - len(computed_blocks))
@@ -236,7 +244,7 @@ class KVCacheManager:
         for _ in range(num_new_blocks):
             table.append(self.pool.allocate())
         self.block_tables[seq_id] = table
-        self._record_hits(seq_id, is_new, len(token_ids), hit_hashes)
+        self._record_hits(seq_id, is_new, len(token_ids), hit_hashes, images)
         if not delay_caching:
             self._cache_full_blocks(seq_id, table, token_ids, total, cache_salt, lora_int_id)
         self._free_out_of_window(seq_id, table, num_computed_tokens)
@@ -284,6 +292,7 @@ class KVCacheManager:
         self._table_changed(seq_id)
         self._block_hashes.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
+        self._images.pop(seq_id, None)
         self._num_out_of_window.pop(seq_id, None)
         for block in reversed(table or []):
             if block is not OUT_OF_WINDOW:
@@ -323,6 +332,8 @@ class KVCacheManager:
         self._in_place.pop(parent_id, None)  # its last block is shared now: not in place
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+        if parent_id in self._images:
+            self._images[child_id] = self._images[parent_id]
         self._num_out_of_window[child_id] = self._num_out_of_window.get(parent_id, 0)
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
@@ -339,9 +350,11 @@ class KVCacheManager:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _record_hits(self, seq_id, is_new, num_tokens: int, hit_hashes: list[bytes] | None):
+    def _record_hits(self, seq_id, is_new, num_tokens: int, hit_hashes, images) -> None:
         """A sequence's prefix-cache hits: their hashes (registered already) and, when it is
-        new, the statistics of its lookup."""
+        new, the statistics of its lookup; its images, hashed into its blocks until freed."""
+        if images:
+            self._images[seq_id] = images
         if hit_hashes is not None:
             self._block_hashes[seq_id] = hit_hashes
         if is_new and self.enable_prefix_caching:
@@ -437,18 +450,22 @@ class KVCacheManager:
         hits: Sequence[KVBlock],
         cache_salt: str | None,
         lora_int_id: int = 0,
-    ) -> list[bytes]:
+        images: Sequence[ImagePlaceholder] = (),
+    ) -> list[bytes] | None:
         """Refuse hit blocks that do not (any longer) hold this sequence's prefix.
 
         Between ``get_computed_blocks`` and ``allocate_slots`` another allocation may evict a
         free cached block and reuse it; sharing it would silently serve foreign keys/values.
+        None when there are no hits.
         """
+        if not hits:
+            return None
         if num_computed_tokens != len(hits) * self.block_size:
             raise ValueError(
                 f"{len(hits)} hit blocks cover {len(hits) * self.block_size} tokens, "
                 f"not num_computed_tokens={num_computed_tokens}"
             )
-        expected = self.hash_prefix(token_ids, num_computed_tokens, cache_salt, lora_int_id)
+        expected = self.hash_prefix(token_ids, num_computed_tokens, cache_salt, lora_int_id, images)
         for block, block_hash in zip(hits, expected, strict=True):
             if block.block_hash != block_hash:
                 raise StalePrefixHitError(
@@ -490,8 +507,9 @@ class KVCacheManager:
             return
         hashes = self._block_hashes.setdefault(seq_id, [])
         extend_block_hashes(
-            hashes, token_ids, self.block_size, cache_salt, num_tokens, lora_int_id, self.hash_root
-        )
+            hashes, token_ids, self.block_size, cache_salt, num_tokens, lora_int_id, self.hash_root,
+            self._images.get(seq_id, ()),
+        )  # fmt: skip
         first = self._num_registered.get(seq_id, 0)
         for i in range(first, len(hashes)):
             self.pool.register(table[i], hashes[i])

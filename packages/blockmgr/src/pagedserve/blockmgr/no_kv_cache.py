@@ -40,13 +40,14 @@ class NoKVCacheManager:
     def get_block_table(self, seq_id: str) -> list[int]:
         return []
 
-    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt=None, lora_int_id=0):
+    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt=None, lora_int_id=0,
+                            images=()):  # fmt: skip
         """No prefix is cached: nothing computed, so every token runs."""
         return [], 0
 
     def allocate_slots(self, seq_id: str, token_ids, num_computed_tokens, num_new_tokens,
                        computed_blocks=(), cache_salt=None, lora_int_id=0,
-                       delay_caching=False) -> bool:  # fmt: skip
+                       delay_caching=False, images=()) -> bool:  # fmt: skip
         return True
 
     def cache_blocks(self, seq_id, token_ids, num_tokens, cache_salt=None, lora_int_id=0) -> None:

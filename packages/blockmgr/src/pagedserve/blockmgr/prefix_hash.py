@@ -2,9 +2,17 @@
 
 The hash of block ``i`` covers the hash of block ``i-1`` (and so every token before it), the
 block's own tokens, and extra keys: the LoRA adapter the tokens were computed with (its keys
-and values differ from the base model's and every other adapter's) and a cache salt. Two
-requests get the same hash for a block only when their whole prefix up to the end of that block
-is identical and was computed with the same adapter.
+and values differ from the base model's and every other adapter's), a cache salt, and the
+content hash of every image whose placeholder tokens the block holds. Two requests get the same
+hash for a block only when their whole prefix up to the end of that block is identical, images
+included, and was computed with the same adapter.
+
+Why images need their own key: an image enters the prompt as a run of identical placeholder
+tokens, whose rows the model replaces with the image's embeddings. Two prompts with the same
+text and different pictures have the same token ids, and different keys and values from the
+first placeholder on; hashing the picture's bytes into the blocks that hold its placeholders
+(and, through the chain, into every block after them) keeps them apart, while the same picture
+again hashes the same and hits.
 
 SHA-256 (not Python's ``hash``) with a random seed as the chain's root: a collision would
 silently serve one request another request's keys and values, so it must be infeasible to find
@@ -19,8 +27,22 @@ import hashlib
 import os
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _PROCESS_SEED = os.urandom(16)
+
+
+@dataclass(frozen=True)
+class ImagePlaceholder:
+    """Where one image sits in a prompt: its placeholder tokens ``[offset, offset + length)``
+    and a hash of its content (the engine's: of the decoded pixels, never of the URL)."""
+
+    offset: int
+    length: int
+    content_hash: bytes
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.offset + self.length
 
 
 def hash_block(
@@ -29,9 +51,12 @@ def hash_block(
     extra_key: str | None = None,
     lora_int_id: int = 0,
     root: bytes | None = None,
+    images: Sequence[tuple[int, bytes]] = (),
 ) -> bytes:
     """Hash one full block given its parent's hash (None for the first block, which hashes
-    ``root``, by default the process's own random seed); ``lora_int_id`` 0 is the base model."""
+    ``root``, by default the process's own random seed); ``lora_int_id`` 0 is the base model.
+    ``images``: (where the image starts relative to the block's first token, its content
+    hash) for each image with placeholders in the block."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else root or _PROCESS_SEED)
     h.update(array("q", token_ids).tobytes())  # fixed width: the token/salt boundary is unambiguous
@@ -39,6 +64,8 @@ def hash_block(
         h.update(b"\x00lora\x00" + lora_int_id.to_bytes(8, "little", signed=True))
     if extra_key:
         h.update(b"\x00salt\x00" + extra_key.encode("utf-8"))
+    for start, content_hash in images:  # fixed width, after the salt, which it cannot spell
+        h.update(b"\x00image\x00" + start.to_bytes(8, "little", signed=True) + content_hash)
     return h.digest()
 
 
@@ -50,23 +77,21 @@ def extend_block_hashes(
     num_tokens: int | None = None,
     lora_int_id: int = 0,
     root: bytes | None = None,
+    images: Sequence[ImagePlaceholder] = (),
 ) -> list[bytes]:
     """Append the hashes of any full blocks of ``token_ids`` not yet in ``hashes`` (in place).
 
     ``num_tokens`` limits the blocks to the first ``num_tokens`` tokens without the caller
-    slicing (copying) the whole sequence at every step.
+    slicing (copying) the whole sequence at every step. ``images``: the prompt's images, each
+    hashed into the blocks its placeholders fall in.
     """
     known = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
     num_full = known // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[-1] if hashes else None
+        start, end = i * block_size, (i + 1) * block_size
+        in_block = [(m.offset - start, m.content_hash) for m in images if m.overlaps(start, end)]
         hashes.append(
-            hash_block(
-                parent,
-                token_ids[i * block_size : (i + 1) * block_size],
-                extra_key,
-                lora_int_id,
-                root,
-            )
+            hash_block(parent, token_ids[start:end], extra_key, lora_int_id, root, in_block)
         )
     return hashes
