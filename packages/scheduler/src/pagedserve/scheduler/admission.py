@@ -1,4 +1,5 @@
-"""Admission control: the checks a request meets before it may wait for a place in a step.
+"""Admission control: the checks a request meets before it may wait for a place in a step,
+and what admitting it would take (its first chunk, its blocks).
 
 A request that can never run (an empty or too long prompt, more KV blocks than the cache can
 give one request) is refused for good, naming the field at fault; a request that finds the
@@ -15,6 +16,7 @@ from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloade
 from pagedserve.scheduler.request import Request
 
 if TYPE_CHECKING:
+    from pagedserve.scheduler.encoder_cache import EncoderCacheManager
     from pagedserve.scheduler.queue import WaitingQueue
 
 
@@ -51,6 +53,26 @@ def check_fits(request: Request, config: SchedulerConfig, kv: KVCacheManager) ->
         )
     # The last sampled token is never fed back, so it needs no slot.
     _check_blocks(request, num_prompt + request.max_tokens - 1, kv)
+    _check_images(request, config)
+
+
+def _check_images(request: Request, config: SchedulerConfig) -> None:
+    """Every image must fit the encoder cache (which holds it while its placeholders are
+    computed); without chunked prefill, all of a prompt's images at once."""
+    sizes = [image.length for image in request.images]
+    room = config.encoder_cache_size
+    if sizes and max(sizes) > room:
+        raise RequestRejectedError(
+            f"an image of the prompt takes {max(sizes)} tokens, more than the encoder cache "
+            f"holds ({room}; raise encoder_cache_size)",
+            "multi_modal_data",
+        )
+    if sizes and not config.enable_chunked_prefill and sum(sizes) > room:
+        raise RequestRejectedError(
+            f"the prompt's images take {sum(sizes)} tokens, more than the encoder cache holds "
+            f"({room}) and chunked prefill is off: raise encoder_cache_size",
+            "multi_modal_data",
+        )
 
 
 def _check_blocks(request: Request, max_kv_tokens: int, kv: KVCacheManager) -> None:
@@ -88,3 +110,39 @@ def check_not_overloaded(request: Request, config: SchedulerConfig, waiting: Wai
             f"the waiting queue is full ({waiting.num_tokens} tokens waiting, "
             f"max_num_waiting_tokens = {cap}): retry later"
         )
+
+
+def next_chunk(
+    request: Request,
+    num_computed: int,
+    budget: int,
+    config: SchedulerConfig,
+    encoder: EncoderCacheManager,
+) -> int:
+    """The next chunk's size: every uncomputed token, capped by the long-prefill threshold
+    (when chunked prefill is on) and by what is left of the budget, ending before an image the
+    encoder cache cannot take in this step."""
+    num_new = request.num_tokens - num_computed
+    threshold = config.long_prefill_token_threshold
+    if threshold and config.enable_chunked_prefill:
+        num_new = min(num_new, threshold)
+    num_new = min(num_new, budget)
+    if request.images:
+        num_new = encoder.chunk_end(request, num_computed, num_computed + num_new) - num_computed
+    return num_new
+
+
+def blocks_to_admit(
+    request: Request, kv: KVCacheManager, config: SchedulerConfig, encoder: EncoderCacheManager
+) -> int:
+    """The free blocks that admitting ``request`` takes: those of its first chunk, and of its
+    cached prefix those that no running request holds (the pool counts them as free, ready to
+    evict), plus the watermark an admission leaves. Asked again after each preemption, since
+    a victim may have held blocks of that prefix."""
+    hits, num_cached = kv.get_computed_blocks(
+        request.all_token_ids, request.cache_salt, request.lora_int_id, request.images
+    )
+    num_new = next_chunk(request, num_cached, config.max_num_batched_tokens, config, encoder)
+    num_blocks = -(-(num_cached + num_new) // kv.block_size)
+    num_idle_hits = sum(1 for block in hits if block.ref_count == 0)
+    return num_blocks - len(hits) + num_idle_hits + kv.watermark_blocks

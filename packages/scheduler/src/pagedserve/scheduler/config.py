@@ -29,6 +29,9 @@ class SchedulerConfig:
     ``max_loras`` (0 = no cap) is how many distinct LoRA adapters the running requests may use
     at once: the adapter slots of the model runner. A waiting request whose adapter would be
     one too many waits at the head of the queue until a running adapter's requests finish.
+
+    ``encoder_cache_size`` (0 = ``max_num_batched_tokens``) is how many image embedding rows the
+    encoder cache keeps between steps, and the most one step encodes (encoder_cache.py).
     """
 
     max_num_seqs: int = 64
@@ -41,6 +44,7 @@ class SchedulerConfig:
     max_num_waiting_tokens: int = 0
     max_loras: int = 0
     background_priority: int | None = None
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -56,6 +60,8 @@ class SchedulerConfig:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
+        if self.encoder_cache_size == 0:
+            self.encoder_cache_size = self.max_num_batched_tokens
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.background_priority is not None and self.policy != "priority":

@@ -72,6 +72,10 @@ class SchedulerOutput:
         self.num_scheduled_tokens = 0
         # the KV connector's work in this step (kv_connector.py), for the model runner
         self.kv_connector_metadata: object | None = None
+        # the images the runner encodes in this step, as (request, index in its images), and
+        # the content hashes of the encoder cache's entries it drops first (encoder_cache.py)
+        self.encoder_inputs: list[tuple[Request, int]] = []
+        self.encoder_cache_freed: list[bytes] = []
         for item in scheduled:  # a hand-built step (tests, tools)
             self.add(item.request, item.num_computed_tokens, item.num_new_tokens, item.block_table)
             if item.spec_token_ids:
@@ -137,3 +141,6 @@ class SchedulerStats:
     total_scheduled_tokens: int = 0
     num_scheduled_tokens: int = 0
     num_scheduled_seqs: int = 0
+    # cumulative: images the runner encoded, and images a request found already encoded
+    encoder_cache_encoded: int = 0
+    encoder_cache_hits: int = 0

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, overload
 
+from pagedserve.blockmgr import ImagePlaceholder
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -121,6 +123,9 @@ class Request(Generic[PayloadT]):
     (``max_tokens`` 0), is batched and chunked as any prompt, and finishes as soon as its last
     prompt token is computed, freeing its blocks in that same step; the runner's pooled
     output is its result.
+    ``images`` are where the prompt's images sit (placeholder tokens) and their content hashes:
+    hashed into the prefix cache's blocks, and what the encoder cache (encoder_cache.py)
+    schedules. The engine's items carry the pixels too, which the scheduler never reads.
 
     Invariant while running: ``num_computed_tokens < num_tokens`` (there is always a next token
     or prefill chunk to compute). While waiting: ``num_computed_tokens == 0``; the prefix-cache
@@ -141,6 +146,7 @@ class Request(Generic[PayloadT]):
     waiting_for_grammar: bool = False
     pooling: bool = False
     kv_transfer_params: dict | None = None
+    images: Sequence[ImagePlaceholder] = ()
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -34,7 +34,8 @@ The scheduler decides; it does not compute. It never imports torch.
 Why one file: scheduling and updating read and change the same state (``running``, the block
 manager, each request's computed count) at every step, so they are one class rather than two
 halves joined by inheritance. What reads that state without changing it lives beside it:
-admission checks (admission.py), the waiting queue (queue.py), background work (background.py).
+admission checks and the size of the next chunk (admission.py), the waiting queue (queue.py),
+background work (background.py); and the images' bookkeeping (encoder_cache.py).
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler import background
-from pagedserve.scheduler.admission import check_fits, check_not_overloaded
+from pagedserve.scheduler.admission import (
+    blocks_to_admit,
+    check_fits,
+    check_not_overloaded,
+    next_chunk,
+)
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.encoder_cache import EncoderCacheManager
 from pagedserve.scheduler.kv_connector import KVConnectorScheduler
 from pagedserve.scheduler.output import SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
@@ -66,6 +73,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.kv_connector = kv_connector
+        self.encoder = EncoderCacheManager(config.encoder_cache_size)
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -150,6 +158,8 @@ class Scheduler:
             total_scheduled_tokens=self._total_scheduled_tokens,
             num_scheduled_tokens=self._last_step[0],
             num_scheduled_seqs=self._last_step[1],
+            encoder_cache_encoded=self.encoder.num_encoded,
+            encoder_cache_hits=self.encoder.num_hits,
         )
 
     # ---- finishing from outside ----------------------------------------------------------
@@ -222,6 +232,7 @@ class Scheduler:
         """
         output = SchedulerOutput()
         output.finished, self._finished = self._finished, []
+        self.encoder.begin_step()
         if self.config.policy == "priority" and self.waiting and self.running:
             self._make_room_for_priority(output)
         made_room = len(output.preempted)
@@ -237,6 +248,7 @@ class Scheduler:
             ):  # the prompt that background work yielded to could not start: it runs after all
                 self._schedule_running(output, budget, num_runnable, num_running)
         output.blocks_to_copy = self.kv.take_blocks_to_copy()
+        output.encoder_cache_freed = self.encoder.take_freed()
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
         num_tokens = output.num_scheduled_tokens
@@ -265,6 +277,8 @@ class Scheduler:
             if request.status._value_ in finished:  # request.is_finished, without the call
                 continue
             num_computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            if request.images:
+                self.encoder.release_consumed(request)
             tokens = sampled_token_ids.get(request.request_id)
             output_ids = request.output_token_ids
             if tokens is None and request.pooling:
@@ -305,15 +319,6 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        """The next chunk: every uncomputed token, capped by the long-prefill threshold (when
-        chunked prefill is on) and by what is left of the budget."""
-        num_new = request.num_tokens - num_computed
-        threshold = self.config.long_prefill_token_threshold
-        if threshold and self.config.enable_chunked_prefill:
-            num_new = min(num_new, threshold)
-        return min(num_new, budget)
-
     def _schedule_running(self, output: SchedulerOutput, budget: int, start: int, stop: int) -> int:
         """The next chunk of each of the running requests from ``start`` to ``stop``, in order,
         preempting from the tail as needed; returns the budget left. Runs of decodes go through
@@ -332,9 +337,9 @@ class Scheduler:
             if index >= end or budget <= 0 or len(requests) >= max_seqs:
                 break
             num_new = self._schedule_chunk(running[index], budget, output)
-            if not num_new:
+            if num_new == 0:
                 break  # the request was the last one running, and preempted itself
-            budget -= num_new
+            budget -= num_new or 0  # None: its next image waits for the encoder cache
             index += 1
         return budget
 
@@ -373,24 +378,27 @@ class Scheduler:
         output.num_scheduled_tokens += count
         return count
 
-    def _schedule_chunk(self, request: Request, budget: int, output: SchedulerOutput) -> int:
+    def _schedule_chunk(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
         """One running request's next chunk (a decode takes its one token and any proposals,
         as far as the budget goes; a prefill the chunking rules), allocated, preempting from
-        the tail as needed. Returns its token count: 0 when ``request`` itself had to go."""
+        the tail as needed. Returns its token count: 0 when ``request`` itself had to go, None
+        when its next tokens are an image the encoder cache has no room for in this step."""
         num_computed = request.num_computed_tokens
         spec = request.spec_token_ids
         if num_computed + 1 == len(request.prompt_token_ids) + len(request.output_token_ids):
-            num_new = 1  # a decode: what _num_new_tokens gives it under any budget left (> 0)
+            num_new = 1  # a decode: what next_chunk gives it under any budget left (> 0)
             if spec:  # verify the proposals too, as far as the budget goes
                 spec, request.spec_token_ids = spec[: budget - 1], []
                 num_new += len(spec)
                 if not self._allocate(request, num_computed, num_new):
                     spec, num_new = [], 1  # proposals never cost another request its place
         else:
-            num_new = self._num_new_tokens(request, num_computed, budget)
+            num_new = next_chunk(request, num_computed, budget, self.config, self.encoder)
+            if num_new == 0:
+                return None
         if not spec and not self._allocate_or_preempt(request, num_new, output):
             return 0
-        output.add(request, num_computed, num_new, self.kv.block_ids(request.request_id))
+        self._add_to_step(request, num_computed, num_new, output)
         if spec:
             output.spec_token_ids[request.request_id] = spec
         return num_new
@@ -419,7 +427,18 @@ class Scheduler:
             cache_salt=request.cache_salt,
             lora_int_id=request.lora_int_id,
             delay_caching=delay_caching,
+            images=request.images,
         )
+
+    def _add_to_step(
+        self, request: Request, num_computed: int, num_new: int, output: SchedulerOutput
+    ) -> None:
+        """Put a request's chunk into the step, with the images it needs encoded."""
+        output.add(request, num_computed, num_new, self.kv.block_ids(request.request_id))
+        if request.images:
+            end = num_computed + num_new
+            for index in self.encoder.schedule(request, num_computed, end):
+                output.encoder_inputs.append((request, index))
 
     def _adapter_fits(self, request: Request) -> bool:
         """Admitting ``request`` keeps the running requests within ``max_loras`` adapters (so
@@ -469,13 +488,18 @@ class Scheduler:
         now waits for the connector's asynchronous load, holding its blocks), or None when it
         must wait for room (nothing changed)."""
         hits, num_cached = self.kv.get_computed_blocks(
-            request.all_token_ids, request.cache_salt, request.lora_int_id
+            request.all_token_ids, request.cache_salt, request.lora_int_id, request.images
         )
         num_external, load_async = self._external_tokens(request, num_cached)
         num_computed = num_cached + num_external
-        num_new = 0 if load_async else self._num_new_tokens(request, num_computed, budget)
+        num_new = (
+            0
+            if load_async
+            else next_chunk(request, num_computed, budget, self.config, self.encoder)
+        )
         if not load_async and (
-            not self.config.enable_chunked_prefill and num_computed + num_new < request.num_tokens
+            (not self.config.enable_chunked_prefill and num_computed + num_new < request.num_tokens)
+            or num_new == 0  # its first image waits for room in the encoder cache
         ):
             return None  # the whole prompt must fit in this step's budget
         if not self._allocate(request, num_cached, num_external + num_new, hits, load_async):
@@ -492,7 +516,7 @@ class Scheduler:
             request.num_cached_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self._add_running(request)
-        output.add(request, num_computed, num_new, self.kv.block_ids(request.request_id))
+        self._add_to_step(request, num_computed, num_new, output)
         return num_new
 
     def _external_tokens(self, request: Request, num_cached: int) -> tuple[int, bool]:
@@ -535,27 +559,12 @@ class Scheduler:
             return
         key, max_seqs = policy_key(head), self.config.max_num_seqs
         while self.running and policy_key(self.running[-1]) > key:
-            if len(self.running) < max_seqs and self.kv.num_free_blocks >= self._blocks_to_admit(
-                head
-            ):
+            needed = blocks_to_admit(head, self.kv, self.config, self.encoder)
+            if len(self.running) < max_seqs and self.kv.num_free_blocks >= needed:
                 return
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
-
-    def _blocks_to_admit(self, request: Request) -> int:
-        """The free blocks that admitting ``request`` takes: those of its first chunk, and of
-        its cached prefix those that no running request holds (the pool counts them as free,
-        ready to evict), plus the watermark an admission leaves. Asked again after each
-        preemption, since a victim may have held blocks of that prefix."""
-        kv = self.kv
-        hits, num_cached = kv.get_computed_blocks(
-            request.all_token_ids, request.cache_salt, request.lora_int_id
-        )
-        num_new = self._num_new_tokens(request, num_cached, self.config.max_num_batched_tokens)
-        num_blocks = -(-(num_cached + num_new) // kv.block_size)
-        num_idle_hits = sum(1 for block in hits if block.ref_count == 0)
-        return num_blocks - len(hits) + num_idle_hits + kv.watermark_blocks
 
     def _add_running(self, request: Request) -> None:
         """Keep ``running`` in policy order, so that its tail is the next preemption victim."""
@@ -567,6 +576,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and send it back to wait, ahead of later arrivals."""
         self.kv.free(request.request_id)
+        self.encoder.release(request)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -577,6 +587,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
+        self.encoder.release(request)
         if self.kv_connector is not None:  # its answer replaces what the request brought
             request.kv_transfer_params = self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
