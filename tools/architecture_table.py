@@ -1,6 +1,7 @@
 """Writes the README's table of supported architectures from the registry
 (pagedserve.models.registry: each architecture's examples, notes, and what it is served with:
-HF folder, GGUF, quantized checkpoints, LoRA, tensor parallelism, the CPU fused path).
+HF folder, GGUF, quantized checkpoints, LoRA, tensor and pipeline parallelism, the CPU fused
+path, images in prompts).
 
     python tools/architecture_table.py           # rewrite the table between its markers
     python tools/architecture_table.py --check   # exit 1 when the README's table is stale

@@ -29,11 +29,31 @@ def test_each_registered_class_has_the_interface_signatures(arch, method):
     if method != "forward":
         assert theirs == ours
         return
-    # the optional fifth, exactly where the registry says the family takes pipeline stages
+    # the optional fifth, exactly where the registry says the family takes pipeline stages,
+    # then inputs_embeds where the decoder can start from embeddings; a model that takes
+    # images has both (interface.py)
     generative = [a for a in ARCHITECTURES.values() if a.family == arch and a.task is None]
     staged = {a.pipeline_parallel for a in generative}
     assert theirs[:4] == ours
+    optional = inspect.signature(MODEL_CLASSES[arch].forward).parameters
+    assert all(optional[name].default is None for name in theirs[4:])
+    if {a.images for a in generative} == {True}:
+        assert theirs[4:] == ["intermediate", "inputs_embeds"]
+        return
+    if theirs[-1] == "inputs_embeds":
+        theirs = theirs[:-1]
     assert theirs[4:] == (["intermediate"] if staged == {True} else [])
+
+
+@pytest.mark.parametrize("arch", sorted(set(MODEL_CLASSES) - POOLING_FAMILIES))
+def test_a_model_that_takes_images_embeds_them_and_its_ids(arch):
+    takes_images = {a.images for a in ARCHITECTURES.values() if a.family == arch}
+    cls = MODEL_CLASSES[arch]
+    for method, argument in [("embed_images", "pixel_values"), ("embed_input_ids", "input_ids")]:
+        if takes_images == {True}:
+            assert parameter_names(getattr(cls, method)) == [argument]
+        else:
+            assert not hasattr(cls, method)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -4,6 +4,7 @@ from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, Model
 from pagedserve.models.interface import ModelForCausalLM, ModelForPooling
 from pagedserve.models.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from pagedserve.models.layers.attention import AttentionMetadata, EncoderAttentionMetadata
+from pagedserve.models.llava import image_tokens_per_image
 from pagedserve.models.loader import load_model
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.pooling import Pooler, PoolingType
@@ -22,6 +23,7 @@ __all__ = [
     "Pooler",
     "PoolingType",
     "apply_chat_template",
+    "image_tokens_per_image",
     "kv_cache_spec",
     "load_model",
     "load_tokenizer",

@@ -14,6 +14,7 @@ from pagedserve.models.generation_config import (
     GenerationDefaults,
     load_generation_defaults,
 )
+from pagedserve.models.multimodal_config import read_nested_configs
 from pagedserve.models.registry import ARCHITECTURES, CONVERTS, RUNNERS, SUPPORTED_ARCHITECTURES
 
 _DTYPES = {
@@ -184,7 +185,9 @@ class ModelConfig:
     ``batch_invariant``: build the model's layers to compute each row in an order that does
     not depend on the other rows of a step (layers/batch_invariance.py).
     ``architecture`` is the class the family code builds (a decoder classifier's causal-LM
-    class); ``hf_architecture`` the checkpoint's own.
+    class); ``hf_architecture`` the checkpoint's own. ``text_config``: what every decoder size
+    below reads, ``hf_config`` itself or a multimodal model's nested decoder config (LLaVA's;
+    ``image_token_id`` its image placeholder, None for text; multimodal_config.py).
     """
 
     model: str
@@ -198,6 +201,8 @@ class ModelConfig:
     convert: str = "auto"
     batch_invariant: bool = False
     hf_config: dict[str, Any] = field(init=False)
+    text_config: dict[str, Any] = field(init=False)
+    image_token_id: int | None = field(init=False)
     architecture: str = field(init=False)
     hf_architecture: str = field(init=False)
     runner_type: str = field(init=False)
@@ -224,6 +229,7 @@ class ModelConfig:
                 f"unsupported architecture {archs}; pagedserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         self.quantization = check_quantization(self.quantization, self.hf_config)
+        self.hf_config, self.text_config, self.image_token_id = read_nested_configs(self.hf_config)
         self.hf_architecture = known[0]
         self.architecture = ARCHITECTURES[known[0]].base or known[0]
         self.arch = SUPPORTED_ARCHITECTURES[self.hf_architecture]
@@ -268,7 +274,7 @@ class ModelConfig:
 
     @property
     def max_position_embeddings(self) -> int:
-        c = self.hf_config
+        c = self.text_config
         return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
 
     @property
@@ -305,11 +311,11 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(self.text_config["vocab_size"])
 
     def _hf_int(self, name: str, gpt2_name: str) -> int:
         """A size that Llama-style configs and GPT-2's spell differently (``n_layer``, ...)."""
-        return int(self.hf_config.get(name) or self.hf_config[gpt2_name])
+        return int(self.text_config.get(name) or self.text_config[gpt2_name])
 
     @property
     def num_layers(self) -> int:
@@ -321,7 +327,7 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+        return int(self.text_config.get("num_key_value_heads") or self.num_attention_heads)
 
     @property
     def hidden_size(self) -> int:
@@ -329,7 +335,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return int(self.hf_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
+        return int(self.text_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
 
     @property
     def layer_types(self) -> list[str]:
@@ -338,7 +344,7 @@ class ModelConfig:
         ``use_sliding_window`` from ``max_window_layers`` on; Gemma 2: every other layer;
         Gemma 3: all but every ``sliding_window_pattern``-th; Mistral and Phi-3: every layer
         when ``sliding_window`` is set). Gemma 3's kind also picks its rope base."""
-        c, n = self.hf_config, self.num_layers
+        c, n = self.text_config, self.num_layers
         if c.get("layer_types"):
             sliding = [t == "sliding_attention" for t in c["layer_types"]]
         elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
@@ -357,7 +363,7 @@ class ModelConfig:
     def sliding_windows(self) -> list[int | None]:
         """Each layer's attention window (positions a token sees, its own included), None for
         a global layer. A window that covers ``max_model_len`` is no window."""
-        window = self.hf_config.get("sliding_window")
+        window = self.text_config.get("sliding_window")
         if not window or window >= (self.max_model_len or self.max_position_embeddings):
             return [None] * self.num_layers
         return [int(window) if t == "sliding_attention" else None for t in self.layer_types]
@@ -365,7 +371,7 @@ class ModelConfig:
     @property
     def attention_logits_soft_cap(self) -> float | None:
         """Gemma 2's cap on attention scores (``attn_logit_softcapping``), None elsewhere."""
-        cap = self.hf_config.get("attn_logit_softcapping")
+        cap = self.text_config.get("attn_logit_softcapping")
         return float(cap) if cap else None
 
     @property
@@ -385,6 +391,6 @@ class ModelConfig:
     def eos_token_ids(self) -> list[int]:
         """config.json's end ids, then generation_config.json's (its list is the one chat
         models fill with their end-of-turn ids)."""
-        eos = self.hf_config.get("eos_token_id")
+        eos = self.text_config.get("eos_token_id")
         ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
         return ids + [i for i in self.generation_defaults.eos_token_ids if i not in ids]

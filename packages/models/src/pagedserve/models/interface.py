@@ -19,7 +19,17 @@ The constructor takes ``(config: ModelConfig, par: ParallelContext | None)``.
 A model that can be cut into pipeline stages (its registry entry says ``pipeline_parallel``)
 builds only its stage's layers (``par.stage``, pipeline.py) and its ``forward`` takes a fifth,
 optional argument, ``intermediate``: what the previous stage sent (None on the first stage); a
-stage before the last returns ``IntermediateTensors`` instead of hidden states.
+stage before the last returns ``IntermediateTensors`` instead of hidden states. A decoder that
+can start from embeddings (the Llama family's) takes, after it, ``inputs_embeds`` ``[T, H]``:
+the first stage's input rows, used instead of embedding ``input_ids``.
+
+A model whose prompts take images (its registry entry says ``images``: LLaVA, llava.py) has two
+more methods: ``embed_input_ids(input_ids) -> [T, H]``, its text embedding, and
+``embed_images(pixel_values [N, 3, S, S]) -> [N, rows, H]``, each image's rows in the model's
+dtype. The runner puts an image's rows in place of its ``config.image_token_id`` placeholders
+(``image_tokens_per_image`` of them) in the prompt's embedded ids and passes the result as
+``inputs_embeds``; its ``forward`` takes ``intermediate`` and ``inputs_embeds`` as a staged
+decoder's does, though it runs on one stage.
 
 A pooling model (``ModelForPooling``) has the same ``forward`` and ``load_weights`` and, instead
 of ``compute_logits``, a ``pooler`` (pooling.py) that says which rows make a sequence's vector

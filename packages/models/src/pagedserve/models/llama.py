@@ -195,13 +195,18 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """The last stage's normalised hidden states; an earlier stage's ``IntermediateTensors``
-        for the next. ``intermediate``: what the previous stage sent (None on the first)."""
-        if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
+        for the next. ``intermediate``: what the previous stage sent (None on the first).
+        ``inputs_embeds`` [T, H]: the first stage starts from these rows instead of embedding
+        ``input_ids`` (a multimodal model's text embeddings with its image rows in place)."""
+        if intermediate is not None:
             hidden, residual = intermediate.hidden, intermediate.residual
+        elif inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        else:
+            hidden, residual = self.embed_tokens(input_ids), None
         own_layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
         for layer, kv_cache in zip(own_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -262,8 +267,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+        return self.model(
+            input_ids, positions, kv_caches, attn_metadata, intermediate, inputs_embeds
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()

@@ -20,6 +20,7 @@ from pagedserve.models.interface import ModelForCausalLM
 from pagedserve.models.layers.batch_invariance import batch_invariant_layers
 from pagedserve.models.layers.linear_method import linear_methods_for
 from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.llava import LlavaForConditionalGeneration
 from pagedserve.models.mixtral import (
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
@@ -46,6 +47,7 @@ MODEL_CLASSES: dict[str, type] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "llava": LlavaForConditionalGeneration,
     "bert": BertModel,
     "bert_classifier": BertForSequenceClassification,
 }

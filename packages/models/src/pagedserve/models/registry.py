@@ -19,7 +19,9 @@ loading says no):
 - ``tensor_parallel``: split over ranks (the engine's executor, before any rank starts);
 - ``pipeline_parallel``: its decoder layers cut into pipeline stages (models/pipeline.py);
 - ``cpu_fused``: on a CPU, the runner runs its decoder layers as one numba call each for small
-  steps (engine/cpu_runner.py; its layers must also be fusable, which tests hold it to).
+  steps (engine/cpu_runner.py; its layers must also be fusable, which tests hold it to);
+- ``images``: its prompts take images, each the rows of its vision tower in place of its
+  placeholder tokens (the model's ``embed_images``, llava.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Architecture:
     tensor_parallel: bool = True  # tensor_parallel_size > 1
     pipeline_parallel: bool = False  # pipeline_parallel_size > 1 (its model is LlamaModel)
     cpu_fused: bool = False  # the CPU runner's fused decoder layers
+    images: bool = False  # images in prompts (embed_images)
 
 
 def _decoder_classifier(base: str, examples: str) -> Architecture:
@@ -140,6 +143,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         "gpt2", "GPT-2", "learned positions, LayerNorm, GELU, Conv1D weights", gguf="gpt2",
         lora=True,
     ),
+    "LlavaForConditionalGeneration": Architecture(
+        "llava", "LLaVA-1.5 7B, 13B (llava-hf)",
+        "images in: a CLIP vision tower's features (vision_feature_layer, default or full "
+        "strategy) through a 2-layer projector into a Llama/Mistral decoder",
+        tensor_parallel=False, images=True,
+    ),
     # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)
     "BertModel": _encoder(
         "bert", "all-MiniLM-L6-v2, bge-*-en-v1.5, e5",
@@ -179,19 +188,20 @@ def _yes_no(flag: bool) -> str:
 
 
 def _capabilities(a: Architecture) -> list[str]:
-    """HF folder, GGUF, quantized checkpoints, LoRA, tensor and pipeline parallel, CPU fused:
-    the cells."""
+    """HF folder, GGUF, quantized checkpoints, LoRA, tensor and pipeline parallel, CPU fused,
+    images: the cells."""
     gguf = f"yes (`{a.gguf}`)" if a.gguf else "no"
     quantized = ", ".join(_QUANT_NAMES[q] for q in a.quantized) or "no"
     return ["yes", gguf, quantized, _yes_no(a.lora), _yes_no(a.tensor_parallel),
-            _yes_no(a.pipeline_parallel), _yes_no(a.cpu_fused)]  # fmt: skip
+            _yes_no(a.pipeline_parallel), _yes_no(a.cpu_fused), _yes_no(a.images)]  # fmt: skip
 
 
 def supported_architectures_table() -> str:
     """The README's table, between its two markers: each architecture, what it is, and what
     it is served with, every cell from its ``Architecture`` entry."""
     head = ["`architectures` in config.json", "Models", "HF folder", "GGUF", "Quantized",
-            "LoRA", "Tensor parallel", "Pipeline parallel", "CPU fused", "Notes"]  # fmt: skip
+            "LoRA", "Tensor parallel", "Pipeline parallel", "CPU fused", "Images",
+            "Notes"]  # fmt: skip
     rows = [README_START, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, a in ARCHITECTURES.items():
         cells = [f"`{name}`", a.examples, *_capabilities(a), a.notes]

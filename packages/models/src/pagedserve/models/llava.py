@@ -1,0 +1,205 @@
+"""LLaVA-1.5: images in, text out. A CLIP vision tower, a two-layer projector into the decoder's
+hidden size, and a Llama-family decoder over the paged KV cache.
+
+An image becomes ``image_tokens_per_image`` rows of the decoder's input: the tower's hidden
+states at ``vision_feature_layer`` (without the class row for the ``default`` strategy, with it
+for ``full``), through ``linear_2(act(linear_1(x)))``. The prompt holds that many
+``image_token_id`` placeholders per image (the processor expands each ``<image>``). The engine
+embeds the prompt's ids with ``embed_input_ids``, puts the rows of ``embed_images`` where the
+placeholders are, and runs ``forward(..., inputs_embeds=...)``; from there on the model is its
+decoder (``language_model``, llama.py), decode steps included.
+
+It loads both checkpoint namings: transformers 5's (``model.language_model.*``,
+``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.*``) and the llava-hf
+repos' (``language_model.model.*``, ``language_model.lm_head.*``,
+``vision_tower.vision_model.*``, ``multi_modal_projector.*``), which is also what
+``save_pretrained`` writes, less the tower's ``vision_model.``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.models.clip import CLIPVisionTower, activation
+from pagedserve.models.config import ModelConfig, ModelLoadError
+from pagedserve.models.interface import KVCache
+from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.layers.linear import ColumnParallelLinear
+from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.multimodal_config import decoder_architecture
+from pagedserve.models.parallel import ParallelContext
+from pagedserve.models.pipeline import IntermediateTensors
+from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
+
+FEATURE_SELECT_STRATEGIES = ("default", "full")  # without / with the class row
+
+# (checkpoint prefix, our part, the name's prefix inside the part), first match wins: the
+# llava-hf names, then transformers 5's (their leading ``model.`` already dropped).
+_PARTS = [
+    ("language_model.model.", "language_model", "model."),
+    ("language_model.lm_head.", "language_model", "lm_head."),
+    ("language_model.", "language_model", "model."),
+    ("lm_head.", "language_model", "lm_head."),
+    ("vision_tower.vision_model.", "vision_tower", ""),
+    ("vision_tower.", "vision_tower", ""),
+    ("multi_modal_projector.", "multi_modal_projector", ""),
+]
+
+
+def image_tokens_per_image(hf_config: dict[str, Any], height: int, width: int) -> int:
+    """The decoder rows (placeholder tokens) one processed image of ``height`` x ``width``
+    pixels takes: its patches, plus the class row for the ``full`` strategy. LLaVA-1.5's tower
+    reads ``image_size`` squares only (the processor resizes and crops to that)."""
+    vision = hf_config["vision_config"]
+    size, patch = vision["image_size"], vision["patch_size"]
+    if (height, width) != (size, size):
+        raise ValueError(
+            f"a processed image is {size}x{size} pixels (vision_config.image_size); got "
+            f"{height}x{width}"
+        )
+    full = hf_config.get("vision_feature_select_strategy", "default") == "full"
+    return (height // patch) * (width // patch) + int(full)
+
+
+def _check_supported(config: ModelConfig, par: ParallelContext) -> None:
+    """What this model is not built for, refused at load by the field that asks for it."""
+    c = config.hf_config
+    if par.tp_size > 1:
+        raise ValueError(f"tensor_parallel_size = {par.tp_size}: LLaVA runs on one rank")
+    if par.stage.count > 1:
+        raise ValueError(f"pipeline_parallel_size = {par.stage.count}: LLaVA runs on one stage")
+    if config.quantization is not None:
+        raise ValueError(f"quantization = {config.quantization!r} is not supported for LLaVA")
+    if config.runner_type != "generate":
+        raise ValueError(f"convert = {config.convert!r}: LLaVA runs as a generative model")
+    if config.gguf_file is not None:
+        raise ValueError(f"model = {config.model!r}: LLaVA loads from a Hugging Face folder")
+    strategy = c.get("vision_feature_select_strategy", "default")
+    if strategy not in FEATURE_SELECT_STRATEGIES:
+        raise ValueError(
+            f"vision_feature_select_strategy = {strategy!r} is not supported (one of "
+            f"{list(FEATURE_SELECT_STRATEGIES)})"
+        )
+    vision_type = c["vision_config"].get("model_type")
+    if vision_type != "clip_vision_model":
+        raise ValueError(
+            f"vision_config.model_type = {vision_type!r}: LLaVA's tower is clip_vision_model"
+        )
+
+
+def language_model_config(config: ModelConfig) -> ModelConfig:
+    """``config`` seen as its decoder's: ``hf_config`` the nested ``text_config``, the
+    architecture the decoder's, so llama.py builds it as it builds a text model. Tied
+    embeddings are LLaVA's own setting (it takes the decoder's as well)."""
+    text = dict(config.text_config)
+    text["tie_word_embeddings"] = bool(config.hf_config.get("tie_word_embeddings"))
+    view = copy.copy(config)
+    view.hf_config = view.text_config = text
+    view.architecture = view.hf_architecture = decoder_architecture(text)
+    view.arch, view.image_token_id = "llama", None
+    return view
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, dtype = config.hf_config, config.torch_dtype
+        layers = c.get("vision_feature_layer", -2)
+        width = c["vision_config"]["hidden_size"] * (1 if isinstance(layers, int) else len(layers))
+        bias = bool(c.get("multimodal_projector_bias", True))
+        self.linear_1 = ColumnParallelLinear(width, config.hidden_size, bias=bias, dtype=dtype)
+        self.act = activation(c.get("projector_hidden_act", "gelu"), "projector_hidden_act")
+        self.linear_2 = ColumnParallelLinear(
+            config.hidden_size, config.hidden_size, bias=bias, dtype=dtype
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    """LLaVA-1.5 over the paged KV cache: ``embed_images`` and ``embed_input_ids`` build a
+    prompt's input rows, ``forward`` runs the decoder from them (or from ids)."""
+
+    def __init__(self, config: ModelConfig, par: ParallelContext | None = None) -> None:
+        super().__init__()
+        par = par or ParallelContext()
+        _check_supported(config, par)
+        c = config.hf_config
+        self.config = config
+        self.strategy = c.get("vision_feature_select_strategy", "default")
+        self.vision_tower = CLIPVisionTower(
+            c["vision_config"], c.get("vision_feature_layer", -2), config.torch_dtype
+        )
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.language_model = LlamaForCausalLM(language_model_config(config), par)
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, 3, S, S]`` processed pixels (on any device) -> ``[N, tokens_per_image, hidden]``
+        decoder rows, on the model's device, in its dtype."""
+        config = self.config
+        features = self.vision_tower(pixel_values.to(config.torch_device, config.torch_dtype))
+        if self.strategy == "default":
+            features = features[:, 1:]
+        return self.multi_modal_projector(features)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]``: the decoder's token embedding (placeholders
+        included; the caller overwrites their rows with an image's)."""
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.language_model(
+            input_ids, positions, kv_caches, attn_metadata, intermediate, inputs_embeds
+        )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
+        """Route each tensor to its part by the checkpoint's prefix (either naming); the
+        decoder loads as a text model's checkpoint would, the tower and projector after it."""
+        others: dict[str, list] = {"vision_tower": [], "multi_modal_projector": []}
+
+        def decoder_weights():
+            for name, tensor in weights:
+                part, inner = _split_name(name)
+                if part == "language_model":
+                    yield inner, tensor
+                else:
+                    others[part].append((inner, tensor))
+
+        self.language_model.load_weights(decoder_weights())
+        tower = self.vision_tower
+        load_stacked_weights(
+            tower,
+            others["vision_tower"],
+            tower.stacked_params,
+            lambda name: None if tower.skips_weight(name) else name,
+        )
+        load_stacked_weights(self.multi_modal_projector, others["multi_modal_projector"], [], str)
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """``(part, name inside it)`` of a checkpoint tensor, in either naming."""
+    bare = name.removeprefix("model.")
+    for prefix, part, inner in _PARTS:
+        if bare.startswith(prefix):
+            return part, inner + bare[len(prefix) :]
+    raise ModelLoadError(
+        f"checkpoint tensor {name!r} belongs to no part of a LLaVA model (language_model, "
+        "vision_tower, multi_modal_projector, lm_head)"
+    )
