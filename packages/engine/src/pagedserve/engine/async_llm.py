@@ -49,6 +49,7 @@ class _AddCommand:
     done: concurrent.futures.Future
     lora_request: LoRARequest | None = None
     token_type_ids: list[int] | None = None
+    multi_modal_data: dict | None = None
 
 
 @dataclass
@@ -130,6 +131,7 @@ class AsyncLLM:
         self.scheduler_config = self.engine.scheduler_config
         self.cache_config = self.engine.cache_config
         self.lora_enabled = self.engine.lora_manager is not None
+        self.args, self.image_placeholder = args, self.engine.image_placeholder  # client.py
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -164,18 +166,17 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        multi_modal_data: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one request, as ``sampling_params.output_kind`` asks (cumulative
-        snapshots, deltas, or the final output only); the last has ``finished=True``.
-
-        Invalid requests raise ``InvalidRequestError`` (a ValueError naming the field at fault),
-        a full queue ``SchedulerOverloadedError``, from the first ``__anext__``, before anything
-        is yielded.
+        snapshots, deltas, or the final output only); the last has ``finished=True``. Invalid
+        requests raise ``InvalidRequestError`` (naming the field at fault), a full queue
+        ``SchedulerOverloadedError``, from the first ``__anext__``, before anything is yielded.
         """
         delta = sampling_params.output_kind is RequestOutputKind.DELTA
         command = _AddCommand(
             request_id, list(prompt_token_ids), sampling_params, prompt, priority,
-            time.monotonic(), concurrent.futures.Future(), lora_request,
+            time.monotonic(), concurrent.futures.Future(), lora_request, None, multi_modal_data,
         )  # fmt: skip
         return self._stream(command, delta)
 
@@ -350,6 +351,7 @@ class AsyncLLM:
                 priority=command.priority,
                 lora_request=command.lora_request,
                 token_type_ids=command.token_type_ids,
+                multi_modal_data=command.multi_modal_data,
             )
         except Exception as error:  # a rejected request, not an engine failure
             command.done.set_exception(error)

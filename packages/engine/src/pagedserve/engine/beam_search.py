@@ -174,6 +174,7 @@ class BeamSearchGroup(SequenceGroup):
                 priority=parent.priority,
                 arrival_time=parent.arrival_time,
                 lora_int_id=parent.lora_int_id,
+                images=parent.images,
             )
             child.output_token_ids.extend(output_ids)
             sampling = SamplingState(

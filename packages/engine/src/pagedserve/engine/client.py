@@ -34,6 +34,8 @@ class EngineClient(Protocol):
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
     lora_enabled: bool  # whether LoRA adapters can be loaded (``enable_lora``)
+    image_placeholder: str | None  # the text of one image in a prompt; None: no images
+    args: Any  # the EngineArgs (image limits, the folder local images may come from)
 
     def generate(
         self,
@@ -43,11 +45,13 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        multi_modal_data: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (cumulative, deltas or the final one, as its
         ``output_kind`` asks); the last has ``finished=True``. A request the engine refuses
         raises from the first ``__anext__``; a caller that stops iterating aborts its request.
-        ``lora_request``: the adapter it runs with (None: the base)."""
+        ``lora_request``: the adapter it runs with (None: the base). ``multi_modal_data``:
+        ``{"image": [PIL images]}``, one per placeholder in the prompt."""
         ...
 
     def encode(

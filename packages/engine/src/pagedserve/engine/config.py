@@ -187,6 +187,23 @@ class EngineArgs:
     max_cpu_loras: int | None = option(
         None, "LoRA adapters kept read in host memory, LRU (default: max_loras)"
     )
+    limit_mm_per_prompt: dict | None = option(
+        None,
+        'most images one prompt may carry, as vLLM\'s JSON: {"image": 2} (default: 4 for a model '
+        "that takes images; a text model takes none)",
+        unit="json",
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        "a folder whose images a request may name by local path (file:// URLs); without it "
+        "only data: URLs are read (no request ever makes the server fetch a remote URL)",
+    )
+    encoder_cache_size: int | None = option(
+        None,
+        "image embeddings (in tokens) kept between steps, so a prompt chunked over several "
+        "steps and a repeated image run the vision encoder once; also the most image tokens "
+        "encoded in one step (default: max_num_batched_tokens, at least one image's)",
+    )
     batch_invariant: bool = option(
         False,
         "compute every row in an order that does not depend on the other rows of its step: a "
@@ -304,5 +321,6 @@ class EngineArgs:
             max_num_waiting_tokens=self.max_num_waiting_tokens,
             max_loras=self.max_loras if self.enable_lora else 0,
             background_priority=self.background_priority,
+            encoder_cache_size=self.encoder_cache_size or 0,
         )
         return model_config, cache_config, scheduler_config

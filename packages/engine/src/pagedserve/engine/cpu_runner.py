@@ -54,7 +54,8 @@ class CPUModelRunner(ModelRunner):
                 warm_up((self.kv_cache_dtype,), gguf=True)
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
-        hidden_states = self._forward_fused(model_input) if self.fused_layers else None
+        fusable = self.fused_layers and model_input.image_rows is None
+        hidden_states = self._forward_fused(model_input) if fusable else None
         if hidden_states is None:
             return super().forward(model_input)
         return hidden_states

@@ -73,7 +73,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the order given.
 
-        ``prompts``: strings, or ``{"prompt_token_ids": [...]}`` dicts. ``sampling_params``: one
+        ``prompts``: strings, or ``{"prompt_token_ids": [...]}`` or ``{"prompt": ...}`` dicts,
+        with ``"multi_modal_data": {"image": [PIL images]}`` for a model that takes images (one
+        placeholder, ``LLM.image_placeholder``, per image in the prompt). ``sampling_params``: one
         for all prompts, or one per prompt; None takes the model's generation_config defaults
         (an explicit SamplingParams is used as given, as in vLLM). ``lora_request``: the LoRA
         adapter of every prompt, or one per prompt (None: the base model), as in vLLM.
@@ -88,10 +90,11 @@ class LLM:
         order: list[str] = []
         for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             text, token_ids = self._tokenize(prompt)
+            images = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
             request_id = self.engine.next_request_id()
             self._submit(
                 partial(self.engine.add_request, request_id, token_ids, params, prompt=text,
-                        lora_request=lora)
+                        lora_request=lora, multi_modal_data=images)
             )  # fmt: skip
             order.append(request_id)
         return self._run(order, use_tqdm)

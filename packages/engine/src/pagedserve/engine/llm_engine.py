@@ -15,6 +15,11 @@ choose their beams' tokens from the runner's log-probabilities (``step_beams``).
 The scheduler sees sequences; the engine groups them into requests (sequence_group.py): a request
 with ``n > 1`` forks into n sequences at its first sample, and a beam-search request keeps its
 live beams as sequences that fork and drop each step (beam_search.py).
+
+Why one file: ``LLMEngine`` is one class whose intake (``add_request``, checked by
+validation.py, multimodal.py and pooling.py) and step loop read and change the same state (the
+scheduler, the groups of the output processor, the runner's input batch); what needs none of
+that state already lives beside it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.lora import LoRAManager, LoRARequest
 from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
+from pagedserve.engine.multimodal import image_processor_for, prompt_with_images
 from pagedserve.engine.output_processor import OutputProcessor, StepTokens
 from pagedserve.engine.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.pooling import add_to_scheduler, pooling_request
@@ -90,6 +96,9 @@ class LLMEngine:
         self.kv_cache_manager = kv_cache_manager_for(
             self.model_config, self.cache_config, self.runner.num_blocks, connector
         )
+        self.image_processor = image_processor_for(
+            args, self.model_config, self.tokenizer, self.scheduler_config, self.speculator
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
         self.eos_token_ids = self._eos_token_ids()
@@ -107,6 +116,11 @@ class LLMEngine:
         self.stats = StatsCollector(connector)
         self.structured_output = StructuredOutputManager(self._grammar_backend)
         self._request_errors: list[tuple[str, BaseException]] = []
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt (None: the model takes no images)."""
+        return self.image_processor.placeholder if self.image_processor else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -144,18 +158,26 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         token_type_ids: list[int] | None = None,
+        multi_modal_data: dict | None = None,
     ) -> None:
         """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
         request leaves no trace: no group, no seed drawn. ``lora_request`` (None: the base
         model) is registered if it is new, its files read and checked now. ``PoolingParams``
-        make a pooling request (pooling.py; ``token_type_ids``: a pair's segments)."""
+        make a pooling request (pooling.py; ``token_type_ids``: a pair's segments).
+        ``multi_modal_data`` (``{"image": [PIL images]}``) are the images of a prompt that
+        holds one image placeholder per image (multimodal.py expands them)."""
         if request_id in self.output_processor.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
+            if multi_modal_data:
+                raise InvalidRequestError("pooling requests take no images", "multi_modal_data")
             args = (prompt, arrival_time, priority, token_type_ids)
             return self._add_pooling_request(request_id, prompt_token_ids, params, *args)
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
+        prompt_token_ids, images = prompt_with_images(
+            self.image_processor, self.args.model, prompt_token_ids, multi_modal_data
+        )
         if params.use_beam_search and self.speculator is not None:
             raise InvalidRequestError(
                 "beam search cannot run with speculative decoding (its beams fork and drop "
@@ -164,14 +186,31 @@ class LLMEngine:
             )
         check_logprobs(params, self.args.max_logprobs, self.model_config.vocab_size)
         lora_int_id = self._lora_id(lora_request)
-        prompt_ids = list(prompt_token_ids)
         max_len = self.scheduler_config.max_model_len
-        max_tokens = resolve_max_tokens(len(prompt_ids), params, max_len)
+        max_tokens = resolve_max_tokens(len(prompt_token_ids), params, max_len)
         now = arrival_time if arrival_time is not None else time.monotonic()
+        request = self._new_request(
+            request_id, list(prompt_token_ids), params, max_tokens, priority, now, lora_int_id
+        )
+        request.images = images
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as e:
+            raise InvalidRequestError(str(e), e.param) from e
+        self._start_group(request, params, prompt, now, max_tokens)
+        self._never_scheduled.add(request_id)
+        if params.structured_outputs is not None:
+            self.structured_output.hold(request, params.structured_outputs)
+
+    def _new_request(
+        self, request_id, prompt_ids, params, max_tokens, priority, now, lora_int_id
+    ) -> Request:
+        """The scheduler's request for a new generation: its stop ids, and a cache salt of
+        its own when the prompt's logprobs are asked for."""
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
@@ -186,14 +225,6 @@ class LLMEngine:
             lora_int_id=lora_int_id,
             kv_transfer_params=check_kv_transfer_params(params, self.runner.kv_connector),
         )
-        try:
-            self.scheduler.add_request(request)
-        except RequestRejectedError as e:
-            raise InvalidRequestError(str(e), e.param) from e
-        self._start_group(request, params, prompt, now, max_tokens)
-        self._never_scheduled.add(request_id)
-        if params.structured_outputs is not None:
-            self.structured_output.hold(request, params.structured_outputs)
 
     def _add_pooling_request(
         self, request_id, prompt_token_ids, params, prompt, arrival_time, priority, token_types

@@ -48,6 +48,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # images the vision encoder ran on, and images found already encoded (encoder cache)
+    encoder_cache_encoded: int = 0
+    encoder_cache_hits: int = 0
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
@@ -152,6 +155,8 @@ class StatsCollector:
             s.prefix_cache_queries = kv.prefix_cache_stats.queries
             s.prefix_cache_hits = kv.prefix_cache_stats.hits
             s.num_preemptions = scheduler_stats.num_preemptions
+            s.encoder_cache_encoded = scheduler_stats.encoder_cache_encoded
+            s.encoder_cache_hits = scheduler_stats.encoder_cache_hits
             s.prompt_tokens_total += tokens.num_prompt_tokens
             s.generation_tokens_total += tokens.num_generation_tokens
             # bounded: with nobody draining (offline use), samples must not pile up forever

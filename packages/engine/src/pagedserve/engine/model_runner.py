@@ -25,6 +25,7 @@ import torch
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.blockmgr.slot_mapping import PagedBatch, layout_paged_batch
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
+from pagedserve.engine.encoder_cache import EncoderCache, embeddings_with_images
 from pagedserve.engine.gpu_profile import profile_gpu_kv_cache_budget
 from pagedserve.engine.input_batch import (
     BlockTable,
@@ -81,6 +82,8 @@ class ModelInput:
     lora_token_slot: torch.Tensor | None = None
     # each token's segment, for a model that reads them (BERT's sentence pairs); None: all 0
     token_type_ids: torch.Tensor | None = None
+    # the rows that hold image placeholders and their image embeddings (encoder_cache.py)
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -147,6 +150,9 @@ class ModelRunner:
         self.drafter = drafter
         self.kv_connector = None  # a KV connector's runner side, attached by the engine
         self.input_batch = InputBatch()
+        self.encoder_cache = (  # a vision-language model's image embeddings
+            EncoderCache(self.model, self.device) if hasattr(self.model, "embed_images") else None
+        )
         self.sampler = Sampler()
         self.block_table = BlockTable(-(-model_config.max_model_len // cache_config.block_size))
         self.decode_buffers: DecodeInputBuffers | None = None
@@ -224,6 +230,8 @@ class ModelRunner:
         an empty step)."""
         for request in output.finished:
             self.input_batch.remove(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.update(output)
         if output.is_empty:
             return None
         if self.drafter is not None:
@@ -305,8 +313,13 @@ class ModelRunner:
         step with a bucket, else one tensor per input."""
         dev = self.device
         logits_indices = to_device(rows, dev)
+        image_rows = (
+            self.encoder_cache.step_rows(output, batch.query_start_loc)
+            if self.encoder_cache is not None
+            else None
+        )
         bucket = self._decode_bucket(len(token_ids), output.num_scheduled_seqs)
-        if bucket is not None:
+        if bucket is not None and image_rows is None:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
             return ModelInput(input_ids, positions, meta, logits_indices, bucket)
         return ModelInput(
@@ -315,6 +328,7 @@ class ModelRunner:
             attn_metadata=attention_metadata(batch, dev),
             logits_indices=logits_indices,
             lora_token_slot=self._lora_token_slot(output),
+            image_rows=image_rows,
         )
 
     def _lora_token_slot(self, output: SchedulerOutput) -> torch.Tensor | None:
@@ -363,6 +377,10 @@ class ModelRunner:
         if not stage.is_first:
             num_tokens = model_input.input_ids.shape[0]
             extra["intermediate"] = self.par.receive_from_previous_stage(num_tokens)
+        if model_input.image_rows is not None:
+            extra["inputs_embeds"] = embeddings_with_images(
+                self.model, model_input.input_ids, model_input.image_rows
+            )
         output = self.model(
             model_input.input_ids,
             model_input.positions,

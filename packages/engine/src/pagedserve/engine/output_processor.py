@@ -244,6 +244,7 @@ class OutputProcessor:
             priority=parent.priority,
             arrival_time=parent.arrival_time,
             lora_int_id=parent.lora_int_id,  # the parent's blocks were computed with it
+            images=parent.images,  # and with these images
         )
         matcher = None if group.compiled_grammar is None else group.compiled_grammar.matcher()
         bad_words = parent.payload.sampling.bad_words_token_ids

@@ -1,0 +1,77 @@
+"""The model runner's encoder cache: image embeddings by content hash, and a step's image rows.
+
+The scheduler decides (scheduler/encoder_cache.py): which images a step encodes, which cached
+entries go. This side holds the tensors and does what it was told, in that order: drop the
+evicted entries, run the vision encoder over the step's new images (those of one shape as one
+batch), then, for every chunk of the step that covers placeholder tokens, pick the embedding
+rows those tokens stand for. A chunk that ends in the middle of an image takes the rows up to
+its end; the next chunk takes the rest from the cache, without encoding again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from pagedserve.scheduler import SchedulerOutput
+
+
+class EncoderCache:
+    """Image embeddings ``[tokens, hidden]`` by content hash, for one model runner."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.embeddings: dict[bytes, torch.Tensor] = {}
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Drop what the scheduler evicted, then encode the step's new images."""
+        for key in output.encoder_cache_freed:
+            self.embeddings.pop(key, None)
+        by_shape: dict[tuple, list] = defaultdict(list)
+        for request, index in output.encoder_inputs:
+            image = request.images[index]
+            by_shape[tuple(image.pixel_values.shape)].append(image)
+        for images in by_shape.values():
+            pixels = torch.stack([image.pixel_values for image in images]).to(self.device)
+            embedded = self.model.embed_images(pixels)
+            for image, rows in zip(images, embedded, strict=True):
+                self.embeddings[image.content_hash] = rows
+
+    def step_rows(
+        self, output: SchedulerOutput, query_start_loc: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The flat batch's rows that hold image placeholders and the embeddings that replace
+        them, in the same order; None when no chunk of the step covers an image."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for entry, request in enumerate(output.requests):
+            if not request.images:
+                continue
+            start = output.num_computed_tokens[entry]
+            end = start + output.num_new_tokens[entry]
+            first_row = int(query_start_loc[entry])
+            for image in request.images:
+                if not image.overlaps(start, end):
+                    continue
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
+                values.append(
+                    self.embeddings[image.content_hash][lo - image.offset : hi - image.offset]
+                )
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(values)
+
+
+def embeddings_with_images(
+    model: torch.nn.Module, input_ids: torch.Tensor, image_rows: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """The step's input embeddings: the text embedding of every token, the image embeddings in
+    the placeholders' rows."""
+    rows, values = image_rows
+    embeds = model.embed_input_ids(input_ids)
+    embeds[rows] = values.to(embeds.dtype)
+    return embeds

@@ -1,0 +1,204 @@
+"""Images in a prompt: pixels through the model's own image processor, placeholders expanded.
+
+A prompt for a vision-language model holds one image token (``<image>``) where each image goes.
+The model replaces placeholder rows with the image's embeddings, one row per embedding, so the
+prompt the engine runs has as many placeholder tokens as the image has embeddings: each
+``<image>`` is expanded here to that count (LLaVA-1.5 at 336 px: 576). The pixels come from the
+model folder's own processor (transformers' ``AutoImageProcessor``), never a hand-written
+resize that could drift from what the model was trained on.
+
+Each image gets a content hash (SHA-256 of its decoded pixels, mode and size): the prefix
+cache hashes it into the blocks its placeholders fill, and the encoder cache keys its
+embeddings by it. Two URLs of the same picture hash the same; the same bytes decoded to other
+pixels cannot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.blockmgr import ImagePlaceholder
+from pagedserve.engine.errors import InvalidRequestError
+
+DEFAULT_IMAGES_PER_PROMPT = 4
+
+
+@dataclass(frozen=True)
+class ImageInput(ImagePlaceholder):
+    """An image of a request: where its placeholders sit, its content hash, and its pixels as
+    the model's image processor made them (``[3, H, W]``), which only the runner reads."""
+
+    pixel_values: torch.Tensor = field(default=None, compare=False, repr=False)
+
+
+def image_content_hash(image) -> bytes:
+    """SHA-256 of a PIL image's mode, size and pixel bytes."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+class ImagePromptProcessor:
+    """Turns (prompt token ids with one image token per image, images) into the prompt the
+    engine runs and its ``ImageInput``s, for one vision-language model."""
+
+    def __init__(self, model_dir: str, model_config, tokenizer, limit_mm_per_prompt) -> None:
+        from transformers import AutoImageProcessor
+
+        from pagedserve.models import image_tokens_per_image
+
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{model_dir} takes images but has no image processor config "
+                f"(preprocessor_config.json): {e}"
+            ) from e
+        self.hf_config = model_config.hf_config
+        self.tokens_for = image_tokens_per_image
+        self.image_token_id = model_config.image_token_id
+        self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.max_images = _images_allowed(limit_mm_per_prompt)
+        self.max_image_tokens = self._tokens_of_largest_image()
+
+    def _tokens_of_largest_image(self) -> int:
+        """The embedding rows of one image: the processor's output for a large picture (a
+        model that resizes every image to one size gives every image this count)."""
+        from PIL import Image
+
+        (pixels,) = self._pixels([Image.new("RGB", (1024, 1024))])
+        return self.tokens_for(self.hf_config, pixels.shape[-2], pixels.shape[-1])
+
+    def process(self, prompt_ids: list[int], multi_modal_data) -> tuple[list[int], tuple]:
+        """The expanded prompt and its images, or ``InvalidRequestError`` naming the field."""
+        images = _images_of(multi_modal_data, self.max_images)
+        pixels = self._pixels(images)
+        counts = [self.tokens_for(self.hf_config, p.shape[-2], p.shape[-1]) for p in pixels]
+        runs = _placeholder_runs(prompt_ids, self.image_token_id)
+        if [length for _, length in runs] == counts and len(runs) == len(images):
+            expanded = list(prompt_ids)  # already expanded (a processor's output)
+        elif len(runs) == len(images) and all(length == 1 for _, length in runs):
+            expanded = _expand(prompt_ids, self.image_token_id, counts)
+            runs = _placeholder_runs(expanded, self.image_token_id)
+        else:
+            raise InvalidRequestError(
+                f"the prompt has {len(runs)} image placeholder(s) {self.placeholder!r} and "
+                f"{len(images)} image(s) were given: put one placeholder where each image goes",
+                "multi_modal_data",
+            )
+        inputs = tuple(
+            ImageInput(offset, length, image_content_hash(image), pixel)
+            for (offset, length), image, pixel in zip(runs, images, pixels, strict=True)
+        )
+        return expanded, inputs
+
+    def _pixels(self, images: list) -> list[torch.Tensor]:
+        try:
+            batch = self.image_processor(images=images, return_tensors="pt")
+        except Exception as e:  # the processor's own refusal of a degenerate image
+            raise InvalidRequestError(
+                f"the model's image processor rejected an image: {e}", "multi_modal_data"
+            ) from e
+        return list(batch["pixel_values"])
+
+
+def image_processor_for(
+    args, model_config, tokenizer, scheduler_config, speculator
+) -> ImagePromptProcessor | None:
+    """The prompt processor of a model that takes images (None for a text model), after
+    refusing the options that cannot serve image prompts yet. The encoder cache, unless sized
+    by hand, holds at least one image."""
+    if model_config.image_token_id is None:
+        if args.limit_mm_per_prompt:
+            raise ValueError(
+                f"limit_mm_per_prompt: {args.model} is a text model: it takes no images"
+            )
+        return None
+    for name in ("kv_transfer_config", "kv_offload_memory", "kv_offload_dir"):
+        if getattr(args, name):
+            raise ValueError(f"{name}: the KV blocks of image prompts do not travel yet")
+    if speculator is not None and speculator.draft is not None:
+        raise ValueError("speculative_config: a draft model cannot read image prompts (use ngram)")
+    processor = ImagePromptProcessor(
+        args.tokenizer or args.model, model_config, tokenizer, args.limit_mm_per_prompt
+    )
+    if args.encoder_cache_size is None:
+        scheduler_config.encoder_cache_size = max(
+            scheduler_config.encoder_cache_size, processor.max_image_tokens
+        )
+    return processor
+
+
+def prompt_with_images(
+    processor: ImagePromptProcessor | None, model_name: str, prompt_ids: list[int], data
+) -> tuple[list[int], tuple]:
+    """The prompt with its image placeholders expanded, and its images (none for text)."""
+    if processor is None:
+        if data:
+            raise InvalidRequestError(
+                f"{model_name} is a text model: it takes no images", "multi_modal_data"
+            )
+        return prompt_ids, ()
+    if data is None and processor.image_token_id not in prompt_ids:
+        return prompt_ids, ()
+    return processor.process(list(prompt_ids), data or {})
+
+
+def _images_allowed(limit_mm_per_prompt) -> int:
+    if not limit_mm_per_prompt:
+        return DEFAULT_IMAGES_PER_PROMPT
+    unknown = set(limit_mm_per_prompt) - {"image"}
+    if unknown:
+        raise ValueError(
+            f"limit_mm_per_prompt: pagedserve takes images only, not {sorted(unknown)}"
+        )
+    limit = limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
+    if not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit_mm_per_prompt.image must be an integer >= 0, got {limit!r}")
+    return limit
+
+
+def _images_of(multi_modal_data, max_images: int) -> list:
+    from PIL import Image
+
+    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
+        raise InvalidRequestError(
+            "multi_modal_data must be {'image': an image or a list of images}",
+            "multi_modal_data",
+        )
+    images = multi_modal_data.get("image", [])
+    images = [images] if isinstance(images, Image.Image) else list(images)
+    if not all(isinstance(image, Image.Image) for image in images):
+        raise InvalidRequestError("multi_modal_data images must be PIL images", "multi_modal_data")
+    if len(images) > max_images:
+        raise InvalidRequestError(
+            f"{len(images)} images in one prompt; at most {max_images} are allowed "
+            "(limit_mm_per_prompt)",
+            "multi_modal_data",
+        )
+    return [image.convert("RGB") for image in images]
+
+
+def _placeholder_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of consecutive image tokens."""
+    runs: list[tuple[int, int]] = []
+    for i, token in enumerate(token_ids):
+        if token != image_token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _expand(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    expanded: list[int] = []
+    counts_left = iter(counts)
+    for token in token_ids:
+        expanded.extend([token] * next(counts_left) if token == image_token_id else [token])
+    return expanded
