@@ -53,6 +53,8 @@ class RemoteEngine:
         self.model_config = description.model_config
         self.scheduler_config = description.scheduler_config
         self.block_size = description.block_size
+        self.image_placeholder = description.image_placeholder
+        self.args = description.args
         self.route = route
         self.max_retries = max_retries
         self.last_stats: list[ReplicaStats] = []
@@ -65,8 +67,10 @@ class RemoteEngine:
         request_id: str,
         prompt: str | None = None,
         priority: int = 0,
+        multi_modal_data: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request = self._request(prompt_token_ids, sampling_params, request_id, prompt, priority)
+        request.multi_modal_data = multi_modal_data
         async for output in self._stream(request):
             yield output
 

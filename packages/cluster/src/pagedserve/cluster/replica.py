@@ -30,6 +30,8 @@ class ModelDescription:
     model_config: Any
     scheduler_config: Any
     block_size: int
+    image_placeholder: str | None = None  # None: the model takes no images
+    args: Any = None  # the replica's EngineArgs (image limits, the local media folder)
 
 
 @dataclass
@@ -83,6 +85,8 @@ class EngineReplica:
             model_config=self.engine.model_config,
             scheduler_config=self.engine.scheduler_config,
             block_size=self.engine.cache_config.block_size,
+            image_placeholder=self.engine.image_placeholder,
+            args=self.engine.args,
         )
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Any]:
@@ -100,7 +104,7 @@ class EngineReplica:
         else:
             outputs = self.engine.generate(
                 request.prompt_token_ids, request.params, request.request_id, request.prompt,
-                request.priority,
+                request.priority, multi_modal_data=request.multi_modal_data,
             )  # fmt: skip
         try:
             yield ReplicaStart(self.replica_id)

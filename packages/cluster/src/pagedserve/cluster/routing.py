@@ -40,6 +40,7 @@ class ReplicaRequest:
     busy_threshold: int = 4
     tried: set[str] = field(default_factory=set)  # replicas that died under this request
     token_type_ids: list[int] | None = None  # a pooling request's sentence-pair segments
+    multi_modal_data: dict | None = None  # a vision model's images (PIL images pickle)
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int, num_blocks: int) -> bytes | None:

@@ -1,13 +1,17 @@
 """A conversation as one engine request: the chat template (the tools rendered, the thinking
 switched on or off), the caps, the output constraint, the sampling parameters; and how its replies
 will be read (a ``ReplyPlan``: reasoning mode, tools). The chat, responses and messages routes
-all plan their prompts here.
+all plan their prompts here; the images of a conversation's image parts go with its request
+(``PromptRequest.multi_modal_data``), read by media.py.
 """
 
 from __future__ import annotations
 
+from PIL import Image
+
 from pagedserve.engine import apply_chat_template
 from pagedserve.server.errors import bad_request
+from pagedserve.server.media import ImageInputs, image_parts
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from pagedserve.server.reasoning import (
     PROMPT_TAIL_TOKENS,
@@ -35,7 +39,7 @@ from pagedserve.server.tools import (
 from pagedserve.server.vllm_fields import default_max_tokens, whole_vocabulary
 
 # The engine's names -> the chat API's, so a 400 names the field the client sent.
-CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages"}
+CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages", "multi_modal_data": "messages"}
 
 
 def chat_prompt_ids(
@@ -45,20 +49,23 @@ def chat_prompt_ids(
     template_kwargs: dict | None = None,
     tools: ToolCallPlan | None = None,
 ) -> list[int]:
+    """The conversation's prompt token ids (``chat_prompt``'s, its images checked and dropped:
+    /tokenize and the token counts need only the ids)."""
+    return chat_prompt(state, messages, add_generation_prompt, template_kwargs, tools)[0]
+
+
+def chat_prompt(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
+    tools: ToolCallPlan | None = None,
+) -> tuple[list[int], list[Image.Image]]:
     """Prompt token ids through the chat template (the model's, or ``--chat-template``), the
-    tools rendered (tools.py); template errors are 400s."""
-    conversation = []
-    for message in messages:
-        entry = {"role": message.role, "content": message.text()}
-        for key in ("name", "tool_call_id"):
-            if getattr(message, key):
-                entry[key] = getattr(message, key)
-        if message.tool_calls:
-            entry["tool_calls"] = [c.model_dump() for c in message.tool_calls]
-        thinking = message.reasoning_content or message.reasoning
-        if thinking and message.role == "assistant":
-            entry["reasoning_content"] = thinking
-        conversation.append(entry)
+    tools rendered (tools.py), and the images of the messages' image parts in prompt order
+    (each message's content holds the model's placeholder for each of its images: media.py's
+    ``ImageInputs.message_content``); template errors are 400s."""
+    conversation, images = conversation_of(state, messages)
     template = state.config.chat_template
     kwargs = dict(template_kwargs or {})
     if template:
@@ -68,13 +75,39 @@ def chat_prompt_ids(
         conversation, extra = conversation_with_tools(conversation, tools, native)
         kwargs.update(extra)
     try:
-        return apply_chat_template(
+        ids = apply_chat_template(
             state.engine.tokenizer, conversation, add_generation_prompt, **kwargs
         )
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     except Exception as e:  # jinja2's TemplateError (raise_exception in a template), TypeError
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+    return ids, images
+
+
+def conversation_of(
+    state: ServerState, messages: list[ChatMessage]
+) -> tuple[list[dict], list[Image.Image]]:
+    """The messages as the chat template's dicts, and their images in prompt order."""
+    media = None
+    if parts := image_parts(messages):  # a text conversation asks nothing of the engine
+        media = ImageInputs.of(state)
+        media.check(parts)
+    conversation: list[dict] = []
+    images: list[Image.Image] = []
+    for index, message in enumerate(messages):
+        content = media.message_content(message, index, images) if media else message.text()
+        entry = {"role": message.role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if getattr(message, key):
+                entry[key] = getattr(message, key)
+        if message.tool_calls:
+            entry["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        thinking = message.reasoning_content or message.reasoning
+        if thinking and message.role == "assistant":
+            entry["reasoning_content"] = thinking
+        conversation.append(entry)
+    return conversation, images
 
 
 def max_tokens_of(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -162,7 +195,7 @@ def plan_prompt(
             "tool_choice",
         )
     add_generation_prompt, kwargs = template_options(body, template_kwargs_of(body))
-    prompt_ids = chat_prompt_ids(state, body.messages, add_generation_prompt, kwargs, tools)
+    prompt_ids, images = chat_prompt(state, body.messages, add_generation_prompt, kwargs, tools)
     prompt_ids = truncated_prompt(body, prompt_ids)
     mode = reasoning_mode(state, prompt_ids, kwargs)
     max_tokens, param = max_tokens_of(body)
@@ -193,4 +226,5 @@ def plan_prompt(
         thinking=thinking,
     )
     plan = ReplyPlan(tools, mode, body.include_reasoning)
-    return PromptRequest(0, prompt_ids, params), aliases, plan
+    multi_modal_data = {"image": images} if images else None
+    return PromptRequest(0, prompt_ids, params, multi_modal_data=multi_modal_data), aliases, plan

@@ -57,8 +57,11 @@ class PrefillFirst:
         prompt: str | None = None,
         priority: int = 0,
         lora_request=None,
+        multi_modal_data=None,
     ) -> AsyncIterator[RequestOutput]:
         params, extra = sampling_params, {}
+        if multi_modal_data is not None:  # refused by an engine with a KV transfer
+            extra["multi_modal_data"] = multi_modal_data
         if lora_request is not None:
             extra["lora_request"] = lora_request
         elif self._prefills(prompt_token_ids, params):

@@ -123,10 +123,12 @@ _UNION_HINTS = {
     "or a list of such lists",
     "stop": "must be a string or a list of strings",
     "input": "must be a string or a non-empty list of messages, each {'role': user, system, "
-    "developer or assistant, 'content': a string or input_text/output_text parts}, and of "
-    "function_call {call_id, name, arguments} and function_call_output {call_id, output} items",
-    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts "
-    "(only text is supported)",
+    "developer or assistant, 'content': a string or input_text/output_text/input_image parts}, "
+    "and of function_call {call_id, name, arguments} and function_call_output {call_id, output} "
+    "items",
+    "content": "must be a string or a list of {'type': 'text', 'text': ...} and {'type': "
+    "'image_url', 'image_url': {'url': ...}} parts (audio, video and file parts are not "
+    "supported)",
 }
 
 

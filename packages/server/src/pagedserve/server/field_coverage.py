@@ -158,6 +158,9 @@ HANDLED: dict[str, frozenset[str]] = {
         | {"reasoning"}
     ),
     "TextContentPart": frozenset({"type", "text"}),
+    # the image is read by media.py; detail other than auto is refused by name (check_detail)
+    "ImageURLContentPart": frozenset({"type", "image_url"}),
+    "ImageURL": frozenset({"url", "detail"}),
     "ToolCall": frozenset({"id", "type", "function"}),
     "FunctionCall": frozenset({"name", "arguments"}),
     "TokenizeChatRequest": frozenset(
@@ -174,6 +177,7 @@ HANDLED: dict[str, frozenset[str]] = {
     ),
     "InputMessage": frozenset({"type", "role", "content"}),
     "InputTextPart": frozenset({"type", "text"}),
+    "InputImagePart": frozenset({"type", "image_url", "detail", "file_id"}),  # file_id refused
     "OutputTextPart": frozenset({"type", "text"}),
     # an input item's id and status only name the item the client got earlier
     "FunctionCallInput": frozenset({"type", "call_id", "name", "arguments", "id", "status"}),

@@ -125,6 +125,11 @@ _COUNTERS = {
         "Prompt tokens looked up in the prefix cache.",
     ),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "encoder_cache_encoded": ("encoder_cache_encoded", "Images the vision encoder ran on."),
+    "encoder_cache_hits": (
+        "encoder_cache_hits",
+        "Images a request found already encoded in the encoder cache.",
+    ),
     "num_preemptions": ("num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
     "prompt_tokens_total": ("prompt_tokens", "Prompt tokens processed."),
     "generation_tokens_total": ("generation_tokens", "Tokens generated."),

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models with OpenAI's field names.
 
 The models check types and shapes (a prompt is a string, a list of strings, token ids or lists of
-token ids; a message has a role and text content). The server's caps (``n``, stop strings) are
+token ids; a message has a role, and text and image content: protocol_content.py). The server's caps (``n``, stop strings) are
 checked by request_params.py; sampling ranges by ``SamplingParams``; what depends on the model
 (token ids inside the vocabulary, the prompt within ``max_model_len``) by the engine.
 
@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from pagedserve.server.protocol_content import ChatMessage
 from pagedserve.server.protocol_vllm import VLLMSamplingFields
 from pagedserve.server.structured_protocol import (
     DeltaToolCall,
@@ -81,35 +82,6 @@ class CompletionRequest(SamplingRequest):
     best_of: StrictInt | None = None
     add_special_tokens: bool = True
     prompt_embeds: Any = None
-
-
-class TextContentPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ChatMessage(OpenAIBaseModel):
-    """One message. Content is text, or a list of text parts (images and audio are refused).
-
-    The role is any string, as vLLM takes it: the chat template decides what a role it does not
-    know means (most render it as they render any role; one that refuses it makes a 400)."""
-
-    role: StrictStr
-    content: StrictStr | list[TextContentPart] | None = None
-    name: StrictStr | None = None
-    tool_call_id: StrictStr | None = None
-    tool_calls: list[ToolCall] | None = None
-    # an assistant turn's thinking, sent back as history (vLLM takes both names); a template
-    # that shows earlier thinking reads it as ``reasoning_content``
-    reasoning_content: StrictStr | None = None
-    reasoning: StrictStr | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(ToolFields, SamplingRequest):

@@ -1,14 +1,15 @@
 """The bodies of OpenAI's Responses API (POST /v1/responses), as pydantic models.
 
-Only what pagedserve serves: text in (a string, or a list of messages whose content is text,
-of ``function_call`` / ``function_call_output`` items that carry a tool round trip, and of
-``reasoning`` items that give an earlier turn's thinking back), out a ``reasoning`` item (with a
-reasoning parser), one assistant message with one ``output_text`` part and/or ``function_call``
-items; the sampling knobs ``max_output_tokens``, ``temperature``, ``top_p``, ``reasoning.effort``,
-and function ``tools`` (flat: ``{"type": "function", "name", "parameters"}``; what they mean is
-tools.py's). ``tools`` stays a list of objects here so that another tool type is a 400 naming it
-(serving_responses). ``store`` (true unless sent false, when the server has a store) keeps the
-response for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+Only what pagedserve serves: text and images in (a string, or a list of messages whose content
+is text and ``input_image`` parts, of ``function_call`` / ``function_call_output`` items that
+carry a tool round trip, and of ``reasoning`` items that give an earlier turn's thinking back),
+out a ``reasoning`` item (with a reasoning parser), one assistant message with one
+``output_text`` part and/or ``function_call`` items; the sampling knobs ``max_output_tokens``,
+``temperature``, ``top_p``, ``reasoning.effort``, and function ``tools`` (flat: ``{"type":
+"function", "name", "parameters"}``; what they mean is tools.py's). ``tools`` stays a list of
+objects here so that another tool type is a 400 naming it (serving_responses). ``store`` (true
+unless sent false, when the server has a store) keeps the response for ``previous_response_id``
+and ``GET``/``DELETE /v1/responses/{id}``.
 """
 
 from __future__ import annotations
@@ -32,15 +33,27 @@ class OutputTextPart(OpenAIBaseModel):
     text: StrictStr
 
 
+class InputImagePart(OpenAIBaseModel):
+    """An image, in OpenAI's Responses shape (``image_url`` a URL string, not chat's object):
+    read as chat's ``image_url`` part (media.py). ``file_id`` is refused: images are not read
+    from stored files."""
+
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: StrictStr | None = None
+    detail: StrictStr | None = None
+
+
 class InputMessage(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: StrictStr | list[InputTextPart | OutputTextPart]
+    content: StrictStr | list[InputTextPart | OutputTextPart | InputImagePart]
 
     def text(self) -> str:
+        """The text parts joined, without separator (images left out)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if not isinstance(part, InputImagePart))
 
 
 class FunctionCallInput(OpenAIBaseModel):

@@ -12,6 +12,8 @@ kv_transfer_params (a disaggregated prefill's handle is one prompt's).
 
 from __future__ import annotations
 
+import dataclasses
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,7 +31,7 @@ from pagedserve.server.request_params import response_id
 from pagedserve.server.serving_chat import ChatView
 from pagedserve.server.sse import answer
 from pagedserve.server.state import ServerState, new_id
-from pagedserve.server.streams import EngineStreams, PromptRequest
+from pagedserve.server.streams import EngineStreams
 
 ROUTE = "/v1/chat/completions/batch"
 
@@ -69,7 +71,7 @@ async def create_batch_chat_completion(
     check_batch(state, body)
     conversations = [conversation_request(body, messages) for messages in body.messages]
     plans = [plan_prompt(state, conversation) for conversation in conversations]
-    prompts = [PromptRequest(i, p.prompt_token_ids, p.params) for i, (p, _, _) in enumerate(plans)]
+    prompts = [dataclasses.replace(p, index=i) for i, (p, _, _) in enumerate(plans)]
     aliases = plans[0][1]
     streams = EngineStreams(state, new_id("chatcmpl"), prompts, body.priority, aliases, body.model)
     answer_id = response_id("chatcmpl", body)

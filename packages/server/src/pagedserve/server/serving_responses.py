@@ -1,7 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path; GET and DELETE of stored ones.
 
 The input (a string, or items) and ``instructions`` (a system message first) become a chat
-conversation; planning, the chat template, the caps and the engine are the chat route's. The
+conversation (an ``input_image`` part is chat's ``image_url`` part); planning, the chat template, the caps and the engine are the chat route's. The
 reply comes back as output items (responses_output.py): its thinking as a ``reasoning`` item
 (with ``--reasoning-parser``), its text as a message with one ``output_text`` part, its tool
 calls as ``function_call`` items. A response cut by ``max_output_tokens`` is ``incomplete``.
@@ -34,12 +34,16 @@ from pagedserve.engine import RequestOutput
 from pagedserve.server.chat_prompt import plan_prompt
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
 from pagedserve.server.field_coverage import refuse_unsupported
+from pagedserve.server.media import check_detail
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.server.protocol_content import ImageURL, ImageURLContentPart, TextContentPart
 from pagedserve.server.protocol_responses import (
     FunctionCallInput,
     FunctionCallOutputInput,
     FunctionToolChoice,
     IncompleteDetails,
+    InputImagePart,
+    InputMessage,
     InputTokensDetails,
     OutputTokensDetails,
     ReasoningInput,
@@ -136,10 +140,37 @@ def chat_messages(items: list) -> list[ChatMessage]:
                 ChatMessage(role="tool", tool_call_id=item.call_id, content=item.text())
             )
         else:
-            messages.append(ChatMessage(role=item.role, content=item.text()))
+            messages.append(chat_message(item, index))
         if thinking is not None and messages[-1].role == "assistant":
             messages[-1].reasoning_content, thinking = thinking, None
     return messages
+
+
+def chat_message(item: InputMessage, index: int) -> ChatMessage:
+    """Input message ``index`` as a chat message: its text parts joined (as chat joins them),
+    or, when it holds images, chat's text and ``image_url`` parts in the same order, so that
+    a 400 about part ``j`` names ``input.<index>.content.<j>``."""
+    if isinstance(item.content, str) or not any(
+        isinstance(part, InputImagePart) for part in item.content
+    ):
+        return ChatMessage(role=item.role, content=item.text())
+    parts: list[TextContentPart | ImageURLContentPart] = []
+    for j, part in enumerate(item.content):
+        if not isinstance(part, InputImagePart):
+            parts.append(TextContentPart(type="text", text=part.text))
+            continue
+        where = f"input.{index}.content.{j}"
+        if part.file_id is not None:
+            raise bad_request(
+                f"{where}.file_id: images are read from image_url (a data: URL), not from files",
+                f"{where}.file_id",
+            )
+        if part.image_url is None:
+            raise bad_request(f"{where}: an input_image needs an image_url", where)
+        check_detail(part.detail, f"{where}.detail")
+        url = ImageURL(url=part.image_url, detail=part.detail)
+        parts.append(ImageURLContentPart(type="image_url", image_url=url))
+    return ChatMessage(role=item.role, content=parts).sent_as(f"input.{index}")
 
 
 def chat_tools(tools: list[dict[str, Any]]) -> list[ChatCompletionTool]:
@@ -213,7 +244,7 @@ async def create_response(request: Request, state: ServerState, body: ResponsesR
         prompt, aliases, plan = plan_prompt(state, as_chat_request(body, history))
     except APIError as error:
         raise renamed(error) from error
-    aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input"}
+    aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input", "multi_modal_data": "input"}
     view = _ResponsesView(state, body, prompt, plan, [*history, *input_messages(body)], store)
     streams = EngineStreams(state, view.id, [prompt], 0, aliases, body.model)
     return await answer(request, streams, view.stream, view.final_response, body.stream)

@@ -32,6 +32,8 @@ class PromptRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    # the prompt's images, ``{"image": [PIL images]}`` in prompt order (None: a text prompt)
+    multi_modal_data: dict | None = None
 
 
 class EngineStreams:
@@ -70,13 +72,17 @@ class EngineStreams:
             state.in_flight[engine_id] = None  # at once, so a drain never misses a request
             first = loop.create_future()
             self._first.append(first)
+            # the images only where there are some: a text prompt's call is the same for any
+            # EngineClient, whether or not it takes images
+            media = prompt.multi_modal_data
+            kwargs = extra if media is None else {**extra, "multi_modal_data": media}
             generator = state.engine.generate(
                 prompt.prompt_token_ids,
                 prompt.params,
                 engine_id,
                 prompt.prompt_text,
                 priority,
-                **extra,
+                **kwargs,
             )
             trace = None
             if tracer is not None:  # --otlp-traces-endpoint: one span per engine request

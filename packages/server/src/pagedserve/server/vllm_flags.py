@@ -70,7 +70,10 @@ def _refusing(reason: str, *flags: str) -> dict[str, str]:
 
 
 NO_HUB = "pagedserve serves a model folder on this machine; it never reads the Hugging Face Hub"
-TEXT_ONLY = "pagedserve serves text models: it has no image, audio or video inputs"
+IMAGES_ONLY = (
+    "pagedserve takes images for LLaVA-style models (through the model's own image processor) "
+    "but has no such option"
+)
 DATA_PARALLEL = (
     "pagedserve has no data parallelism: run one server per replica (pagedserve cluster "
     "routes between them)"
@@ -125,7 +128,7 @@ REFUSED: dict[str, str] = {
     ),
     "--enable-flash-late-interaction": "pagedserve serves no pooling or scoring models",
     "--chat-template-content-format": "pagedserve renders message content as a string "
-    "(text parts joined), vLLM's 'string' format",
+    "(text parts joined, after a placeholder line per image), vLLM's 'string' format",
     "--trust-request-chat-template": "pagedserve renders with the model's template or "
     "--chat-template, never one sent in a request",
     "--default-chat-template-kwargs": "send chat_template_kwargs with each request",
@@ -173,12 +176,14 @@ REFUSED: dict[str, str] = {
         "--hf-token",
         "--download-dir",
     ),
+    "--allowed-media-domains": "pagedserve never fetches a remote URL: send images in data: "
+    "URLs, or as file:// URLs under --allowed-local-media-path",
+    "--enable-mm-embeds": "pagedserve takes images, not precomputed image embeddings",
+    "--interleave-mm-strings": "pagedserve puts a message's image placeholders before its text "
+    "(vLLM's default), or where the text already holds them",
+    "--video-pruning-rate": "pagedserve takes images, not video",
     **_refusing(
-        TEXT_ONLY,
-        "--allowed-local-media-path",
-        "--allowed-media-domains",
-        "--limit-mm-per-prompt",
-        "--enable-mm-embeds",
+        IMAGES_ONLY,
         "--media-io-kwargs",
         "--mm-processor-kwargs",
         "--mm-processor-cache-gb",
@@ -187,9 +192,7 @@ REFUSED: dict[str, str] = {
         "--mm-shm-cache-max-object-size-mb",
         "--mm-encoder-tp-mode",
         "--mm-encoder-attn-backend",
-        "--interleave-mm-strings",
         "--skip-mm-profiling",
-        "--video-pruning-rate",
         "--disable-chunked-mm-input",
         "--default-mm-loras",
         "--enable-multimodal-encoder-data-parallel",
