@@ -234,3 +234,66 @@ def _ask_here(browser, question: str):
     return WebDriverWait(browser, 30).until(
         lambda b: b.find_element(By.CSS_SELECTOR, ".turn.assistant[data-done='true']")
     )
+
+
+@pytest.fixture(scope="module")
+def llava_server(tmp_path_factory):
+    """A server on a tiny LLaVA, and a PNG on disk for the page's file input."""
+    import asyncio
+
+    from PIL import Image
+
+    from pagedserve.models.testing_multimodal import make_tiny_llava_checkpoint, tiny_test_images
+    from pagedserve.server.testing import make_engine
+
+    folder = tmp_path_factory.mktemp("llava")
+    engine = make_engine(str(make_tiny_llava_checkpoint(folder / "model")), dtype="float32")
+    picture = folder / "picture.png"
+    Image.Image.save(tiny_test_images()[1], picture)
+    with uvicorn_in_thread(build_app(engine, ServerConfig(), MODEL)) as url:
+        yield url, picture
+    asyncio.run(engine.shutdown())
+
+
+def test_an_attached_image_goes_with_the_message(browser, llava_server):
+    """The page sends the attached file as an image_url part: its answer is the chat route's
+    for the same conversation with that image, and the figures count the image encoded."""
+    import base64
+
+    url, picture = llava_server
+    browser.get(url + "/")
+    WebDriverWait(browser, 30).until(
+        lambda b: b.find_element(By.ID, "model").get_attribute("value") == MODEL
+    )
+    set_value(browser, "max-tokens", "12")
+    browser.find_element(By.ID, "image").send_keys(str(picture))
+    turn = _ask_here(browser, "What is in the picture?")
+    assert (
+        browser.find_element(By.CSS_SELECTOR, ".turn.user img")
+        .get_attribute("src")
+        .startswith("data:image/png;base64,")
+    )
+    system = browser.find_element(By.ID, "system").get_attribute("value")
+    image_url = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    question = [
+        {"type": "text", "text": "What is in the picture?"},
+        {"type": "image_url", "image_url": {"url": image_url}},
+    ]
+    expected = httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "temperature": 0,
+            "top_p": 1,
+            "max_tokens": 12,
+        },
+        timeout=60,
+    ).json()["choices"][0]["message"]["content"]
+    assert turn.find_element(By.CSS_SELECTOR, ".answer").text == expected.strip() != ""
+    assert "error" not in turn.get_attribute("class")
+    WebDriverWait(browser, 10).until(
+        lambda b: b.find_element(By.ID, "images").text.split(" / ")[0] == "1"
+    )

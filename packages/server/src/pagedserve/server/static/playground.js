@@ -2,7 +2,9 @@
 // (time to first token, tokens/s) and from /metrics (running and waiting requests, KV cache).
 // A reasoning model's thinking (reasoning_content, with --reasoning-parser) streams into a
 // collapsed "Thinking" section above the answer; tool calls (with tools given as JSON in the
-// settings) are shown under it, each call's name and arguments as they arrive.
+// settings) are shown under it, each call's name and arguments as they arrive. An attached
+// image goes with the message as an image_url part (a data: URL; the server fetches nothing),
+// for a model that takes images; the figures count the images the vision encoder ran on.
 // Plain DOM and fetch: the page must work offline, served by the package alone.
 "use strict";
 
@@ -17,12 +19,30 @@ function headers() {
   return out;
 }
 
-function addTurn(role, text) {
+function addTurn(role, text, imageUrl) {
   const node = document.createElement("div");
   node.className = "turn " + role;
   node.textContent = text;
+  if (imageUrl) {
+    const picture = document.createElement("img");
+    picture.src = imageUrl;
+    picture.alt = "attached image";
+    node.prepend(picture);
+  }
   $("conversation").append(node);
   return node;
+}
+
+// The attached file as a data: URL (null when none is attached).
+function attachedImage() {
+  const file = $("image").files[0];
+  if (!file) return Promise.resolve(null);
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
 }
 
 // An assistant turn: its thinking (created collapsed on the first thought), its answer, and
@@ -141,9 +161,14 @@ async function send(event) {
   event.preventDefault();
   const text = $("message").value.trim();
   if (!text || controller) return;
+  const imageUrl = await attachedImage();
   $("message").value = "";
-  history.push({role: "user", content: text});
-  addTurn("user", text);
+  $("image").value = "";
+  const content = imageUrl
+    ? [{type: "text", text}, {type: "image_url", image_url: {url: imageUrl}}]
+    : text;
+  history.push({role: "user", content});
+  addTurn("user", text, imageUrl);
   const turn = new AssistantTurn();
   controller = new AbortController();
   $("send").disabled = true;
@@ -210,6 +235,9 @@ async function refreshFigures() {
     show("kv-cache", metric(text, "kv_cache_usage_perc"), (v) => (100 * v).toFixed(1) + " %");
     show("generated", metric(text, "generation_tokens_total"), (v) => v.toFixed(0));
     show("kv-hits", byTier(text, "kv_connector_hit_tokens_total"), (v) => v);
+    const encoded = metric(text, "encoder_cache_encoded_total");
+    const hits = metric(text, "encoder_cache_hits_total");
+    if (encoded !== null && hits !== null) $("images").textContent = `${encoded} / ${hits}`;
     document.body.dataset.figures = String(Number(document.body.dataset.figures || 0) + 1);
   } catch (error) {
     $("status").textContent = "metrics: " + error;
