@@ -93,6 +93,15 @@ def test_preemption_n_and_beams_keep_the_images(llava, images):
     assert len(set(beam_tokens)) == 2 and all(len(t) == 4 for t in beam_tokens)
 
 
+def test_ngram_speculative_decoding_reads_image_prompts(llava, images):
+    _, expected = transformers_llava_greedy(llava, TWO, images[:2], MAX_TOKENS)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = engine(llava, speculative_config=ngram)
+    out = generate(llm, TWO, images[:2])
+    assert list(out.outputs[0].token_ids) == expected
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0  # proposals did run
+
+
 def test_image_count_limit_and_a_text_model_refuse_by_name(llava, images, tmp_path):
     llm = engine(llava, limit_mm_per_prompt={"image": 1})
     with pytest.raises(InvalidRequestError) as e:

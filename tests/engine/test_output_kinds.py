@@ -19,7 +19,7 @@ from pagedserve.engine import (
     RequestOutputKind,
     SamplingParams,
 )
-from pagedserve.engine.async_llm import _RequestStream
+from pagedserve.engine.async_messages import RequestStream
 
 PROMPTS = [[5, 17, 99, 240, 3, 77, 8, 120, 45], [300, 12, 9, 64], [7, 7, 8, 9, 10, 11]]
 
@@ -143,7 +143,7 @@ def test_a_slow_consumer_gets_the_deltas_merged(engine):
     want = joined([[o] for o in mine])[-1]["1"]
 
     async def consume() -> list[RequestOutput]:
-        stream = _RequestStream(asyncio.get_running_loop(), aggregate=True)
+        stream = RequestStream(asyncio.get_running_loop(), aggregate=True)
         for out in mine[:3]:
             stream.put(out)
         await asyncio.sleep(0)

@@ -24,80 +24,25 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.async_messages import (
+    SHUTDOWN,
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    RequestStream,
+)
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRARequest
 from pagedserve.engine.metrics import EngineStats
+from pagedserve.engine.multimodal import prompt_with_images
 from pagedserve.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.models import load_tokenizer
-
-
-@dataclass
-class _AddCommand:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams | PoolingParams
-    prompt: str | None
-    priority: int
-    arrival_time: float
-    done: concurrent.futures.Future
-    lora_request: LoRARequest | None = None
-    token_type_ids: list[int] | None = None
-    multi_modal_data: dict | None = None
-
-
-@dataclass
-class _AbortCommand:
-    request_ids: list[str]
-
-
-@dataclass
-class _CallCommand:
-    """Run ``fn(engine)`` on the engine thread between steps (LoRA adapters in and out)."""
-
-    fn: Callable[[LLMEngine], Any]
-    done: concurrent.futures.Future
-
-
-_SHUTDOWN = object()
-
-
-class _RequestStream:
-    """One request's outputs, carried from the engine thread into its caller's event loop.
-
-    ``aggregate``: the outputs are deltas (``RequestOutputKind.DELTA``), so outputs collapsed
-    into one must be merged (``RequestOutput.add``), not replaced by the newest.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, aggregate: bool = False) -> None:
-        self.loop = loop
-        self.aggregate = aggregate
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Thread-safe: hand ``item`` to the consumer's loop (dropped if that loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the consumer's event loop is closed: nobody is listening any more
-
-    async def get(self) -> RequestOutput | BaseException:
-        """Everything queued, as one item: cumulative outputs waiting behind the newest are
-        skipped, deltas are merged into one (a slow consumer gets fewer, larger outputs)."""
-        item = await self.queue.get()
-        while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
-            newer = self.queue.get_nowait()
-            if self.aggregate and isinstance(newer, RequestOutput):
-                item.add(newer, aggregate=True)
-            else:
-                item = newer
-        return item
 
 
 class AsyncLLM:
@@ -114,7 +59,7 @@ class AsyncLLM:
         the engine's torch work (load, warm-up, steps) happens on one thread."""
         self.dead_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams, dead_error, _closed and queueing
         self._closed = False
         built: concurrent.futures.Future = concurrent.futures.Future()
@@ -174,7 +119,7 @@ class AsyncLLM:
         ``SchedulerOverloadedError``, from the first ``__anext__``, before anything is yielded.
         """
         delta = sampling_params.output_kind is RequestOutputKind.DELTA
-        command = _AddCommand(
+        command = AddCommand(
             request_id, list(prompt_token_ids), sampling_params, prompt, priority,
             time.monotonic(), concurrent.futures.Future(), lora_request, None, multi_modal_data,
         )  # fmt: skip
@@ -192,19 +137,24 @@ class AsyncLLM:
         """A pooling request's one output (vLLM's ``AsyncLLM.encode``): an embedding, class
         probabilities or a score, as ``pooling_params`` and the model say. Refusals raise
         from the first ``__anext__``, as ``generate``'s."""
-        command = _AddCommand(
+        command = AddCommand(
             request_id, list(prompt_token_ids), pooling_params, prompt, priority,
             time.monotonic(), concurrent.futures.Future(), token_type_ids=token_type_ids,
         )  # fmt: skip
         return self._stream(command)
 
     async def _stream(
-        self, command: _AddCommand, delta: bool = False
+        self, command: AddCommand, delta: bool = False
     ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Submit ``command`` and yield its request's outputs until the finished one
         (``delta``: they are deltas, merged when the consumer falls behind)."""
         request_id, done = command.request_id, command.done
-        stream = _RequestStream(asyncio.get_running_loop(), delta)
+        if command.multi_modal_data is not None:  # resized and hashed here, not between steps
+            command.prompt_token_ids, command.images = await asyncio.to_thread(
+                prompt_with_images, self.engine.image_processor, self.args.model,
+                command.prompt_token_ids, command.multi_modal_data,
+            )  # fmt: skip
+        stream = RequestStream(asyncio.get_running_loop(), delta)
         self._register_and_submit(request_id, stream, command)
         finished = False
         try:
@@ -230,7 +180,7 @@ class AsyncLLM:
             # accept the request just as the caller is cancelled.
             rejected = done.done() and done.exception() is not None
             if not finished and not rejected:
-                self._submit(_AbortCommand([request_id]))
+                self._submit(AbortCommand([request_id]))
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter while requests run: its files are read and checked in a worker
@@ -256,12 +206,12 @@ class AsyncLLM:
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_unavailable()
-            self._commands.put(_CallCommand(fn, done))
+            self._commands.put(CallCommand(fn, done))
         return await asyncio.wrap_future(done)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a finished output (finish_reason "abort")."""
-        self._submit(_AbortCommand([request_id]))
+        self._submit(AbortCommand([request_id]))
 
     async def shutdown(self) -> None:
         """Stop the engine loop; requests still pending end with EngineDeadError."""
@@ -270,7 +220,7 @@ class AsyncLLM:
                 return
             self._closed = True
             thread = self.engine_thread
-            self._commands.put(_SHUTDOWN)
+            self._commands.put(SHUTDOWN)
         if thread is not None:
             await asyncio.to_thread(thread.join)
         await asyncio.to_thread(self.engine.shutdown)
@@ -278,7 +228,7 @@ class AsyncLLM:
 
     # ---- caller side ---------------------------------------------------------------------
 
-    def _register_and_submit(self, request_id: str, stream: _RequestStream, command) -> None:
+    def _register_and_submit(self, request_id: str, stream: RequestStream, command) -> None:
         with self._lock:
             self._raise_if_unavailable()
             if request_id in self._streams:
@@ -328,11 +278,11 @@ class AsyncLLM:
             except queue.Empty:
                 return True
             block = False
-            if command is _SHUTDOWN:
+            if command is SHUTDOWN:
                 return False
-            if isinstance(command, _AbortCommand):
+            if isinstance(command, AbortCommand):
                 self._deliver(self.engine.abort_request(command.request_ids))
-            elif isinstance(command, _CallCommand):
+            elif isinstance(command, CallCommand):
                 try:
                     command.done.set_result(command.fn(self.engine))
                 except Exception as error:  # a refused adapter, not an engine failure
@@ -340,7 +290,7 @@ class AsyncLLM:
             else:
                 self._add(command)
 
-    def _add(self, command: _AddCommand) -> None:
+    def _add(self, command: AddCommand) -> None:
         try:
             self.engine.add_request(
                 command.request_id,
@@ -351,7 +301,7 @@ class AsyncLLM:
                 priority=command.priority,
                 lora_request=command.lora_request,
                 token_type_ids=command.token_type_ids,
-                multi_modal_data=command.multi_modal_data,
+                images=command.images,
             )
         except Exception as error:  # a rejected request, not an engine failure
             command.done.set_exception(error)
@@ -389,7 +339,7 @@ class AsyncLLM:
                 except queue.Empty:
                     break
         for command in pending:
-            if isinstance(command, _AddCommand) and not command.done.done():
+            if isinstance(command, AddCommand) and not command.done.done():
                 command.done.set_exception(dead)
         self._fail_all(dead)
 

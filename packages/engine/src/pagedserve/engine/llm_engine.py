@@ -159,6 +159,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         token_type_ids: list[int] | None = None,
         multi_modal_data: dict | None = None,
+        images: tuple = (),
     ) -> None:
         """Queue a request (its first sequence), or refuse it with ``InvalidRequestError``
         naming the field at fault (validation.py; the scheduler's refusals too). A refused
@@ -166,7 +167,9 @@ class LLMEngine:
         model) is registered if it is new, its files read and checked now. ``PoolingParams``
         make a pooling request (pooling.py; ``token_type_ids``: a pair's segments).
         ``multi_modal_data`` (``{"image": [PIL images]}``) are the images of a prompt that
-        holds one image placeholder per image (multimodal.py expands them)."""
+        holds one image placeholder per image (multimodal.py expands them); ``images``, those
+        of a prompt already expanded (``prompt_with_images``: AsyncLLM runs it off the engine
+        thread)."""
         if request_id in self.output_processor.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
@@ -175,9 +178,10 @@ class LLMEngine:
             args = (prompt, arrival_time, priority, token_type_ids)
             return self._add_pooling_request(request_id, prompt_token_ids, params, *args)
         check_token_ids(prompt_token_ids, params, self.model_config.vocab_size)
-        prompt_token_ids, images = prompt_with_images(
-            self.image_processor, self.args.model, prompt_token_ids, multi_modal_data
-        )
+        if not images:
+            prompt_token_ids, images = prompt_with_images(
+                self.image_processor, self.args.model, prompt_token_ids, multi_modal_data
+            )
         if params.use_beam_search and self.speculator is not None:
             raise InvalidRequestError(
                 "beam search cannot run with speculative decoding (its beams fork and drop "
