@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.engine.encoder_cache import embeddings_with_images
 from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
@@ -54,8 +55,7 @@ class CPUModelRunner(ModelRunner):
                 warm_up((self.kv_cache_dtype,), gguf=True)
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
-        fusable = self.fused_layers and model_input.image_rows is None
-        hidden_states = self._forward_fused(model_input) if fusable else None
+        hidden_states = self._forward_fused(model_input) if self.fused_layers else None
         if hidden_states is None:
             return super().forward(model_input)
         return hidden_states
@@ -72,7 +72,7 @@ class CPUModelRunner(ModelRunner):
         from pagedserve.kernels.cpu.paged_attention_plan import step_plan
 
         meta, positions = model_input.attn_metadata, model_input.positions
-        decoder: LlamaModel = self.model.model
+        decoder = decoder_of(self.model)
         plans = {}
         for weights in self.fused_layers:
             if weights is not None and weights.window not in plans:
@@ -80,7 +80,10 @@ class CPUModelRunner(ModelRunner):
                     meta.block_tables, meta.seq_lens, meta.query_start_loc,
                     NUMBA_MAX_Q_LEN, None, weights.window, self.model_config.batch_invariant,
                 )  # fmt: skip
-        hidden = decoder.embed_tokens(input_ids)
+        if model_input.image_rows is not None:  # a vision model's prompt: image rows written in
+            hidden = embeddings_with_images(self.model, input_ids, model_input.image_rows)
+        else:
+            hidden = decoder.embed_tokens(input_ids)
         if not all(decoder_layer.supports(hidden, self.kv_caches[0], p) for p in plans.values()):
             return None
         residual = None
@@ -98,11 +101,18 @@ class CPUModelRunner(ModelRunner):
         return hidden
 
 
+def decoder_of(model: nn.Module) -> LlamaModel | None:
+    """The model's Llama decoder stack: its own, or a vision-language model's language
+    model's (llava.py)."""
+    decoder = getattr(getattr(model, "language_model", model), "model", None)
+    return decoder if type(decoder) is LlamaModel else None
+
+
 def fused_layer_weights(model: nn.Module) -> list | None:
     """Per decoder layer, what the fused kernel reads (``DecoderLayerWeights``) or None where
     it cannot stand in for the layer; None when no layer of the model can be fused."""
-    decoder = getattr(model, "model", None)
-    if type(decoder) is not LlamaModel:
+    decoder = decoder_of(model)
+    if decoder is None:
         return None
     weights = [_layer_weights(layer) for layer in decoder.layers]
     return weights if any(w is not None for w in weights) else None

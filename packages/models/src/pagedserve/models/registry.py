@@ -147,7 +147,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "llava", "LLaVA-1.5 7B, 13B (llava-hf)",
         "images in: a CLIP vision tower's features (vision_feature_layer, default or full "
         "strategy) through a 2-layer projector into a Llama/Mistral decoder",
-        tensor_parallel=False, images=True,
+        tensor_parallel=False, images=True, cpu_fused=True,
     ),
     # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)
     "BertModel": _encoder(
