@@ -23,6 +23,7 @@ from pagedserve.kernels.gelu_tanh import gelu_tanh_ref, gelu_tanh_triton
 from pagedserve.kernels.layer_norm import layer_norm_ref, layer_norm_triton
 from pagedserve.kernels.mla_decode import mla_paged_decode_ref, mla_paged_decode_triton
 from pagedserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from pagedserve.kernels.quick_gelu import quick_gelu_ref, quick_gelu_triton
 from pagedserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref, rotary_embedding_triton
 from pagedserve.kernels.sampling import sample_tokens_ref, sample_tokens_triton
@@ -102,25 +103,7 @@ def cases():
         2 * nbytes(x),
         0,
     )
-    gate_up = torch.randn(tokens, 2 * m.intermediate, device=DEVICE, dtype=dt)
-    yield (
-        "silu_and_mul",
-        f"{tokens}x2x{m.intermediate}",
-        silu_and_mul_triton,
-        silu_and_mul_ref,
-        (gate_up,),
-        1.5 * nbytes(gate_up),
-        0,
-    )
-    yield (
-        "gelu_tanh",
-        f"{tokens}x{m.intermediate}",
-        gelu_tanh_triton,
-        gelu_tanh_ref,
-        (gate_up[:, : m.intermediate].contiguous(),),
-        nbytes(gate_up),
-        0,
-    )
+    yield from activation_cases(tokens)
     q = torch.randn(tokens, m.n_q_heads, m.head_dim, device=DEVICE, dtype=dt)
     k = torch.randn(tokens, m.n_kv_heads, m.head_dim, device=DEVICE, dtype=dt)
     pos = torch.arange(tokens, device=DEVICE)
@@ -161,6 +144,28 @@ def cases():
         3 * nbytes(logits),
         0,
     )
+
+
+def activation_cases(tokens: int):
+    """The MLP activations over ``tokens`` rows of the intermediate size: the gated one (its
+    input gate and up side by side) and the plain GELUs (GPT-2's tanh form, CLIP's QuickGELU)."""
+    m = MODEL
+    gate_up = torch.randn(tokens, 2 * m.intermediate, device=DEVICE, dtype=m.dtype)
+    yield (
+        "silu_and_mul",
+        f"{tokens}x2x{m.intermediate}",
+        silu_and_mul_triton,
+        silu_and_mul_ref,
+        (gate_up,),
+        1.5 * nbytes(gate_up),
+        0,
+    )
+    x = gate_up[:, : m.intermediate].contiguous()
+    for name, triton_fn, ref_fn in (
+        ("gelu_tanh", gelu_tanh_triton, gelu_tanh_ref),
+        ("quick_gelu", quick_gelu_triton, quick_gelu_ref),
+    ):
+        yield (name, f"{tokens}x{m.intermediate}", triton_fn, ref_fn, (x,), nbytes(gate_up), 0)
 
 
 def attention_cases():

@@ -26,6 +26,7 @@ DEFAULTS = {
     "swigluoai_and_mul": "pagedserve.kernels.swigluoai_and_mul:swigluoai_and_mul_triton",
     "gelu_tanh": "pagedserve.kernels.gelu_tanh:gelu_tanh_triton",
     "gelu": "pagedserve.kernels.gelu:gelu_triton",
+    "quick_gelu": "pagedserve.kernels.quick_gelu:quick_gelu_triton",
     "encoder_attention": "pagedserve.kernels.encoder_attention:encoder_attention_triton",
     "copy_blocks": "pagedserve.kernels.copy_blocks:copy_blocks_triton",
     "sample_tokens": "pagedserve.kernels.sampling:sample_tokens_triton",

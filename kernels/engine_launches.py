@@ -60,11 +60,14 @@ _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
     "silu_and_mul", "swigluoai_and_mul", "gelu_tanh", "copy_blocks", "sampling", "penalties", "weight_only_linear",
     "rejection_sample", "token_bitmask", "fused_moe", "lora", "int4_linear", "gguf_linear",
-    "encoder_attention", "gelu", "linear", "mla_decode", "store_latent",
+    "encoder_attention", "gelu", "linear", "mla_decode", "store_latent", "quick_gelu",
 )  # fmt: skip
 # Encoder models (pooling: embeddings, cross-encoders): (name, heads, head_dim, hidden,
 # intermediate). all-MiniLM-L6-v2; BERT-base / bge-base / XLM-RoBERTa-base.
 ENCODER_SHAPES = [("minilm-l6", 12, 32, 384, 1536), ("bert-base", 12, 64, 768, 3072)]
+# LLaVA-1.5's vision tower, CLIP ViT-L/14 at 336 pixels: (name, rows an image, hidden,
+# intermediate).
+VISION_SHAPE = ("clip-vit-l14-336", 577, 1024, 4096)
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
 # dtypes and the strides' divisibility, not on the sizes themselves.
@@ -378,6 +381,18 @@ def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
         record(f"{name} {label}")
 
 
+def vision_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
+    """A CLIP vision tower's own launches over an image's rows (LLaVA's): its LayerNorms and
+    QuickGELU. Its attention is torch's SDPA, and its projector's exact GELU is the encoders'
+    launch (encoder_launches)."""
+    mods = _wrappers()
+    name, rows, hidden, intermediate = VISION_SHAPE
+    x, weight = torch.randn(rows, hidden).to(dtype), torch.randn(hidden).to(dtype)
+    mods["layer_norm"].layer_norm_triton(x, weight, weight.clone(), 1e-5)
+    mods["quick_gelu"].quick_gelu_triton(torch.randn(rows, intermediate).to(dtype))
+    record(f"{name} {label}")
+
+
 def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: str) -> None:
     """Multi-head latent attention's own launches: the absorbed decode over the latent cache
     (plain and split-KV), the latent store (k_pe a strided view of the kv_a projection), the
@@ -439,5 +454,6 @@ def engine_launches(
     for dtype_name, sizes in block_sizes.items():
         moe_launches(DTYPES[dtype_name], record, dtype_name)
         encoder_launches(DTYPES[dtype_name], record, dtype_name)
+        vision_launches(DTYPES[dtype_name], record, dtype_name)
         for block_size in sizes:
             mla_launches(DTYPES[dtype_name], block_size, record, dtype_name)

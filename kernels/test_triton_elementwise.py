@@ -1,6 +1,6 @@
 """store_kv, rms_norm, layer_norm, rotary_embedding, silu_and_mul, swigluoai_and_mul,
-gelu_tanh, gelu: the Triton kernel (or the implementation given with --impl) against the
-reference."""
+gelu_tanh, gelu, quick_gelu: the Triton kernel (or the implementation given with --impl)
+against the reference."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from tolerances import assert_close
 from pagedserve.kernels.gelu import gelu_ref
 from pagedserve.kernels.gelu_tanh import gelu_tanh_ref
 from pagedserve.kernels.layer_norm import layer_norm_ref
+from pagedserve.kernels.quick_gelu import quick_gelu_ref
 from pagedserve.kernels.rms_norm import rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding_ref
 from pagedserve.kernels.silu_and_mul import silu_and_mul_ref
@@ -147,3 +148,13 @@ def test_gelu(shape, dtype):
     x = randn(*shape, dtype=dtype) * 4
     x[0, :3] = torch.tensor([-30.0, 0.0, 30.0])
     assert_close(implementation("gelu")(x), gelu_ref(x))
+
+
+@pytest.mark.contract("quick_gelu")
+@dtypes
+@pytest.mark.parametrize("shape", pick([(5, 100)], [(577, 4096), (4, 1024)]), ids=str)
+def test_quick_gelu(shape, dtype):
+    """CLIP's activation, with inputs of +-60, where a plain exp(-1.702 x) would overflow."""
+    x = randn(*shape, dtype=dtype) * 4
+    x[0, :3] = torch.tensor([-60.0, 0.0, 60.0])
+    assert_close(implementation("quick_gelu")(x), quick_gelu_ref(x))

@@ -1,10 +1,11 @@
-"""silu_and_mul_ref and gelu_tanh_ref against the formulas the model code would write."""
+"""silu_and_mul_ref, gelu_tanh_ref and quick_gelu_ref against the formulas the model code would
+write."""
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import NewGELUActivation
+from transformers.activations import NewGELUActivation, QuickGELUActivation
 
-from pagedserve.kernels import gelu_tanh_ref, silu_and_mul_ref
+from pagedserve.kernels import gelu_tanh_ref, quick_gelu_ref, silu_and_mul_ref
 
 
 def test_silu_and_mul_is_gate_first():
@@ -36,3 +37,14 @@ def test_gelu_tanh_is_gpt2_gelu_new():
     half = gelu_tanh_ref(x.to(torch.bfloat16))
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), NewGELUActivation()(x), atol=1e-2, rtol=1.6e-2)
+
+
+def test_quick_gelu_is_clips_activation():
+    """In fp32 the reference is transformers' QuickGELUActivation bit for bit (CLIP towers are
+    compared with transformers exactly); in bf16 it rounds once, from fp32."""
+    x = torch.linspace(-8, 8, 257)
+    assert torch.equal(quick_gelu_ref(x), QuickGELUActivation()(x))
+    assert torch.equal(quick_gelu_ref(x), x * torch.sigmoid(1.702 * x))
+    half = quick_gelu_ref(x.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), QuickGELUActivation()(x), atol=1e-2, rtol=1.6e-2)

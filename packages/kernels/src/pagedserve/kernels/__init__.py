@@ -16,6 +16,7 @@ from pagedserve.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, l
 from pagedserve.kernels.mla_decode import mla_paged_decode, mla_paged_decode_ref
 from pagedserve.kernels.paged_attention import paged_attention, paged_attention_ref
 from pagedserve.kernels.penalties import apply_penalties, apply_penalties_ref
+from pagedserve.kernels.quick_gelu import quick_gelu, quick_gelu_ref
 from pagedserve.kernels.rms_norm import rms_norm, rms_norm_ref
 from pagedserve.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
 from pagedserve.kernels.sampling import sample_tokens, sample_tokens_ref
@@ -53,6 +54,8 @@ __all__ = [
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_warmup",
+    "quick_gelu",
+    "quick_gelu_ref",
     "rms_norm",
     "rms_norm_ref",
     "rotary_embedding",

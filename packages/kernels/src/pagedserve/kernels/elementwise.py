@@ -1,8 +1,8 @@
 """The launch of an elementwise Triton kernel over a tensor's flat elements.
 
-The activations (gelu.py, gelu_tanh.py) share one kernel signature, ``(x_ptr, out_ptr, n,
-BLOCK)``: each program maps ``BLOCK`` consecutive elements of the contiguous input to the same
-places of the output, so a launch is the same for all of them.
+The activations (gelu.py, gelu_tanh.py, quick_gelu.py) share one kernel signature,
+``(x_ptr, out_ptr, n, BLOCK)``: each program maps ``BLOCK`` consecutive elements of the
+contiguous input to the same places of the output, so a launch is the same for all of them.
 """
 
 from __future__ import annotations

@@ -24,20 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import gelu, gelu_tanh
+from pagedserve.kernels import gelu, gelu_tanh, quick_gelu
 from pagedserve.models.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from pagedserve.models.layers.norm import LayerNorm
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """CLIP's own GELU approximation, ``x * sigmoid(1.702 x)``: the activation OpenAI trained
-    CLIP with, so its checkpoints need exactly it."""
-    return x * torch.sigmoid(1.702 * x)
-
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": quick_gelu,
