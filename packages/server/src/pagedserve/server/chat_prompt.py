@@ -3,6 +3,12 @@ switched on or off), the caps, the output constraint, the sampling parameters; a
 will be read (a ``ReplyPlan``: reasoning mode, tools). The chat, responses and messages routes
 all plan their prompts here; the images of a conversation's image parts go with its request
 (``PromptRequest.multi_modal_data``), read by media.py.
+
+Planning is a coroutine for one reason: a conversation's images are decoded in a worker thread
+(media.py's ``ImageInputs.read``), awaited between the checks that come before them and the
+chat template after them. Everything else, the tokenizer above all, stays on the event loop's
+thread (a fast tokenizer used from two threads at once errors). A text conversation never leaves
+the loop.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from pagedserve.server.vllm_fields import default_max_tokens, whole_vocabulary
 CHAT_ALIASES = {"logprobs": "top_logprobs", "prompt": "messages", "multi_modal_data": "messages"}
 
 
-def chat_prompt_ids(
+async def chat_prompt_ids(
     state: ServerState,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
@@ -51,10 +57,10 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The conversation's prompt token ids (``chat_prompt``'s, its images checked and dropped:
     /tokenize and the token counts need only the ids)."""
-    return chat_prompt(state, messages, add_generation_prompt, template_kwargs, tools)[0]
+    return (await chat_prompt(state, messages, add_generation_prompt, template_kwargs, tools))[0]
 
 
-def chat_prompt(
+async def chat_prompt(
     state: ServerState,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
@@ -65,7 +71,7 @@ def chat_prompt(
     tools rendered (tools.py), and the images of the messages' image parts in prompt order
     (each message's content holds the model's placeholder for each of its images: media.py's
     ``ImageInputs.message_content``); template errors are 400s."""
-    conversation, images = conversation_of(state, messages)
+    conversation, images = await conversation_of(state, messages)
     template = state.config.chat_template
     kwargs = dict(template_kwargs or {})
     if template:
@@ -85,18 +91,19 @@ def chat_prompt(
     return ids, images
 
 
-def conversation_of(
+async def conversation_of(
     state: ServerState, messages: list[ChatMessage]
 ) -> tuple[list[dict], list[Image.Image]]:
-    """The messages as the chat template's dicts, and their images in prompt order."""
+    """The messages as the chat template's dicts, and their images in prompt order (decoded in a
+    worker thread: ``ImageInputs.read``)."""
     media = None
+    images: list[Image.Image] = []
     if parts := image_parts(messages):  # a text conversation asks nothing of the engine
         media = ImageInputs.of(state)
-        media.check(parts)
+        images = await media.read(parts)
     conversation: list[dict] = []
-    images: list[Image.Image] = []
-    for index, message in enumerate(messages):
-        content = media.message_content(message, index, images) if media else message.text()
+    for message in messages:
+        content = media.message_content(message) if media else message.text()
         entry = {"role": message.role, "content": content}
         for key in ("name", "tool_call_id"):
             if getattr(message, key):
@@ -173,7 +180,7 @@ def reasoning_mode(
     return REASONING_PARSERS[name].mode(tail, template_kwargs)
 
 
-def plan_prompt(
+async def plan_prompt(
     state: ServerState, body: ChatCompletionRequest
 ) -> tuple[PromptRequest, dict[str, str], ReplyPlan]:
     """The conversation as one engine request with the request's n, the API's names of the
@@ -195,7 +202,9 @@ def plan_prompt(
             "tool_choice",
         )
     add_generation_prompt, kwargs = template_options(body, template_kwargs_of(body))
-    prompt_ids, images = chat_prompt(state, body.messages, add_generation_prompt, kwargs, tools)
+    prompt_ids, images = await chat_prompt(
+        state, body.messages, add_generation_prompt, kwargs, tools
+    )
     prompt_ids = truncated_prompt(body, prompt_ids)
     mode = reasoning_mode(state, prompt_ids, kwargs)
     max_tokens, param = max_tokens_of(body)

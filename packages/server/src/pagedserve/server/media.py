@@ -23,10 +23,17 @@ decompression bomb) is refused for its declared size and never decoded. Pillow's
 given a request's bytes.
 
 Every refusal is a 400 that names the content part (``messages.<i>.content.<j>``).
+
+Decoding is slow (a 20 MB PNG of 8192x4096 pixels takes a good fraction of a second), so
+``ImageInputs.read`` runs it in a worker thread: on the event loop it would stall every other
+stream of the server meanwhile. Only the decoding moves: the checks of the whole prompt run on
+the loop before it, and the prompt is rendered on the loop after it (the server's tokenizer is
+used from the loop's thread alone).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
@@ -187,6 +194,14 @@ def _too_large(param: str) -> APIError:
     return bad_request(f"{param}: the image is over {MAX_IMAGE_BYTES} bytes", param)
 
 
+def decode_images(
+    parts: list[tuple[str, ImageURLContentPart]], local_folder: str | None
+) -> list[Image.Image]:
+    """The RGB images of ``parts`` (``image_parts``), in their order: blocking work, for a worker
+    thread (``ImageInputs.read``)."""
+    return [load_image(part.image_url.url, param, local_folder) for param, part in parts]
+
+
 def check_detail(detail: str | None, param: str) -> None:
     """OpenAI's ``detail`` picks how finely its models look at an image; here the model's own
     processor sizes every image, so only ``auto`` holds (vLLM ignores the field; a request that
@@ -250,10 +265,15 @@ class ImageInputs:
                 parts[self.limit][0],
             )
 
-    def message_content(self, message: ChatMessage, index: int, images: list) -> str:
-        """The content the chat template gets for the ``index``-th message (its images checked
-        by ``check``); its images are decoded and appended to ``images`` (the prompt's, in
-        prompt order).
+    async def read(self, parts: list[tuple[str, ImageURLContentPart]]) -> list[Image.Image]:
+        """The images of the prompt's image parts (``image_parts``), in prompt order: checked
+        (``check``) on the event loop, then decoded in a worker thread, off the loop."""
+        self.check(parts)
+        return await asyncio.to_thread(decode_images, parts, self.local_folder)
+
+    def message_content(self, message: ChatMessage) -> str:
+        """The content the chat template gets for ``message``, whose images ``read`` decoded
+        (the prompt's images, in prompt order, are that list: this places their placeholders).
 
         vLLM's "string" content format: a message without images is its text; one with images
         is one placeholder per image, each on its own line, then the text (its text parts
@@ -261,13 +281,7 @@ class ImageInputs:
         their count get a line before the text, so a client can place images itself. The engine
         gives the prompt's placeholders its images in order: the lines before a text take its
         message's first images."""
-        origin = message.param(index)
-        count = 0
-        for j, part in enumerate(message.parts()):
-            if isinstance(part, ImageURLContentPart):
-                param = f"{origin}.content.{j}"
-                images.append(load_image(part.image_url.url, param, self.local_folder))
-                count += 1
+        count = sum(isinstance(part, ImageURLContentPart) for part in message.parts())
         text = message.text()
         if not count:
             return text

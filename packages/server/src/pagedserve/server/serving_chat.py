@@ -45,7 +45,7 @@ async def create_chat_completion(
     request: Request, state: ServerState, body: ChatCompletionRequest
 ) -> Response:
     state.check_admitting()
-    prompt, aliases, plan = plan_prompt(state, body)
+    prompt, aliases, plan = await plan_prompt(state, body)
     streams = EngineStreams(state, new_id("chatcmpl"), [prompt], body.priority, aliases, body.model)
     view = ChatView(state, body, response_id("chatcmpl", body), prompt.prompt_token_ids, plan)
     return await answer(

@@ -70,7 +70,7 @@ async def create_batch_chat_completion(
     state.check_admitting()
     check_batch(state, body)
     conversations = [conversation_request(body, messages) for messages in body.messages]
-    plans = [plan_prompt(state, conversation) for conversation in conversations]
+    plans = [await plan_prompt(state, conversation) for conversation in conversations]
     prompts = [dataclasses.replace(p, index=i) for i, (p, _, _) in enumerate(plans)]
     aliases = plans[0][1]
     streams = EngineStreams(state, new_id("chatcmpl"), prompts, body.priority, aliases, body.model)

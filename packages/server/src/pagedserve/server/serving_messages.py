@@ -201,7 +201,7 @@ async def create_message(request: Request, state: ServerState, body: MessagesReq
     state.check_admitting()
     refuse_unsupported(body)
     try:
-        prompt, aliases, plan = plan_prompt(state, as_chat_request(body))
+        prompt, aliases, plan = await plan_prompt(state, as_chat_request(body))
     except APIError as error:
         raise renamed(error) from error
     aliases = {**aliases, **MESSAGES_ALIASES, "max_tokens": "max_tokens", "prompt": "messages"}
@@ -218,7 +218,7 @@ async def count_tokens(request: Request, state: ServerState, body: CountTokensRe
     parser = resolve_tool_parser(state.config.tool_call_parser, state.engine.tokenizer, template)
     tools = plan_tools(chat, parser)
     add_generation_prompt, kwargs = template_options(chat, template_kwargs_of(chat))
-    ids = chat_prompt_ids(state, chat.messages, add_generation_prompt, kwargs, tools)
+    ids = await chat_prompt_ids(state, chat.messages, add_generation_prompt, kwargs, tools)
     return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())
 
 

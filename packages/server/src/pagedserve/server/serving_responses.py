@@ -241,7 +241,7 @@ async def create_response(request: Request, state: ServerState, body: ResponsesR
     store = will_store(state, body)
     history = await history_of(state, body)
     try:
-        prompt, aliases, plan = plan_prompt(state, as_chat_request(body, history))
+        prompt, aliases, plan = await plan_prompt(state, as_chat_request(body, history))
     except APIError as error:
         raise renamed(error) from error
     aliases = {**aliases, **RESPONSES_ALIASES, "prompt": "input", "multi_modal_data": "input"}

@@ -39,7 +39,7 @@ async def tokenize(request: Request) -> Response:
     tokenizer = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
         add_generation_prompt, template_kwargs = template_options(body)
-        tokens = chat_prompt_ids(state, body.messages, add_generation_prompt, template_kwargs)
+        tokens = await chat_prompt_ids(state, body.messages, add_generation_prompt, template_kwargs)
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     max_len = state.engine.scheduler_config.max_model_len
