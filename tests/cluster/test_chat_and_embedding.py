@@ -39,6 +39,8 @@ class LocalReplica:
         self.engine = engine
         self.tokenizer, self.model_config = engine.tokenizer, engine.model_config
         self.scheduler_config, self.retries = engine.scheduler_config, 0
+        self.image_placeholder, self.args = engine.image_placeholder, engine.args
+        self.max_image_tokens = engine.max_image_tokens
 
     def generate(self, *args, **kwargs):
         return self.engine.generate(*args, **kwargs)

@@ -64,6 +64,8 @@ class LocalReplicas:
         self.tokenizer, self.model_config = engine.tokenizer, engine.model_config
         self.scheduler_config = engine.scheduler_config
         self.block_size = engine.cache_config.block_size
+        self.image_placeholder, self.args = engine.image_placeholder, engine.args
+        self.max_image_tokens = engine.max_image_tokens
 
     def generate(self, *args, **kwargs):
         return self.engine.generate(*args, **kwargs)

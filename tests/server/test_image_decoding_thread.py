@@ -18,9 +18,7 @@ test's own (httpx over ASGI), whose default executor is a pool of threads named 
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
-import io
 import threading
 
 import httpx
@@ -31,7 +29,7 @@ from pagedserve.models.testing_multimodal import make_tiny_llava_checkpoint, tin
 from pagedserve.server import media
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.testing import make_engine
+from pagedserve.server.testing import make_engine, png_data_url
 
 LLAVA = "tiny-llava"
 POOL = "test-default-executor"
@@ -48,9 +46,7 @@ def app(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def picture_url() -> str:
-    buffer = io.BytesIO()
-    tiny_test_images()[1].save(buffer, "PNG")
-    return f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
+    return png_data_url(tiny_test_images()[1])
 
 
 class CountingPool(concurrent.futures.ThreadPoolExecutor):

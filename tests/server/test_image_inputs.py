@@ -1,5 +1,5 @@
 """Image inputs on the server side: media.py reads an image part's URL safely, and the chat and
-responses routes carry the images to the engine with a placeholder per image in the prompt.
+responses routes carry the images to the model with a placeholder per image in the prompt.
 
 Unit tests of media.py: data: URLs of PNG and JPEG decode to RGB of their size (a transparent
 pixel over white); what is not an image data: URL, bad base64, a truncated PNG, a header that
@@ -8,58 +8,25 @@ are 400s; file:// URLs only inside --allowed-local-media-path (``..``, symlinks,
 flag's absence refused); http(s) never fetched.
 
 Server tests, on the tiny text model: an image part is a 400 naming it, ``detail: "high"`` a 400
-naming the field, and the server still serves. Then the same engine presented as a model that
-takes images (a placeholder, and the media settings in its EngineArgs) shows what reaches
-``generate``: the images in prompt order, the placeholders in the prompt, the limit, the
-responses route's ``input_image``, n > 1 and the batch route.
+naming the field, and the server still serves. The routes on a model that takes images: test_image_routes.py.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
-import io
 import os
-import struct
-import zlib
 
 import openai
 import pytest
 from PIL import Image
-from starlette.testclient import TestClient
 
-from pagedserve.server.app import build_app
-from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 from pagedserve.server.media import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, decode_image, load_image
 from pagedserve.server.testing import TINY_MODEL_NAME as MODEL_NAME
-from pagedserve.server.testing import blocks_held, wait_engine_idle
+from pagedserve.server.testing import blocks_held, data_url, png_header, wait_engine_idle
+from pagedserve.server.testing import encoded_image as encoded
 
 PART = "messages.0.content.1"
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt)
-    return buffer.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that declares ``width`` x ``height`` RGB pixels and holds a few bytes of data (a
-    decompression bomb's header: tiny on the wire, huge once decoded)."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\0" * 64)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 def refusal(url: str, folder: str | None = None) -> APIError:
@@ -261,134 +228,3 @@ def test_the_server_still_serves_after_refused_images(client, engine):
     wait_engine_idle(engine)
     assert blocks_held(engine) == 0
     assert client.get("/health").json() == {"status": "ok"}
-
-
-# ---- the routes, on a model that takes images -------------------------------------------------
-
-
-class ImageModelEngine:
-    """The tiny text engine presented as a model that takes images: a placeholder, and the
-    media settings in its EngineArgs. It records what the server gives ``generate`` and runs
-    the prompt as text (the tiny model has no vision tower)."""
-
-    image_placeholder = "<image>"
-
-    def __init__(self, engine, folder) -> None:
-        self.inner = engine
-        self.args = dataclasses.replace(
-            engine.args, allowed_local_media_path=str(folder), limit_mm_per_prompt={"image": 2}
-        )
-        self.calls: list[tuple[list[int], dict | None]] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None, priority=0,
-                 lora_request=None, multi_modal_data=None):  # fmt: skip
-        self.calls.append((list(prompt_token_ids), multi_modal_data))
-        return self.inner.generate(prompt_token_ids, sampling_params, request_id, prompt, priority)
-
-
-@pytest.fixture(scope="module")
-def seen(engine, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("media")
-    Image.new("RGB", (10, 20), (0, 255, 0)).save(folder / "tall.png")
-    return ImageModelEngine(engine, folder)
-
-
-@pytest.fixture(scope="module")
-def image_client(seen):
-    return TestClient(build_app(seen, ServerConfig(), MODEL_NAME), raise_server_exceptions=False)
-
-
-def last_call(seen: ImageModelEngine, engine) -> tuple[str, list[Image.Image]]:
-    ids, data = seen.calls[-1]
-    return engine.tokenizer.decode(ids), (data or {}).get("image", [])
-
-
-def test_images_reach_the_engine_in_prompt_order_with_a_placeholder_each(
-    image_client, seen, engine
-):
-    wide = data_url(encoded(Image.new("RGB", (20, 10), (255, 0, 0))))
-    content = [
-        {"type": "image_url", "image_url": {"url": wide, "detail": "auto"}},
-        {"type": "text", "text": "Compare them."},
-        {"type": "image_url", "image_url": {"url": f"file://{seen.args.allowed_local_media_path}/tall.png"}},
-    ]  # fmt: skip
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}]}
-    response = image_client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
-    assert response.status_code == 200, response.text
-    prompt, images = last_call(seen, engine)
-    assert [image.size for image in images] == [(20, 10), (10, 20)]
-    assert images[0].getpixel((0, 0)) == (255, 0, 0) and images[1].getpixel((0, 0)) == (0, 255, 0)
-    assert "<image>\n<image>\nCompare them." in prompt
-
-
-def test_a_text_that_holds_the_placeholder_places_the_image_there(image_client, seen, engine):
-    body = {"model": MODEL_NAME, "messages": [image_message(text="Before <image> after")]}
-    response = image_client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
-    assert response.status_code == 200, response.text
-    prompt, images = last_call(seen, engine)
-    assert len(images) == 1 and prompt.count("<image>") == 1 and "Before <image> after" in prompt
-
-
-def test_more_images_than_the_limit_is_a_400_naming_the_first_too_many(image_client, seen):
-    calls = len(seen.calls)
-    message = image_message()
-    message["content"] += [message["content"][1]] * 2
-    body = {"model": MODEL_NAME, "messages": [message], "max_tokens": 2}
-    response = image_client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["param"] == "messages.0.content.3" and "at most 2" in error["message"]
-    assert len(seen.calls) == calls  # refused before the engine
-
-
-def test_a_bad_image_in_a_later_message_names_its_part(image_client):
-    broken = image_message()
-    broken["content"][1]["image_url"]["url"] = "data:image/png;base64,iVBORw0KGgo="
-    messages = [
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"},
-        broken,
-    ]
-    response = image_client.post(
-        "/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 2}
-    )
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "messages.2.content.1"
-
-
-def test_n_choices_share_the_one_request_and_its_image(image_client, seen, engine):
-    calls = len(seen.calls)
-    body = {"model": MODEL_NAME, "messages": [image_message()], "max_tokens": 2, "n": 2}
-    response = image_client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    assert len(response.json()["choices"]) == 2
-    assert len(seen.calls) == calls + 1 and len(last_call(seen, engine)[1]) == 1
-
-
-def test_the_batch_route_carries_each_conversations_images(image_client, seen):
-    calls = len(seen.calls)
-    conversations = [[image_message()], [{"role": "user", "content": "Hi"}]]
-    body = {"model": MODEL_NAME, "messages": conversations, "max_tokens": 2}
-    response = image_client.post("/v1/chat/completions/batch", json=body)
-    assert response.status_code == 200, response.text
-    given = sorted(len((data or {}).get("image", [])) for _, data in seen.calls[calls:])
-    assert given == [0, 1]
-
-
-def test_the_responses_route_reads_input_image(image_client, seen, engine):
-    content = [
-        {"type": "input_text", "text": "Describe."},
-        {"type": "input_image", "image_url": PIXEL, "detail": "auto"},
-    ]
-    body = {"model": MODEL_NAME, "input": [{"role": "user", "content": content}]}
-    response = image_client.post("/v1/responses", json={**body, "max_output_tokens": 2})
-    assert response.status_code == 200, response.text
-    prompt, images = last_call(seen, engine)
-    assert [image.size for image in images] == [(4, 4)] and "<image>\nDescribe." in prompt
-    low = {**body, "input": [{"role": "user", "content": [{**content[1], "detail": "low"}]}]}
-    response = image_client.post("/v1/responses", json=low)
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "input.0.content.0.detail"

@@ -54,6 +54,7 @@ class RemoteEngine:
         self.scheduler_config = description.scheduler_config
         self.block_size = description.block_size
         self.image_placeholder = description.image_placeholder
+        self.max_image_tokens = description.max_image_tokens
         self.args = description.args
         self.route = route
         self.max_retries = max_retries

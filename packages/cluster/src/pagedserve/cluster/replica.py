@@ -31,6 +31,7 @@ class ModelDescription:
     scheduler_config: Any
     block_size: int
     image_placeholder: str | None = None  # None: the model takes no images
+    max_image_tokens: int = 0  # the most placeholder rows one image expands to
     args: Any = None  # the replica's EngineArgs (image limits, the local media folder)
 
 
@@ -86,6 +87,7 @@ class EngineReplica:
             scheduler_config=self.engine.scheduler_config,
             block_size=self.engine.cache_config.block_size,
             image_placeholder=self.engine.image_placeholder,
+            max_image_tokens=self.engine.max_image_tokens,
             args=self.engine.args,
         )
 

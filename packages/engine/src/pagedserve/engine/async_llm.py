@@ -77,6 +77,8 @@ class AsyncLLM:
         self.cache_config = self.engine.cache_config
         self.lora_enabled = self.engine.lora_manager is not None
         self.args, self.image_placeholder = args, self.engine.image_placeholder  # client.py
+        processor = self.engine.image_processor
+        self.max_image_tokens = processor.max_image_tokens if processor is not None else 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:

@@ -35,6 +35,7 @@ class EngineClient(Protocol):
     scheduler_config: SchedulerConfig
     lora_enabled: bool  # whether LoRA adapters can be loaded (``enable_lora``)
     image_placeholder: str | None  # the text of one image in a prompt; None: no images
+    max_image_tokens: int  # the most placeholder rows one image expands to (0: no images)
     args: Any  # the EngineArgs (image limits, the folder local images may come from)
 
     def generate(

@@ -180,6 +180,23 @@ def reasoning_mode(
     return REASONING_PARSERS[name].mode(tail, template_kwargs)
 
 
+def planned_max_tokens(state: ServerState, body, prompt_ids: list[int], images: list):
+    """``max_tokens`` and the field it came from: what was sent, else generation_config's
+    max_new_tokens, else all the room after the prompt as the engine will run it (each
+    image's placeholder becomes at most ``max_image_tokens`` rows)."""
+    max_tokens, param = max_tokens_of(body)
+    was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    num_prompt = len(prompt_ids)
+    if images:
+        num_prompt += len(images) * (state.engine.max_image_tokens - 1)
+    max_model_len = state.engine.scheduler_config.max_model_len
+    defaults = state.engine.model_config.generation_defaults.sampling
+    max_tokens = default_max_tokens(
+        max_tokens, was_sent, num_prompt, max_model_len, defaults.get("max_tokens")
+    )
+    return max_tokens, param
+
+
 async def plan_prompt(
     state: ServerState, body: ChatCompletionRequest
 ) -> tuple[PromptRequest, dict[str, str], ReplyPlan]:
@@ -207,13 +224,7 @@ async def plan_prompt(
     )
     prompt_ids = truncated_prompt(body, prompt_ids)
     mode = reasoning_mode(state, prompt_ids, kwargs)
-    max_tokens, param = max_tokens_of(body)
-    was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    max_model_len = state.engine.scheduler_config.max_model_len
-    defaults = state.engine.model_config.generation_defaults.sampling
-    max_tokens = default_max_tokens(  # generation_config's max_new_tokens, else all the room
-        max_tokens, was_sent, len(prompt_ids), max_model_len, defaults.get("max_tokens")
-    )
+    max_tokens, param = planned_max_tokens(state, body, prompt_ids, images)
     tokenizer, parser = state.engine.tokenizer, state.config.reasoning_parser
     thinking = thinking_budget(
         tokenizer, parser, mode, body.thinking_token_budget, "thinking_token_budget"
@@ -228,7 +239,7 @@ async def plan_prompt(
         max_tokens=max_tokens,
         logprobs=logprobs,
         aliases=aliases,
-        defaults=defaults,
+        defaults=state.engine.model_config.generation_defaults.sampling,
         prompt_logprobs=body.prompt_logprobs,
         structured_outputs=answer_only(tool_constraint or constraint, mode, blamed or ""),
         keep_special_tokens=not tools.skip_special_tokens or mode is ReasoningMode.HARMONY,

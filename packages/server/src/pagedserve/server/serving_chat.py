@@ -102,7 +102,15 @@ class ChatView:
             return None
         return chat_logprobs(self.name, token_ids, logprobs, self.k)
 
+    def _take_prompt(self, output: RequestOutput) -> None:
+        """The prompt as the engine ran it: an image's placeholders expanded to its rows (the
+        usage counts them, as vLLM's does)."""
+        if output.prompt_token_ids:
+            self.prompt_token_ids = list(output.prompt_token_ids)
+            self.num_prompt_tokens = len(self.prompt_token_ids)
+
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
+        self._take_prompt(final)
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
             reply = self.plan.whole(completion.text)
@@ -167,6 +175,7 @@ class ChatView:
                     continue  # beams reorder as they go: only the final ones are text to send
                 if not started:
                     started = True
+                    self._take_prompt(output)
                     for chunk in self._role_chunks(output, progress):
                         yield chunk
                 for completion in output.outputs:

@@ -301,7 +301,9 @@ class _ResponsesView:
             return ResponseObject(status="in_progress", output=[], **common)
         completion = final.outputs[0]
         cut = completion.finish_reason == "length"
-        num_prompt, num_output = len(self.prompt.prompt_token_ids), len(completion.token_ids)
+        # the prompt as the engine ran it: an image's placeholders expanded to its rows
+        num_prompt = len(final.prompt_token_ids or self.prompt.prompt_token_ids)
+        num_output = len(completion.token_ids)
         thinking = self.plan.reasoning_tokens(
             completion.token_ids, self.state.engine.tokenizer.decode
         )

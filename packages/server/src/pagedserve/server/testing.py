@@ -8,15 +8,19 @@ the ``with`` block ends, however the test went.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 
 import httpx
@@ -186,3 +190,34 @@ def wait_for_batch(client, batch_id: str, timeout: float = 120.0, until=FINAL_BA
         if time.monotonic() > deadline:
             raise TimeoutError(f"batch {batch_id} is still {batch.status}: {batch}")
         time.sleep(0.1)
+
+
+def encoded_image(image, fmt: str = "PNG") -> bytes:
+    """A PIL image's file bytes in ``fmt``."""
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    """``data`` as a base64 data: URL: what an image_url content part carries."""
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def png_data_url(image) -> str:
+    """A PIL image as a PNG data: URL."""
+    return data_url(encoded_image(image))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` RGB pixels and holds a few bytes of data (a
+    decompression bomb's header: tiny on the wire, huge once decoded)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
