@@ -15,7 +15,15 @@ METHODS = [
     "generate", "encode", "abort", "check_health", "get_stats", "shutdown", "add_lora",
     "remove_lora",
 ]  # fmt: skip
-ATTRIBUTES = ["tokenizer", "model_config", "scheduler_config", "lora_enabled"]
+ATTRIBUTES = [
+    "tokenizer",
+    "model_config",
+    "scheduler_config",
+    "lora_enabled",
+    "image_placeholder",
+    "max_image_tokens",
+    "args",
+]
 
 
 def test_protocol_members_are_the_ones_listed_here():

@@ -1,7 +1,8 @@
 """CLIP's vision tower, as LLaVA reads it: a pre-LN ViT over each image's patches.
 
-An image ``[3, S, S]`` (``S = image_size``) is cut into ``(S / p)**2`` patches by a stride-``p``
-convolution; a learned class row goes in front, learned positions are added, and
+An image ``[3, S, S]`` (``S = image_size``) is cut into ``(S / p)**2`` patches, each patch's
+pixels mapped to a row by one linear layer (CLIP's stride-``p`` convolution, as the GEMM it is);
+a learned class row goes in front, learned positions are added, and
 ``pre_layrnorm`` normalises the rows. Each encoder layer is ``x + out_proj(attn(LN1 x))``, then
 ``x + fc2(act(fc1(LN2 x)))``, attention bidirectional over the image's own rows (torch's
 ``scaled_dot_product_attention`` over images batched ``[N, rows, hidden]``: an image is read
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import gelu, gelu_tanh, quick_gelu
+from pagedserve.kernels.linear import linear
 from pagedserve.models.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -69,8 +71,12 @@ class CLIPVisionEmbeddings(nn.Module):
         self.image_size, self.patch_size = c["image_size"], patch
         num_positions = (self.image_size // patch) ** 2 + 1
         self.class_embedding = nn.Parameter(torch.empty(hidden, dtype=dtype))
-        self.patch_embedding = nn.Conv2d(
-            c.get("num_channels", 3), hidden, patch, stride=patch, bias=False, dtype=dtype
+        # a convolution whose stride is its kernel's size: one linear map of each patch's
+        # C x p x p pixels, kept in the checkpoint's [hidden, C, p, p] shape
+        channels = c.get("num_channels", 3)
+        self.patch_embedding = nn.Module()
+        self.patch_embedding.weight = nn.Parameter(
+            torch.empty(hidden, channels, patch, patch, dtype=dtype)
         )
         self.position_embedding = nn.Embedding(num_positions, hidden, dtype=dtype)
 
@@ -82,7 +88,11 @@ class CLIPVisionEmbeddings(nn.Module):
                 f"images are {height}x{width} pixels; this vision tower reads "
                 f"{self.image_size}x{self.image_size} (vision_config.image_size)"
             )
-        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+        p, weight = self.patch_size, self.patch_embedding.weight
+        # [N, C, S, S] -> [N, patches (row by row), C * p * p]: each patch's pixels in one row
+        grid = pixel_values.unflatten(2, (height // p, p)).unflatten(4, (width // p, p))
+        rows = grid.permute(0, 2, 4, 1, 3, 5).flatten(3).flatten(1, 2)
+        patches = linear(rows.to(weight.dtype), weight.flatten(1))
         cls = self.class_embedding.expand(n, 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 

@@ -40,14 +40,18 @@ def _tokenizer_with_image_token(out_dir: Path):
     return tokenizer
 
 
-def _llava_config(image_token_id: int, image_size: int, patch_size: int, strategy: str):
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _llava_config(image_token_id, image_size, patch_size, strategy, vision_sizes, text_sizes):
     from transformers import CLIPVisionConfig, LlavaConfig
 
     vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=image_size, patch_size=patch_size, projection_dim=32,
+        **(vision_sizes or TINY_VISION), image_size=image_size, patch_size=patch_size,
+        projection_dim=32,
     )  # fmt: skip
-    text = _llama_family_config("llama", {"vocab_size": max(TINY_VOCAB, image_token_id + 1)})
+    text_overrides = {**(text_sizes or {}), "vocab_size": max(TINY_VOCAB, image_token_id + 1)}
+    text = _llama_family_config("llama", text_overrides)
     return LlavaConfig(
         vision_config=vision,
         text_config=text,
@@ -64,8 +68,12 @@ def make_tiny_llava_checkpoint(
     patch_size: int = 8,
     seed: int = 0,
     strategy: str = "default",
+    vision_sizes: dict | None = None,
+    text_sizes: dict | None = None,
 ) -> Path:
     """Write the tiny LLaVA folder (model, tokenizer, processor) to ``out_dir``; returns it.
+    ``vision_sizes`` / ``text_sizes`` (CLIPVisionConfig / LlamaConfig fields) make it another
+    size: a benchmark's realistic shapes (tools/bench_images.py), still random weights.
 
     Every weight is drawn from N(0, 0.1) and every norm's scale near 1, wider than transformers'
     initialisation, so image features differ visibly between images and greedy decoding does
@@ -78,7 +86,9 @@ def make_tiny_llava_checkpoint(
         return out_dir
     tokenizer = _tokenizer_with_image_token(out_dir)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    config = _llava_config(image_token_id, image_size, patch_size, strategy)
+    config = _llava_config(
+        image_token_id, image_size, patch_size, strategy, vision_sizes, text_sizes
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():
