@@ -120,3 +120,42 @@ def test_image_count_limit_and_a_text_model_refuse_by_name(llava, images, tmp_pa
     with pytest.raises(InvalidRequestError) as e:
         generate(text_model, "a prompt", images[:1])
     assert e.value.param == "multi_modal_data" and "text model" in str(e.value)
+
+
+def test_adjacent_placeholders_and_a_transparent_picture_equal_transformers(llava, images):
+    from PIL import Image
+
+    clear = Image.new("RGBA", (30, 30), (0, 0, 0, 0))
+    clear.paste((200, 10, 10, 255), (0, 0, 15, 30))  # half red, half transparent
+    llm = engine(llava)
+    for prompt, pictures in (
+        ("USER: <image><image>\nCompare. ASSISTANT:", images[:2]),
+        (ONE, [clear]),
+    ):
+        _, expected = transformers_llava_greedy(llava, prompt, pictures, MAX_TOKENS)
+        assert list(generate(llm, prompt, pictures).outputs[0].token_ids) == expected
+
+
+def test_chat_reads_image_pil_parts_and_refuses_urls(llava, images):
+    llm = engine(llava)
+    parts = [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "What?"}]
+    (chat,) = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "<image>\nWhat?"}], tokenize=False, add_generation_prompt=True
+    )
+    _, expected = transformers_llava_greedy(llava, prompt, images[:1], MAX_TOKENS)
+    assert list(chat.outputs[0].token_ids) == expected
+    url = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].*'image_url'"):
+        llm.chat([{"role": "user", "content": url}], GREEDY, use_tqdm=False)
+
+
+def test_a_thin_strip_and_a_cache_smaller_than_an_image_are_refused(llava):
+    from PIL import Image
+
+    llm = engine(llava)
+    with pytest.raises(InvalidRequestError) as e:
+        generate(llm, ONE, [Image.new("RGB", (8192, 4))])  # gigabytes once scaled up
+    assert e.value.param == "multi_modal_data" and "50x" in str(e.value)
+    with pytest.raises(ValueError, match="encoder_cache_size 8 is less than one image"):
+        engine(llava, encoder_cache_size=8)

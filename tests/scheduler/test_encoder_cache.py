@@ -4,9 +4,17 @@ and prefix-cache blocks keyed by the image's content as well as its placeholder 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedserve.blockmgr import ImagePlaceholder, KVCacheManager
-from pagedserve.scheduler import Request, RequestRejectedError, Scheduler, SchedulerConfig
+from pagedserve.scheduler import (
+    Request,
+    RequestRejectedError,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+)
 
 IMG = 99  # the placeholder token
 
@@ -30,7 +38,9 @@ def step(scheduler: Scheduler):
     out = scheduler.schedule()
     sampled = {s.request.request_id: [5] for s in out.scheduled if s.needs_sample}
     scheduler.update(out, sampled)
-    chunks = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
+    chunks = [
+        (s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled
+    ]
     encoded = [(r.request_id, i) for r, i in out.encoder_inputs]
     return chunks, encoded, out
 
@@ -88,3 +98,101 @@ def test_prefix_blocks_hit_only_for_the_same_picture():
     text_only_prefix = Request("d", [1, 1, IMG, IMG, 7], max_tokens=1)
     _, hit = s.kv.get_computed_blocks(text_only_prefix.all_token_ids)
     assert hit == 0  # the first block holds image placeholders: keyed by the picture too
+
+
+def test_a_cached_picture_later_in_a_chunk_is_no_room_for_an_earlier_new_one():
+    """The chunk reaches a new picture first, then a cached one it must keep: the new one may
+    not count on evicting the kept one, so the chunk ends before the cached picture."""
+    s = make_scheduler(max_num_batched_tokens=32, encoder_cache_size=10)
+    s.add_request(image_request("a", b"yard", before=0, length=5, after=1, max_tokens=1))
+    step(s)  # "yard" is cached and, a finished, unreferenced
+    prompt = [IMG] * 8 + [IMG] * 5 + [2]
+    pictures = (
+        ImagePlaceholder(0, 8, b"new".ljust(32, b"\0")),
+        ImagePlaceholder(8, 5, b"yard".ljust(32, b"\0")),
+    )
+    s.add_request(Request("b", prompt, max_tokens=1, images=pictures))
+    chunks, encoded, _ = step(s)
+    assert chunks == [("b", 0, 8)] and encoded == [("b", 0)]
+    assert s.encoder._used <= s.encoder.capacity
+    chunks, encoded, _ = step(s)
+    assert chunks == [("b", 8, 6)] and encoded == [("b", 1)]  # "yard" was evicted for "new"
+
+
+def test_a_picture_twice_in_a_prompt_is_held_until_its_last_copy_is_read():
+    """Between the copies the request keeps its reference (an eviction there would encode the
+    picture again): the second copy is no hit of its own, and nothing is encoded twice."""
+    s = make_scheduler(max_num_batched_tokens=4, encoder_cache_size=8)
+    cat = b"cat".ljust(32, b"\0")
+    prompt = [IMG] * 4 + [1] * 4 + [IMG] * 4 + [2]
+    twice = (ImagePlaceholder(0, 4, cat), ImagePlaceholder(8, 4, cat))
+    s.add_request(Request("a", prompt, max_tokens=1, images=twice))
+    encoded = [step(s)[1] for _ in range(4)]
+    assert encoded == [[("a", 0)], [], [], []]
+    assert (s.encoder.num_encoded, s.encoder.num_hits) == (1, 0)
+
+
+def test_without_chunked_prefill_a_repeated_picture_counts_once():
+    s = make_scheduler(
+        enable_chunked_prefill=False, max_num_batched_tokens=64, encoder_cache_size=8
+    )
+    cat = b"cat".ljust(32, b"\0")
+    twice = (ImagePlaceholder(0, 8, cat), ImagePlaceholder(9, 8, cat))
+    s.add_request(Request("a", [IMG] * 8 + [1] + [IMG] * 8 + [2], max_tokens=1, images=twice))
+    assert step(s)[:2] == ([("a", 0, 18)], [("a", 0)])
+
+
+PICTURE_LENGTHS = (4, 6, 8, 6)  # picture i has one size, as a model gives a picture one size
+
+
+@st.composite
+def image_workloads(draw):
+    requests = []
+    for i in range(draw(st.integers(1, 8))):
+        tokens, images = [], []
+        for _ in range(draw(st.integers(1, 3))):
+            tokens += [1] * draw(st.integers(0, 4))
+            picture = draw(st.integers(0, len(PICTURE_LENGTHS) - 1))
+            length = PICTURE_LENGTHS[picture]
+            images.append(ImagePlaceholder(len(tokens), length, bytes([picture]) * 32))
+            tokens += [IMG] * length
+        tokens += [2] * draw(st.integers(1, 3))
+        requests.append(Request(f"r{i}", tokens, max_tokens=draw(st.integers(1, 3)), images=images))
+    config = dict(
+        max_num_batched_tokens=draw(st.sampled_from([3, 5, 8, 16])),
+        encoder_cache_size=draw(st.sampled_from([8, 10, 16])),
+        max_num_seqs=draw(st.sampled_from([2, 4])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 4])),
+    )
+    blocks = draw(st.sampled_from([12, 40]))
+    return requests, config, blocks, draw(st.booleans()), draw(st.randoms())
+
+
+@given(image_workloads())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_runner_always_holds_what_a_step_reads_and_the_cache_its_capacity(workload):
+    """Over random prompts of repeated pictures, tiny pools (preemption), prefix caching and
+    aborts: every image a scheduled chunk covers is in the runner's cache (what the steps told
+    it to encode, minus what they told it to drop), the cache never holds more than its
+    capacity, and every request finishes."""
+    requests, config, blocks, prefix_caching, rng = workload
+    kv = KVCacheManager(blocks, 4, enable_prefix_caching=prefix_caching, watermark=0)
+    s = Scheduler(SchedulerConfig(max_model_len=64, **config), kv)
+    for request in requests:
+        s.add_request(request)
+    runner: set[bytes] = set()
+    for _ in range(500):
+        if not s.requests:
+            break
+        out = s.schedule()
+        runner -= set(out.encoder_cache_freed)
+        runner |= {r.images[i].content_hash for r, i in out.encoder_inputs}
+        for item in out.scheduled:
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            for image in item.request.images:
+                assert not image.overlaps(start, end) or image.content_hash in runner
+        assert s.encoder._used <= s.encoder.capacity
+        s.update(out, {i.request.request_id: [5] for i in out.scheduled if i.needs_sample})
+        if s.running and rng.random() < 0.05:
+            s.finish_requests([rng.choice(s.running).request_id], RequestStatus.FINISHED_ABORTED)
+    assert not s.requests, "a request never finished: a livelock"

@@ -5,7 +5,7 @@ the event loop it would stall every other stream of the server. media.py's publi
 (``decode_image``) is wrapped here, on an app over the tiny LLaVA driven by an event loop of the
 test's own (httpx over ASGI), whose default executor is a pool of threads named here:
 
-- every image part of the chat, batch, responses and /tokenize routes is decoded in a thread of
+- every image part of the chat, batch and responses routes is decoded in a thread of
   that pool, not on the loop's thread; the reply is still a 200;
 - a text request submits nothing to the pool (it pays for no thread hop);
 - the refusals of the whole prompt (a ``detail`` not served, too many images) come before any
@@ -105,8 +105,8 @@ def text(words: str) -> dict:
 
 
 def test_every_route_decodes_its_images_off_the_event_loop(app, picture_url, decodes):
-    """Chat (two images), batch (one in each conversation), responses and /tokenize: each image
-    part decoded once, each in the default executor's pool, none on the loop's thread."""
+    """Chat (two images), batch (one in each conversation) and responses: each image part
+    decoded once, each in the default executor's pool, none on the loop's thread."""
     two = chat([image(picture_url), text("Compare."), image(picture_url)])
     conversations = [[{"role": "user", "content": [image(picture_url), text(t)]}] for t in "ab"]
     batch = {**chat(""), "messages": conversations}
@@ -119,19 +119,16 @@ def test_every_route_decodes_its_images_off_the_event_loop(app, picture_url, dec
         "input": [{"role": "user", "content": content}],
         "max_output_tokens": 2,
     }
-    tokenize = {"model": LLAVA, "messages": two["messages"]}
-
     async def requests(client):
         return [
             await client.post("/v1/chat/completions", json=two),
             await client.post("/v1/chat/completions/batch", json=batch),
             await client.post("/v1/responses", json=responses),
-            await client.post("/tokenize", json=tokenize),
         ]
 
     replies, loop_thread, _ = serve(app, requests)
-    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
-    assert len(decodes) == 2 + 2 + 1 + 2
+    assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
+    assert len(decodes) == 2 + 2 + 1
     assert [param for param, _ in decodes[:2]] == ["messages.0.content.0", "messages.0.content.2"]
     for param, thread in decodes:
         assert thread is not loop_thread, param

@@ -360,3 +360,22 @@ def test_the_llava_server_still_answers_as_transformers(
     assert reply_ids(response) == [reference(llava, tokenizer, conversation, [pictures[1]])[1]]
     wait_engine_idle(llava_engine)
     assert blocks_held(llava_engine) == 0
+
+
+def test_what_an_image_prompt_cannot_take_is_refused_by_name(llava_client, llava_engine, pictures):
+    """/tokenize (an image's tokens are its rows, which the engine decides), truncation (it
+    would cut an image), vLLM's ``uuid`` (images are keyed by their pixels) and a strip whose
+    sides differ by more than 50x (the processor would scale it up to gigabytes)."""
+    url = data_url(encoded(pictures[0]))
+    messages = [{"role": "user", "content": [text_part("What?"), image_part(url)]}]
+    body = {"model": LLAVA, "messages": messages}
+    message = refused(llava_client, llava_engine, "/tokenize", body, PART)
+    assert "not tokenized here" in message
+    truncated = greedy(messages, truncate_prompt_tokens=8)
+    refused(llava_client, llava_engine, "/v1/chat/completions", truncated, "truncate_prompt_tokens")
+    named = [{"role": "user", "content": [text_part("What?"), {**image_part(url), "uuid": "x"}]}]
+    refused(llava_client, llava_engine, "/v1/chat/completions", greedy(named), f"{PART}.uuid")
+    strip = data_url(encoded(Image.new("RGB", (8192, 4))))
+    thin = [{"role": "user", "content": [text_part("What?"), image_part(strip)]}]
+    message = refused(llava_client, llava_engine, "/v1/chat/completions", greedy(thin), PART)
+    assert "50x" in message

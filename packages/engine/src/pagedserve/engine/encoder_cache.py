@@ -38,7 +38,9 @@ class EncoderCache:
             pixels = torch.stack([image.pixel_values for image in images]).to(self.device)
             embedded = self.model.embed_images(pixels)
             for image, rows in zip(images, embedded, strict=True):
-                self.embeddings[image.content_hash] = rows
+                # a copy of its own when batched: an evicted image must free its memory, not
+                # keep its batch's alive
+                self.embeddings[image.content_hash] = rows.clone() if len(images) > 1 else rows
 
     def step_rows(
         self, output: SchedulerOutput, query_start_loc: np.ndarray

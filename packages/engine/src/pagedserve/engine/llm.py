@@ -107,13 +107,46 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template.
+
+        A message's content is a string or a list of parts: ``{"type": "text", "text": ...}``
+        and, for a model that takes images, ``{"type": "image_pil", "image_pil": PIL image}``
+        (vLLM's part; each image becomes a placeholder line before the message's text). Any
+        other part is refused by name: URLs are the server's to read."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, add_generation_prompt)}
-            for conv in conversations
-        ]
+        prompts = []
+        for conv in conversations:
+            conv, images = self._with_placeholders(conv)
+            ids = apply_chat_template(self.tokenizer, conv, add_generation_prompt)
+            data = {"multi_modal_data": {"image": images}} if images else {}
+            prompts.append({"prompt_token_ids": ids, **data})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def _with_placeholders(self, conversation: list[dict]) -> tuple[list[dict], list]:
+        """The conversation with string contents (text parts joined, an image placeholder
+        line per image part first), and its images in prompt order."""
+        flat, images = [], []
+        for i, message in enumerate(conversation):
+            content = message.get("content")
+            if not isinstance(content, list):
+                flat.append(message)
+                continue
+            texts, count = [], 0
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    texts.append(part["text"])
+                elif kind == "image_pil":
+                    images.append(part["image_pil"])
+                    count += 1
+                else:
+                    raise ValueError(
+                        f"messages[{i}].content[{j}]: LLM.chat reads text and image_pil parts, "
+                        f"not {kind!r} (decode an image URL yourself and pass the PIL image)"
+                    )
+            placeholder = self.engine.image_placeholder or "<image>"
+            flat.append({**message, "content": "\n".join([placeholder] * count + texts)})
+        return flat, images
 
     def beam_search(
         self,

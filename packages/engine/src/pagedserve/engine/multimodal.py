@@ -24,6 +24,10 @@ from pagedserve.blockmgr import ImagePlaceholder
 from pagedserve.engine.errors import InvalidRequestError
 
 DEFAULT_IMAGES_PER_PROMPT = 4
+# An image processor scales the shortest side up to the tower's size before it crops: a thin
+# strip of a few bytes (8192 x 4 pixels) would become gigabytes of floats on the way. Wider
+# than this, an image is refused before it reaches the processor.
+MAX_ASPECT_RATIO = 50
 
 
 @dataclass(frozen=True)
@@ -78,18 +82,15 @@ class ImagePromptProcessor:
         images = _images_of(multi_modal_data, self.max_images)
         pixels = self._pixels(images)
         counts = [self.tokens_for(self.hf_config, p.shape[-2], p.shape[-1]) for p in pixels]
-        runs = _placeholder_runs(prompt_ids, self.image_token_id)
-        if [length for _, length in runs] == counts and len(runs) == len(images):
-            expanded = list(prompt_ids)  # already expanded (a processor's output)
-        elif len(runs) == len(images) and all(length == 1 for _, length in runs):
-            expanded = _expand(prompt_ids, self.image_token_id, counts)
-            runs = _placeholder_runs(expanded, self.image_token_id)
-        else:
+        spans = _image_spans(prompt_ids, self.image_token_id, counts)
+        if spans is None:
+            written = prompt_ids.count(self.image_token_id)
             raise InvalidRequestError(
-                f"the prompt has {len(runs)} image placeholder(s) {self.placeholder!r} and "
+                f"the prompt has {written} image placeholder(s) {self.placeholder!r} and "
                 f"{len(images)} image(s) were given: put one placeholder where each image goes",
                 "multi_modal_data",
             )
+        expanded, runs = spans
         inputs = tuple(
             ImageInput(offset, length, image_content_hash(image), pixel)
             for (offset, length), image, pixel in zip(runs, images, pixels, strict=True)
@@ -129,6 +130,11 @@ def image_processor_for(
     if args.encoder_cache_size is None:
         scheduler_config.encoder_cache_size = max(
             scheduler_config.encoder_cache_size, processor.max_image_tokens
+        )
+    elif args.encoder_cache_size < processor.max_image_tokens:
+        raise ValueError(
+            f"encoder_cache_size {args.encoder_cache_size} is less than one image of "
+            f"{args.model} ({processor.max_image_tokens} rows): every image would be refused"
         )
     return processor
 
@@ -180,25 +186,65 @@ def _images_of(multi_modal_data, max_images: int) -> list:
             "(limit_mm_per_prompt)",
             "multi_modal_data",
         )
-    return [image.convert("RGB") for image in images]
+    for image in images:
+        if aspect_ratio_error(image.size):
+            raise InvalidRequestError(aspect_ratio_error(image.size), "multi_modal_data")
+    return [as_rgb(image) for image in images]
 
 
-def _placeholder_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(offset, length) of each run of consecutive image tokens."""
-    runs: list[tuple[int, int]] = []
-    for i, token in enumerate(token_ids):
-        if token != image_token_id:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
+def aspect_ratio_error(size: tuple[int, int]) -> str | None:
+    """Why an image of ``size`` (width, height) is refused, or None."""
+    width, height = size
+    if min(width, height) < 1 or max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        return (
+            f"the image is {width}x{height} pixels: its sides may differ by at most "
+            f"{MAX_ASPECT_RATIO}x (the processor would scale it up to gigabytes)"
+        )
+    return None
 
 
-def _expand(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
-    expanded: list[int] = []
-    counts_left = iter(counts)
-    for token in token_ids:
-        expanded.extend([token] * next(counts_left) if token == image_token_id else [token])
-    return expanded
+def as_rgb(image):
+    """``image`` as RGB; a transparent one over white (as transformers' ``convert_to_rgb`` and
+    vLLM's media loader put it), never with its alpha channel dropped."""
+    from PIL import Image
+
+    transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or ("transparency" in image.info)
+    if not transparent:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def _image_spans(
+    token_ids: list[int], image_token_id: int, counts: list[int]
+) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """The prompt with each image's placeholder expanded to ``counts[i]`` tokens, and each
+    image's (offset, length) in it; None when the placeholders do not match the images.
+
+    One placeholder per image (``<image><image>`` is two images) is expanded; a prompt already
+    expanded (a processor's output: ``sum(counts)`` placeholders, each image's consecutive) is
+    taken as it is."""
+    where = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    if len(where) == len(counts):
+        expanded: list[int] = []
+        runs: list[tuple[int, int]] = []
+        images = iter(counts)
+        for token in token_ids:
+            if token == image_token_id:
+                count = next(images)
+                runs.append((len(expanded), count))
+                expanded.extend([token] * count)
+            else:
+                expanded.append(token)
+        return expanded, runs
+    if len(where) != sum(counts):
+        return None
+    runs, first = [], 0
+    for count in counts:
+        span = where[first : first + count]
+        if span[-1] - span[0] != count - 1:
+            return None  # this image's placeholders are not one run
+        runs.append((span[0], count))
+        first += count
+    return list(token_ids), runs

@@ -59,7 +59,8 @@ def check_fits(request: Request, config: SchedulerConfig, kv: KVCacheManager) ->
 def _check_images(request: Request, config: SchedulerConfig) -> None:
     """Every image must fit the encoder cache (which holds it while its placeholders are
     computed); without chunked prefill, all of a prompt's images at once."""
-    sizes = [image.length for image in request.images]
+    # a picture repeated in the prompt is encoded once, and held once
+    sizes = list({image.content_hash: image.length for image in request.images}.values())
     room = config.encoder_cache_size
     if sizes and max(sizes) > room:
         raise RequestRejectedError(

@@ -52,7 +52,12 @@ class EncoderCacheManager:
     def chunk_end(self, request: Request, start: int, end: int) -> int:
         """Where the chunk ``[start, end)`` of ``request`` must end for every image it covers
         to be cached or encodable in this step: ``end``, or the start of the first image that
-        cannot be (no earlier than ``start``). Changes nothing."""
+        cannot be (no earlier than ``start``). Changes nothing.
+
+        Images are taken in prompt order, as the chunk reaches them. The free room counts the
+        unreferenced cached entries as evictable; a cached image the chunk reaches is kept (no
+        longer evictable), so when the images before it have already counted on its room, the
+        chunk ends before it."""
         budget, room = self._step_budget, self.capacity - self._used + self._evictable()
         counted: set[bytes] = set()
         for image in request.images:
@@ -62,6 +67,8 @@ class EncoderCacheManager:
             counted.add(key)
             if key in self._tokens:
                 if not self._users.get(key):  # cached, unreferenced: this chunk keeps it
+                    if room < image.length:
+                        return max(start, image.offset)
                     room -= image.length
                 continue
             if image.length > min(budget, room):
@@ -103,10 +110,15 @@ class EncoderCacheManager:
     # ---- references ----------------------------------------------------------------------
 
     def release_consumed(self, request: Request) -> None:
-        """Drop ``request``'s references on the images its computed tokens have passed."""
+        """Drop ``request``'s references on the pictures its computed tokens have passed (a
+        picture that appears twice in the prompt: once past its last copy)."""
+        last_end: dict[bytes, int] = {}
         for image in request.images:
-            if image.offset + image.length <= request.num_computed_tokens:
-                self._drop_user(image.content_hash, request.request_id)
+            end = image.offset + image.length
+            last_end[image.content_hash] = max(end, last_end.get(image.content_hash, 0))
+        for key, end in last_end.items():
+            if end <= request.num_computed_tokens:
+                self._drop_user(key, request.request_id)
 
     def release(self, request: Request) -> None:
         """Drop all of ``request``'s references (it finished, or was preempted)."""

@@ -55,8 +55,16 @@ async def chat_prompt_ids(
     template_kwargs: dict | None = None,
     tools: ToolCallPlan | None = None,
 ) -> list[int]:
-    """The conversation's prompt token ids (``chat_prompt``'s, its images checked and dropped:
-    /tokenize and the token counts need only the ids)."""
+    """The conversation's prompt token ids, for /tokenize and the token counts. A conversation
+    with images is refused: its ids depend on each image's rows, which the engine's processor
+    decides when it runs the request."""
+    if parts := image_parts(messages):
+        raise bad_request(
+            f"{parts[0][0]}: a conversation with images is not tokenized here (each image "
+            "becomes as many tokens as its rows, decided when the model runs it); the usage of "
+            "a chat completion counts them",
+            parts[0][0],
+        )
     return (await chat_prompt(state, messages, add_generation_prompt, template_kwargs, tools))[0]
 
 
@@ -183,12 +191,19 @@ def reasoning_mode(
 def planned_max_tokens(state: ServerState, body, prompt_ids: list[int], images: list):
     """``max_tokens`` and the field it came from: what was sent, else generation_config's
     max_new_tokens, else all the room after the prompt as the engine will run it (each
-    image's placeholder becomes at most ``max_image_tokens`` rows)."""
+    image's placeholder becomes at most ``max_image_tokens`` rows). A prompt with images
+    refuses ``truncate_prompt_tokens``."""
     max_tokens, param = max_tokens_of(body)
     was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
     num_prompt = len(prompt_ids)
     if images:
         num_prompt += len(images) * (state.engine.max_image_tokens - 1)
+        if body.truncate_prompt_tokens is not None:
+            raise bad_request(
+                "truncate_prompt_tokens cannot cut a prompt with images (a cut inside an "
+                "image's rows would leave half an image)",
+                "truncate_prompt_tokens",
+            )
     max_model_len = state.engine.scheduler_config.max_model_len
     defaults = state.engine.model_config.generation_defaults.sampling
     max_tokens = default_max_tokens(

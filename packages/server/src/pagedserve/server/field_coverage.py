@@ -66,17 +66,17 @@ REFUSED: dict[str, str] = {
     "ec_transfer_params": "pagedserve has no encoder-cache transfer connector",
     "routed_experts_prompt_start": "pagedserve does not return routed-expert data",
     "return_token_offsets": "token offsets are served by vLLM's render endpoints only",
-    "return_mm_kwargs": "there are no multimodal inputs to return",
+    "return_mm_kwargs": "the processed image inputs are not returned",
     "guided_decoding_backend": "the grammar backend is the server's choice (xgrammar)",
     "guided_whitespace_pattern": "give the whitespace in the schema or regex itself",
     "prompt_embeds": "prompt embeddings as input are not supported",
     "chat_template": "a request may not bring its own chat template (use --chat-template)",
-    "media_io_kwargs": "pagedserve serves text only",
-    "mm_processor_kwargs": "pagedserve serves text only",
+    "media_io_kwargs": "images are read with the server's own limits (media.py)",
+    "mm_processor_kwargs": "the model folder's image processor runs as it is configured",
     "return_prompt_text": "the rendered prompt is available from POST /tokenize",
     "functions": "the deprecated functions field is not served: send tools",
     "function_call": "the deprecated function_call field is not served: send tool_choice",
-    "audio": "pagedserve serves text only",
+    "audio": "pagedserve takes text and images, not audio",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "pagedserve has no web search",
     "background": "background responses are not supported: stream, or wait for the answer",
@@ -93,7 +93,7 @@ REFUSED: dict[str, str] = {
 # route's.
 CHAT_REFUSED: dict[str, str] = {
     "add_special_tokens": "the chat template writes the special tokens; add them there",
-    "modalities": "pagedserve serves text only",
+    "modalities": "pagedserve answers in text only",
     "store": "chat completions are not stored: use /v1/responses with store",
 }
 NO_EFFECT = (None, [], "")
@@ -159,7 +159,7 @@ HANDLED: dict[str, frozenset[str]] = {
     ),
     "TextContentPart": frozenset({"type", "text"}),
     # the image is read by media.py; detail other than auto is refused by name (check_detail)
-    "ImageURLContentPart": frozenset({"type", "image_url"}),
+    "ImageURLContentPart": frozenset({"type", "image_url", "uuid"}),  # uuid refused (media.py)
     "ImageURL": frozenset({"url", "detail"}),
     "ToolCall": frozenset({"id", "type", "function"}),
     "FunctionCall": frozenset({"name", "arguments"}),

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from pagedserve.engine.multimodal import DEFAULT_IMAGES_PER_PROMPT
+from pagedserve.engine.multimodal import DEFAULT_IMAGES_PER_PROMPT, as_rgb, aspect_ratio_error
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.protocol_content import ChatMessage, ImageURLContentPart
 from pagedserve.server.state import ServerState
@@ -172,16 +172,8 @@ def check_size(size: tuple[int, int], param: str) -> None:
             f"and {MAX_IMAGE_PIXELS} pixels in all",
             param,
         )
-
-
-def as_rgb(image: Image.Image) -> Image.Image:
-    """``image`` as RGB; a transparent one over white, as vLLM's media loader puts it."""
-    transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or ("transparency" in image.info)
-    if not transparent:
-        return image.convert("RGB")
-    rgba = image.convert("RGBA")
-    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-    return Image.alpha_composite(white, rgba).convert("RGB")
+    if aspect_ratio_error(size):
+        raise bad_request(f"{param}: {aspect_ratio_error(size)}", param)
 
 
 @functools.cache
@@ -252,6 +244,12 @@ class ImageInputs:
         engine's own check, made before the server decodes images it would refuse)."""
         for param, part in parts:
             check_detail(part.image_url.detail, f"{param}.image_url.detail")
+            if part.uuid is not None:
+                raise bad_request(
+                    f"{param}.uuid: images are not named by uuid here; the caches key each "
+                    "image by a hash of its pixels",
+                    f"{param}.uuid",
+                )
         if parts and self.placeholder is None:
             raise bad_request(
                 f"{parts[0][0]}: the model {self.model_name!r} does not accept images (it is a "

@@ -38,6 +38,7 @@ class ImageURL(_Model):
 class ImageURLContentPart(_Model):
     type: Literal["image_url"]
     image_url: ImageURL
+    uuid: StrictStr | None = None  # vLLM's: refused (media.py), images are keyed by content
 
 
 ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
