@@ -33,9 +33,14 @@ from pagedserve.cluster.config import load_config  # noqa: E402
 from pagedserve.cluster.deploy import DeployTimeoutError, deploy  # noqa: E402
 from pagedserve.cluster.placement import replicas  # noqa: E402
 from pagedserve.engine import AsyncLLM, EngineArgs  # noqa: E402
+from pagedserve.models.testing_multimodal import (  # noqa: E402
+    make_tiny_llava_checkpoint,
+    tiny_test_images,
+    transformers_llava_greedy,
+)
 from pagedserve.server.app import build_app  # noqa: E402
 from pagedserve.server.config import ServerConfig  # noqa: E402
-from pagedserve.server.testing import free_port  # noqa: E402
+from pagedserve.server.testing import free_port, png_data_url  # noqa: E402
 
 SMOL_ENGINE = {"max_model_len": 512, "num_gpu_blocks_override": 160, "max_num_seqs": 2}
 TINY_ENGINE = {"max_model_len": 256, "num_gpu_blocks_override": 96}
@@ -297,11 +302,14 @@ def stream_in_thread(client, model: str, max_tokens: int, outcome: dict, **extra
 
 @pytest.mark.slow
 def test_adding_a_model_by_redeploying_leaves_a_running_stream_alone(
-    cluster, client, paths, tiny_checkpoint
+    cluster, client, paths, tmp_path_factory
 ):
+    """The added model takes images (a tiny LLaVA): its answer to a chat with a base64 picture,
+    through the ingress, a Serve handle and its replica, is transformers' own."""
+    llava = make_tiny_llava_checkpoint(tmp_path_factory.mktemp("llava"))
     third = {
-        "name": "tiny-qwen2",
-        "engine": {"model": tiny_checkpoint("qwen2"), **TINY_ENGINE},
+        "name": "tiny-llava",
+        "engine": {"model": str(llava), "dtype": "float32", **TINY_ENGINE},
         "num_cpus": 0.5,
     }
     before = {s.replica_id for s in replica_stats("model-smollm2")}
@@ -314,12 +322,23 @@ def test_adding_a_model_by_redeploying_leaves_a_running_stream_alone(
     thread.join(timeout=300)
     assert "error" not in outcome and outcome["finish_reason"] == "length"
     assert outcome["times"][-1] > started  # it was still streaming while the config changed
-    answer = client.completions.create(model="tiny-qwen2", prompt="hi", max_tokens=3)
-    assert answer.usage.completion_tokens == 3
+    picture = tiny_test_images()[0]
+    content = [
+        {"type": "image_url", "image_url": {"url": png_data_url(picture)}},
+        {"type": "text", "text": "What is this?"},
+    ]
+    answer = client.chat.completions.create(
+        model="tiny-llava", messages=[{"role": "user", "content": content}], max_tokens=6,
+        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"  # the tiny LLaVA's chat template
+    expanded, expected = transformers_llava_greedy(llava, prompt, [picture], 6)
+    assert answer.choices[0].model_extra["token_ids"] == expected
+    assert answer.usage.prompt_tokens == len(expanded)
     assert {s.replica_id for s in replica_stats("model-smollm2")} == before
     deploy(load_config(cluster_config(port, paths["smollm2"], paths["tiny"])), 300)
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="tiny-qwen2", prompt="hi", max_tokens=1)
+        client.completions.create(model="tiny-llava", prompt="hi", max_tokens=1)
 
 
 def test_status_lists_every_replica_with_its_process_and_node(cluster, capsys):
