@@ -159,3 +159,24 @@ def test_a_thin_strip_and_a_cache_smaller_than_an_image_are_refused(llava):
     assert e.value.param == "multi_modal_data" and "50x" in str(e.value)
     with pytest.raises(ValueError, match="encoder_cache_size 8 is less than one image"):
         engine(llava, encoder_cache_size=8)
+
+
+def test_a_processor_template_that_reads_parts_renders_text_and_images(tmp_path, images):
+    """llava-hf folders keep their chat template with the processor and read content as
+    parts: the tokenizer takes it from chat_template.json, and the chat is rendered as parts,
+    as transformers' processor renders it (plain strings would render no text at all)."""
+    from transformers import AutoProcessor
+
+    folder = make_tiny_llava_checkpoint(tmp_path / "llava-hf", processor_template=True)
+    llm = engine(folder)
+    parts = [{"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "What?"}]
+    (chat,) = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+    processor = AutoProcessor.from_pretrained(folder)
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}
+    ]
+    prompt = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    assert "What?" in prompt
+    expanded, expected = transformers_llava_greedy(folder, prompt, images[:1], MAX_TOKENS)
+    assert chat.prompt_token_ids == expanded
+    assert list(chat.outputs[0].token_ids) == expected

@@ -379,3 +379,35 @@ def test_what_an_image_prompt_cannot_take_is_refused_by_name(llava_client, llava
     thin = [{"role": "user", "content": [text_part("What?"), image_part(strip)]}]
     message = refused(llava_client, llava_engine, "/v1/chat/completions", greedy(thin), PART)
     assert "50x" in message
+
+
+def test_a_llava_hf_folder_whose_template_reads_parts_answers_as_transformers(
+    tmp_path_factory, pictures
+):
+    """The chat template only in chat_template.json, reading content as parts (as llava-hf
+    repositories hold it): the server renders the chat as parts, text and images, and answers
+    as transformers does for the processor's rendering of the same chat."""
+    from transformers import AutoProcessor
+
+    folder = make_tiny_llava_checkpoint(tmp_path_factory.mktemp("hf"), processor_template=True)
+    engine = make_engine(str(folder), dtype="float32")
+    try:
+        client = TestClient(build_app(engine, ServerConfig(), LLAVA))
+        parts = [text_part("What is this?"), image_part(data_url(encoded(pictures[1])))]
+        response = client.post(
+            "/v1/chat/completions", json=greedy([{"role": "user", "content": parts}])
+        )
+        conversation = [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}],
+            }
+        ]
+        prompt = AutoProcessor.from_pretrained(folder).apply_chat_template(
+            conversation, add_generation_prompt=True
+        )
+        expanded, expected = transformers_llava_greedy(folder, prompt, [pictures[1]], MAX_TOKENS)
+        assert reply_ids(response) == [expected]
+        assert response.json()["prompt_token_ids"] == expanded
+    finally:
+        asyncio.run(engine.shutdown())

@@ -117,7 +117,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             conv, images = self._with_placeholders(conv)
-            ids = apply_chat_template(self.tokenizer, conv, add_generation_prompt)
+            placeholder = self.engine.image_placeholder
+            ids = apply_chat_template(self.tokenizer, conv, add_generation_prompt, placeholder)
             data = {"multi_modal_data": {"image": images}} if images else {}
             prompts.append({"prompt_token_ids": ids, **data})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -25,6 +25,17 @@ LLAVA_CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+# llava-hf's own template, kept with the processor (chat_template.json): it reads each message's
+# content as parts, images first
+LLAVA_HF_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 # (width, height) of tiny_test_images: a wide, a square and a tall one, none the tower's size
 TEST_IMAGE_SIZES = ((40, 24), (64, 64), (20, 50))
 
@@ -70,10 +81,13 @@ def make_tiny_llava_checkpoint(
     strategy: str = "default",
     vision_sizes: dict | None = None,
     text_sizes: dict | None = None,
+    processor_template: bool = False,
 ) -> Path:
     """Write the tiny LLaVA folder (model, tokenizer, processor) to ``out_dir``; returns it.
     ``vision_sizes`` / ``text_sizes`` (CLIPVisionConfig / LlamaConfig fields) make it another
     size: a benchmark's realistic shapes (tools/bench_images.py), still random weights.
+    ``processor_template``: the folder as llava-hf repositories hold it, the chat template
+    (``LLAVA_HF_CHAT_TEMPLATE``, content as parts) in chat_template.json, none on the tokenizer.
 
     Every weight is drawn from N(0, 0.1) and every norm's scale near 1, wider than transformers'
     initialisation, so image features differ visibly between images and greedy decoding does
@@ -108,6 +122,13 @@ def make_tiny_llava_checkpoint(
         image_token=IMAGE_TOKEN,
     )
     processor.save_pretrained(out_dir)
+    if processor_template:
+        import json
+
+        (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+        (out_dir / "chat_template.json").write_text(
+            json.dumps({"chat_template": LLAVA_HF_CHAT_TEMPLATE})
+        )
     return out_dir
 
 

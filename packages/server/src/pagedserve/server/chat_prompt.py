@@ -89,8 +89,9 @@ async def chat_prompt(
         conversation, extra = conversation_with_tools(conversation, tools, native)
         kwargs.update(extra)
     try:
+        placeholder = state.engine.image_placeholder
         ids = apply_chat_template(
-            state.engine.tokenizer, conversation, add_generation_prompt, **kwargs
+            state.engine.tokenizer, conversation, add_generation_prompt, placeholder, **kwargs
         )
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
