@@ -114,7 +114,7 @@ def test_a_cached_picture_later_in_a_chunk_is_no_room_for_an_earlier_new_one():
     s.add_request(Request("b", prompt, max_tokens=1, images=pictures))
     chunks, encoded, _ = step(s)
     assert chunks == [("b", 0, 8)] and encoded == [("b", 0)]
-    assert s.encoder._used <= s.encoder.capacity
+    assert s.encoder.num_cached_rows <= s.encoder.capacity
     chunks, encoded, _ = step(s)
     assert chunks == [("b", 8, 6)] and encoded == [("b", 1)]  # "yard" was evicted for "new"
 
@@ -191,7 +191,7 @@ def test_the_runner_always_holds_what_a_step_reads_and_the_cache_its_capacity(wo
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
             for image in item.request.images:
                 assert not image.overlaps(start, end) or image.content_hash in runner
-        assert s.encoder._used <= s.encoder.capacity
+        assert s.encoder.num_cached_rows <= s.encoder.capacity
         s.update(out, {i.request.request_id: [5] for i in out.scheduled if i.needs_sample})
         if s.running and rng.random() < 0.05:
             s.finish_requests([rng.choice(s.running).request_id], RequestStatus.FINISHED_ABORTED)

@@ -44,6 +44,11 @@ class EncoderCacheManager:
         self.num_encoded = 0  # images encoded since the start (a repeated image: once)
         self.num_hits = 0  # images a request found already encoded
 
+    @property
+    def num_cached_rows(self) -> int:
+        """The embedding rows the cached entries hold: never more than ``capacity``."""
+        return self._used
+
     # ---- one step ------------------------------------------------------------------------
 
     def begin_step(self) -> None:

@@ -192,19 +192,12 @@ def reasoning_mode(
 def planned_max_tokens(state: ServerState, body, prompt_ids: list[int], images: list):
     """``max_tokens`` and the field it came from: what was sent, else generation_config's
     max_new_tokens, else all the room after the prompt as the engine will run it (each
-    image's placeholder becomes at most ``max_image_tokens`` rows). A prompt with images
-    refuses ``truncate_prompt_tokens``."""
+    image's placeholder becomes at most ``max_image_tokens`` rows)."""
     max_tokens, param = max_tokens_of(body)
     was_sent = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
     num_prompt = len(prompt_ids)
     if images:
         num_prompt += len(images) * (state.engine.max_image_tokens - 1)
-        if body.truncate_prompt_tokens is not None:
-            raise bad_request(
-                "truncate_prompt_tokens cannot cut a prompt with images (a cut inside an "
-                "image's rows would leave half an image)",
-                "truncate_prompt_tokens",
-            )
     max_model_len = state.engine.scheduler_config.max_model_len
     defaults = state.engine.model_config.generation_defaults.sampling
     max_tokens = default_max_tokens(
@@ -238,7 +231,7 @@ async def plan_prompt(
     prompt_ids, images = await chat_prompt(
         state, body.messages, add_generation_prompt, kwargs, tools
     )
-    prompt_ids = truncated_prompt(body, prompt_ids)
+    prompt_ids = truncated_prompt(body, prompt_ids, len(images))
     mode = reasoning_mode(state, prompt_ids, kwargs)
     max_tokens, param = planned_max_tokens(state, body, prompt_ids, images)
     tokenizer, parser = state.engine.tokenizer, state.config.reasoning_parser

@@ -68,12 +68,19 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return parsed
 
 
-def truncated_prompt(body: SamplingRequest, prompt_ids: list[int]) -> list[int]:
+def truncated_prompt(body: SamplingRequest, prompt_ids: list[int], num_images: int = 0):
     """vLLM's ``truncate_prompt_tokens``: keep the last k tokens (``truncation_side`` "left",
-    the default) or the first k ("right")."""
+    the default) or the first k ("right"). Refused for a prompt with images: a cut inside an
+    image's rows would leave half an image."""
     k = body.truncate_prompt_tokens
     if k is None:
         return prompt_ids
+    if num_images:
+        raise bad_request(
+            "truncate_prompt_tokens cannot cut a prompt with images (a cut inside an image's "
+            "rows would leave half an image)",
+            "truncate_prompt_tokens",
+        )
     return prompt_ids[:k] if body.truncation_side == "right" else prompt_ids[-k:]
 
 
