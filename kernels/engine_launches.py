@@ -76,6 +76,14 @@ MOE_SHAPES = [("mixtral-8x7b", 8, 2), ("qwen3-30b-a3b", 128, 8)]
 GPT_OSS_MOE = ("gpt-oss-20b", 32, 4)
 
 
+# M-RoPE (Qwen2-VL / Qwen2.5-VL): (name, q heads, kv heads, head_dim, mrope_section). The
+# text model's [3, T] positions turn three sections of pairs; the vision tower's 2-D rotary
+# turns two (h, w) over all 80 dims of its MHA heads.
+MROPE_SHAPES = [
+    ("qwen2-vl-2b", 12, 2, 128, (16, 24, 24)),
+    ("qwen2-vl-vision", 16, 16, 80, (20, 20)),
+]
+
 # (name, heads a rank, kv_lora_rank, rope_dim): DeepSeek-V2-Lite has 16 heads, V3 128 (16 a
 # rank over 8); both cache 512 + 64 latent values. Heads are a runtime size: one shape covers.
 MLA_SHAPE = ("deepseek-v3-tp8", 16, 512, 64)
@@ -393,6 +401,21 @@ def vision_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
     record(f"{name} {label}")
 
 
+def mrope_launches(dtype: torch.dtype, record: Callable, label: str, n_tokens: int = 3) -> None:
+    """The rotary kernel's M-RoPE variants (NUM_SECTIONS 3 and 2) on views of a fused qkv
+    output, as Qwen2-VL's text layers and vision tower launch them."""
+    mods = _wrappers()
+    for name, n_q, n_kv, head_dim, section in MROPE_SHAPES:
+        qkv = torch.randn(n_tokens, n_q + 2 * n_kv, head_dim).to(dtype)
+        q, k = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv]
+        positions = torch.arange(n_tokens).expand(len(section), -1)
+        cos_sin = torch.randn(64, 2 * sum(section))
+        mods["rotary_embedding"].rotary_embedding_triton(
+            positions, q, k, cos_sin, True, mrope_section=section
+        )
+        record(f"{name} {label} mrope")
+
+
 def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: str) -> None:
     """Multi-head latent attention's own launches: the absorbed decode over the latent cache
     (plain and split-KV), the latent store (k_pe a strided view of the kv_a projection), the
@@ -455,5 +478,6 @@ def engine_launches(
         moe_launches(DTYPES[dtype_name], record, dtype_name)
         encoder_launches(DTYPES[dtype_name], record, dtype_name)
         vision_launches(DTYPES[dtype_name], record, dtype_name)
+        mrope_launches(DTYPES[dtype_name], record, dtype_name)
         for block_size in sizes:
             mla_launches(DTYPES[dtype_name], block_size, record, dtype_name)

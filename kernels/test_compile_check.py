@@ -48,7 +48,7 @@ def test_every_launch_compiles_for_sm80_and_sm90(summary_lines):
         "sample_tokens", "paged_attention", "merge_kv_splits", "rms_norm", "weight_only_linear",
         "lora_shrink", "lora_expand", "int4_linear", "gguf_linear", "encoder_attention", "gelu",
         "linear", "fold_kv_splits",
-        "mla_decode", "store_latent", "quick_gelu",
+        "mla_decode", "store_latent", "quick_gelu", "rotary_embedding",
     ):  # fmt: skip
         targets = {r[-6] for r in rows if r and r[0] == kernel}
         assert targets == {"sm80", "sm90"}, (kernel, targets)
