@@ -8,6 +8,10 @@ tiny BPE tokenizer with ``<image>`` added as a special token, and a ``LlavaProce
 image processor resizing and cropping to ``image_size``) that expands each ``<image>`` of a
 prompt into one placeholder per image row. So ``AutoProcessor`` and transformers' model class
 load it, and transformers' greedy continuation is the reference pagedserve is held to.
+
+``make_tiny_qwen2_vl_checkpoint`` does the same for Qwen2-VL and Qwen2.5-VL (dynamic resolution:
+each test image keeps its own grid of 4-pixel patches), with ``qwen2_vl_processor`` and
+``transformers_qwen2_vl_greedy`` beside it.
 """
 
 from __future__ import annotations
@@ -155,6 +159,16 @@ def transformers_llava_greedy(
 
     processor = AutoProcessor.from_pretrained(folder)
     model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return _greedy_over_own_cache(model, processor, prompt, images, max_new_tokens)
+
+
+def _greedy_over_own_cache(model, processor, prompt: str, images: list[Any], max_new_tokens: int):
+    """``(prompt ids, new ids)``: the processor's inputs through ``model``, then one argmax
+    token at a time over transformers' own cache. Decode steps pass no attention mask: with
+    one, Qwen2-VL sizes a step's positions to the mask; without, it takes the step's M-RoPE
+    position from the prefill's ``rope_deltas``."""
+    import torch
+
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
     tokens: list[int] = []
     with torch.inference_mode():
@@ -164,3 +178,179 @@ def transformers_llava_greedy(
             step = torch.tensor([[tokens[-1]]])
             out = model(input_ids=step, cache=out.cache, use_cache=True)
     return inputs["input_ids"][0].tolist(), tokens
+
+
+# Qwen2-VL / Qwen2.5-VL: an image part renders as its three markers; the processor then expands
+# the one <|image_pad|> into one per merged patch block (the tower's output rows)
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
+    "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>",
+)  # fmt: skip
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_VL_VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+# the tiny towers: 4-pixel patches, 2x2 merge; Qwen2.5-VL's 16-pixel windows hold 2x2 merged
+# blocks, so every test image has several windows, edge windows cut short
+TINY_QWEN2_VL_PATCH, TINY_QWEN2_VL_WINDOW = 4, 16
+TINY_QWEN2_VL_PIXELS = (16 * 16, 48 * 48)  # min_pixels, max_pixels of the image processor
+
+
+def _qwen2_vl_tokenizer(out_dir: Path):
+    """The tiny tokenizer of testing.py with Qwen2-VL's vision markers as special tokens."""
+    from transformers import AutoTokenizer
+
+    build_tiny_tokenizer(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    tokenizer.add_tokens([VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD], special_tokens=True)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _qwen2_vl_config(variant: str, ids: dict[str, int]):
+    """A 2-layer decoder (64 wide, 4 heads of 16, 2 KV heads, M-RoPE sections [2, 3, 3]) and a
+    2-block tower of width 32, 2 heads (Qwen2.5-VL's: block 0 windowed, block 1 full)."""
+    import transformers
+
+    text = dict(
+        vocab_size=max(TINY_VOCAB, *ids.values()) + 1, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )  # fmt: skip
+    vision: dict[str, Any] = dict(
+        depth=2, num_heads=2, patch_size=TINY_QWEN2_VL_PATCH, spatial_merge_size=2,
+        temporal_patch_size=2,
+    )  # fmt: skip
+    if variant == "qwen2_vl":
+        cls = transformers.Qwen2VLConfig
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    elif variant == "qwen2_5_vl":
+        cls = transformers.Qwen2_5_VLConfig
+        vision.update(
+            hidden_size=32, intermediate_size=48, out_hidden_size=64,
+            window_size=TINY_QWEN2_VL_WINDOW, fullatt_block_indexes=[1],
+        )  # fmt: skip
+    else:
+        raise ValueError(f"variant = {variant!r} is not one of {QWEN2_VL_VARIANTS}")
+    return cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+def make_tiny_qwen2_vl_checkpoint(
+    out_dir: str | Path, variant: str = "qwen2_vl", seed: int = 0
+) -> Path:
+    """Write a tiny Qwen2-VL (``variant="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``) folder:
+    model, tokenizer (with the vision markers and a chat template that reads content as
+    parts), and processor (a PIL-backend Qwen2-VL image processor over 4-pixel patches,
+    ``TINY_QWEN2_VL_PIXELS`` pixels at most, so tiny_test_images make grids of a few dozen
+    patches, each of a different shape). Weights as make_tiny_llava_checkpoint draws them."""
+    import torch
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    tokenizer = _qwen2_vl_tokenizer(out_dir)
+    names = dict(
+        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+    )  # fmt: skip
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in names.items()}
+    config = _qwen2_vl_config(variant, ids)
+    torch.manual_seed(seed)
+    model = _qwen2_vl_model_class(variant)(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            norm = ("norm" in name or "ln_q" in name) and name.endswith("weight")
+            param.normal_(1.0 if norm else 0.0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_qwen2_vl_processor(out_dir, variant, tokenizer)
+    return out_dir
+
+
+def _save_qwen2_vl_processor(out_dir: Path, variant: str, tokenizer) -> None:
+    """The processor's files as a Qwen2-VL repository holds them: tokenizer (with the chat
+    template), image processor, video processor, processor_config.json. They are written one
+    by one, not by the processor's save_pretrained: transformers builds a Qwen2-VL processor
+    only with its video processor, which needs torchvision (see qwen2_vl_processor). The video
+    processor's config is written by hand to the image processor's sizes."""
+    import json
+
+    from transformers import Qwen2VLImageProcessorPil
+
+    min_pixels, max_pixels = TINY_QWEN2_VL_PIXELS
+    sizes = dict(patch_size=TINY_QWEN2_VL_PATCH, merge_size=2, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(  # the PIL backend: no torchvision needed
+        min_pixels=min_pixels, max_pixels=max_pixels, **sizes
+    )
+    image_processor.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    video = dict(
+        video_processor_type="Qwen2VLVideoProcessor",
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        image_mean=image_processor.image_mean, image_std=image_processor.image_std, **sizes,
+    )  # fmt: skip
+    processor = "Qwen2VLProcessor" if variant == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    for name, content in (
+        ("video_preprocessor_config.json", video),
+        ("processor_config.json", {"processor_class": processor}),
+    ):
+        (out_dir / name).write_text(json.dumps(content, indent=2) + "\n")
+
+
+def qwen2_vl_processor(folder: str | Path):
+    """The folder's processor: ``AutoProcessor`` where torchvision is installed; without it
+    (transformers' Qwen2-VL processor insists on a video processor, and that needs
+    torchvision), the same processor class over the folder's tokenizer and image processor,
+    images only. Either expands ``<|image_pad|>`` and returns ``pixel_values``,
+    ``image_grid_thw`` and ``mm_token_type_ids`` alike."""
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(folder)
+    name = json.loads((Path(folder) / "processor_config.json").read_text())["processor_class"]
+    processor_cls = getattr(transformers, name)
+
+    class ImagesOnly(processor_cls):  # its sub-processors are the ones its __init__ names
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template)
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+    return ImagesOnly(image_processor, tokenizer, chat_template=tokenizer.chat_template)
+
+
+def _qwen2_vl_model_class(variant: str):
+    import transformers
+
+    if variant == "qwen2_vl":
+        return transformers.Qwen2VLForConditionalGeneration
+    return transformers.Qwen2_5_VLForConditionalGeneration
+
+
+def transformers_qwen2_vl_greedy(
+    folder: str | Path, prompt: str, images: list[Any], max_new_tokens: int
+) -> tuple[list[int], list[int]]:
+    """``(prompt ids, new ids)`` for a tiny Qwen2-VL / Qwen2.5-VL folder, as
+    transformers_llava_greedy: the processor's expanded prompt (one ``<|image_pad|>`` per
+    merged block) and transformers' fp32 greedy continuation over its own KV cache (its M-RoPE
+    positions included), never stopping early. The model class is the config's architecture."""
+    import json
+
+    import torch
+    import transformers
+
+    architecture = json.loads((Path(folder) / "config.json").read_text())["architectures"][0]
+    model_cls = getattr(transformers, architecture)
+    processor = qwen2_vl_processor(folder)
+    model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
+    return _greedy_over_own_cache(model, processor, prompt, images, max_new_tokens)
