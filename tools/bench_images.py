@@ -96,7 +96,7 @@ def tower_seconds(llm: LLM, args) -> float:
     with torch.inference_mode():
         for _ in range(args.repeats):
             start = time.perf_counter()
-            model.embed_images(image.pixel_values[None])
+            model.embed_images([image.pixel_values])
             seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 

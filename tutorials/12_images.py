@@ -16,7 +16,8 @@ Three mechanisms make that work in an engine that batches, chunks and caches pro
    the picture's content into every block that holds its placeholders.
 
 This lesson builds a tiny random LLaVA and watches each of them, with transformers as the
-reference for every token.
+reference for every token; then a tiny Qwen2-VL, whose pictures keep their own size and whose
+tokens carry three positions each (M-RoPE).
 """
 
 import shutil
@@ -28,8 +29,10 @@ import torch
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.models.testing_multimodal import (
     make_tiny_llava_checkpoint,
+    make_tiny_qwen2_vl_checkpoint,
     tiny_test_images,
     transformers_llava_greedy,
+    transformers_qwen2_vl_greedy,
 )
 
 torch.set_num_threads(2)
@@ -58,8 +61,8 @@ print(f"   the picture {cat.size} -> pixels {tuple(image.pixel_values.shape)}; p
 print(
     f"   [{image.offset}, {image.offset + image.length}), content hash {image.content_hash.hex()[:16]}"
 )
-rows = llm.engine.runner.model.embed_images(image.pixel_values[None])
-print(f"   the vision tower and projector: {tuple(rows.shape)} (images, rows, decoder width)")
+(rows,) = llm.engine.runner.model.embed_images([image.pixel_values])
+print(f"   the vision tower and projector: {tuple(rows.shape)} (rows, decoder width)")
 
 # ## 2. Equal to transformers
 #
@@ -123,6 +126,37 @@ print(
     f"   images encoded {stats.encoder_cache_encoded}, encoder cache hits {stats.encoder_cache_hits}"
 )
 
-for engine in (llm, chunked):
+# ## 5. Dynamic resolution and M-RoPE (Qwen2-VL)
+#
+# LLaVA squeezes every picture into one square: every image is 16 tokens here, 576 in the real
+# model. Qwen2-VL keeps a picture near its own size: the processor cuts it into patches (4 px
+# here, 14 px in the real model), and the tower merges each 2 x 2 block of patches into one
+# decoder row, so a bigger picture takes more tokens. Its decoder gives each token three
+# positions (time, height, width): text has the three equal; an image's rows sit on a grid
+# that starts where the image starts, and the text after it goes on from there plus the grid's
+# longer side. The runner computes them for any chunk from where the request's images sit.
+
+qwen = LLM(model=str(make_tiny_qwen2_vl_checkpoint(work / "qwen2_vl")), dtype="float32")
+marker = "<|vision_start|><|image_pad|><|vision_end|>"
+qwen_prompt = f"User: {marker}What is it? Assistant:"
+qwen_ids = qwen.get_tokenizer().encode(qwen_prompt)
+print("== 5. Qwen2-VL: each picture its own number of tokens")
+for picture, name in ((cat, "cat"), (dog, "dog")):
+    ids, (image,) = qwen.engine.image_processor.process(qwen_ids, {"image": [picture]})
+    t, h, w = image.grid_thw
+    print(f"   {name} {picture.size}: a {h} x {w} grid of patches -> {image.length} tokens")
+ids, images = qwen.engine.image_processor.process(qwen_ids, {"image": [cat]})
+positions = qwen.engine.runner.model.mrope_positions(torch.arange(len(ids)).numpy(), images)
+start, end = images[0].offset, images[0].offset + images[0].length
+print("   positions (time, height, width) of the tokens before, in and after the image:")
+for i in (start - 1, start, start + 1, start + 5, end - 1, end, len(ids) - 1):
+    print(f"     token {i:3d}: {tuple(int(p) for p in positions[:, i])}")
+(out,) = qwen.generate(
+    {"prompt": qwen_prompt, "multi_modal_data": {"image": [cat]}}, greedy, use_tqdm=False
+)
+_, expected = transformers_qwen2_vl_greedy(work / "qwen2_vl", qwen_prompt, [cat], 16)
+print(f"   equal to transformers: {list(out.outputs[0].token_ids) == expected}")
+
+for engine in (llm, chunked, qwen):
     engine.engine.shutdown()
 shutil.rmtree(work)  # the lesson's tiny checkpoint

@@ -112,8 +112,8 @@ def _prompt_embeds(model: LlavaForConditionalGeneration, ids: torch.Tensor, pixe
     """The prompt's rows as the engine builds them: text embeddings, each placeholder's row
     replaced, in order, by the images' rows."""
     embeds = model.embed_input_ids(ids)
-    image_rows = model.embed_images(pixels)
-    embeds[ids == model.config.image_token_id] = image_rows.reshape(-1, embeds.shape[-1])
+    image_rows = torch.cat(model.embed_images(list(pixels)))
+    embeds[ids == model.config.image_token_id] = image_rows
     return embeds
 
 
@@ -125,7 +125,7 @@ def test_embed_images_equals_transformers_image_features(llava_folder, strategy)
     )["pixel_values"]
     ours, hf = _ours(folder), _hf(folder)
     with torch.inference_mode():
-        rows = ours.embed_images(pixels)
+        rows = torch.stack(ours.embed_images(list(pixels)))
         ref = torch.stack(list(hf.get_image_features(pixel_values=pixels).pooler_output))
     tokens = image_tokens_per_image(ours.config.hf_config, 32, 32)
     assert rows.shape == ref.shape == (2, tokens, ours.config.hidden_size)
@@ -236,7 +236,7 @@ def test_what_is_not_supported_is_refused_by_name(llava_folder, tmp_path):
     with pytest.raises(ValueError, match="not supported for LlavaForConditionalGeneration"):
         LoRAModel(model, model.config, max_loras=1, max_rank=8)
     with pytest.raises(ValueError, match="vision_config.image_size"):
-        model.embed_images(torch.zeros(1, 3, 40, 40))
+        model.embed_images([torch.zeros(3, 40, 40)])
     with pytest.raises(ValueError, match="vision_config.image_size"):
         image_tokens_per_image(model.config.hf_config, 24, 40)
     bad = {

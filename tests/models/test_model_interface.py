@@ -49,9 +49,12 @@ def test_each_registered_class_has_the_interface_signatures(arch, method):
 def test_a_model_that_takes_images_embeds_them_and_its_ids(arch):
     takes_images = {a.images for a in ARCHITECTURES.values() if a.family == arch}
     cls = MODEL_CLASSES[arch]
-    for method, argument in [("embed_images", "pixel_values"), ("embed_input_ids", "input_ids")]:
+    for method, arguments in [
+        ("embed_images", ["pixel_values", "grid_thw"]),
+        ("embed_input_ids", ["input_ids"]),
+    ]:
         if takes_images == {True}:
-            assert parameter_names(getattr(cls, method)) == [argument]
+            assert parameter_names(getattr(cls, method)) == arguments
         else:
             assert not hasattr(cls, method)
 

@@ -119,6 +119,7 @@ def test_every_route_decodes_its_images_off_the_event_loop(app, picture_url, dec
         "input": [{"role": "user", "content": content}],
         "max_output_tokens": 2,
     }
+
     async def requests(client):
         return [
             await client.post("/v1/chat/completions", json=two),

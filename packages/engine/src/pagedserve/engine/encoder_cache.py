@@ -1,16 +1,15 @@
-"""The model runner's encoder cache: image embeddings by content hash, and a step's image rows.
+"""The model runner's encoder cache: image embeddings by content hash, a step's image rows, and
+its M-RoPE positions.
 
 The scheduler decides (scheduler/encoder_cache.py): which images a step encodes, which cached
 entries go. This side holds the tensors and does what it was told, in that order: drop the
-evicted entries, run the vision encoder over the step's new images (those of one shape as one
-batch), then, for every chunk of the step that covers placeholder tokens, pick the embedding
+evicted entries, run the vision encoder over the step's new images (one call for all of them:
+the model batches them as its tower can), then, for every chunk of the step that covers placeholder tokens, pick the embedding
 rows those tokens stand for. A chunk that ends in the middle of an image takes the rows up to
 its end; the next chunk takes the rest from the cache, without encoding again.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -30,17 +29,15 @@ class EncoderCache:
         """Drop what the scheduler evicted, then encode the step's new images."""
         for key in output.encoder_cache_freed:
             self.embeddings.pop(key, None)
-        by_shape: dict[tuple, list] = defaultdict(list)
-        for request, index in output.encoder_inputs:
-            image = request.images[index]
-            by_shape[tuple(image.pixel_values.shape)].append(image)
-        for images in by_shape.values():
-            pixels = torch.stack([image.pixel_values for image in images]).to(self.device)
-            embedded = self.model.embed_images(pixels)
-            for image, rows in zip(images, embedded, strict=True):
-                # a copy of its own when batched: an evicted image must free its memory, not
-                # keep its batch's alive
-                self.embeddings[image.content_hash] = rows.clone() if len(images) > 1 else rows
+        images = [request.images[index] for request, index in output.encoder_inputs]
+        if not images:
+            return
+        grids = None if images[0].grid_thw is None else [image.grid_thw for image in images]
+        embedded = self.model.embed_images([image.pixel_values for image in images], grids)
+        for image, rows in zip(images, embedded, strict=True):
+            # a copy of its own when batched: an evicted image must free its memory, not keep
+            # its batch's alive
+            self.embeddings[image.content_hash] = rows.clone() if len(images) > 1 else rows
 
     def step_rows(
         self, output: SchedulerOutput, query_start_loc: np.ndarray
@@ -77,3 +74,20 @@ def embeddings_with_images(
     embeds = model.embed_input_ids(input_ids)
     embeds[rows] = values.to(embeds.dtype)
     return embeds
+
+
+def step_positions(
+    model: torch.nn.Module, output: SchedulerOutput, positions: np.ndarray, query_start_loc
+) -> np.ndarray:
+    """The step's token positions, ``[T]``; ``[3, T]`` M-RoPE positions when the model has them
+    (Qwen2-VL, models/qwen2_vl.py) and a request of the step has images (a text request's
+    three rows are its plain position; a step of text alone stays ``[T]``)."""
+    mrope = getattr(model, "mrope_positions", None)
+    if mrope is None or not any(request.images for request in output.requests):
+        return positions
+    rows3 = np.broadcast_to(positions, (3, len(positions))).copy()
+    for entry, request in enumerate(output.requests):
+        if request.images:
+            rows = slice(int(query_start_loc[entry]), int(query_start_loc[entry + 1]))
+            rows3[:, rows] = mrope(positions[rows], request.images)
+    return rows3

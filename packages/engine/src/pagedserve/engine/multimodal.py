@@ -33,9 +33,11 @@ MAX_ASPECT_RATIO = 50
 @dataclass(frozen=True)
 class ImageInput(ImagePlaceholder):
     """An image of a request: where its placeholders sit, its content hash, and its pixels as
-    the model's image processor made them (``[3, H, W]``), which only the runner reads."""
+    the model's image processor made them (LLaVA: ``[3, S, S]``; Qwen2-VL: its patches, with
+    their grid), which only the runner reads."""
 
     pixel_values: torch.Tensor = field(default=None, compare=False, repr=False)
+    grid_thw: tuple[int, int, int] | None = field(default=None, compare=False)
 
 
 def image_content_hash(image) -> bytes:
@@ -53,8 +55,6 @@ class ImagePromptProcessor:
     def __init__(self, model_dir: str, model_config, tokenizer, limit_mm_per_prompt) -> None:
         from transformers import AutoImageProcessor
 
-        from pagedserve.models import image_tokens_per_image
-
         try:
             self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         except (OSError, ValueError) as e:
@@ -62,8 +62,7 @@ class ImagePromptProcessor:
                 f"{model_dir} takes images but has no image processor config "
                 f"(preprocessor_config.json): {e}"
             ) from e
-        self.hf_config = model_config.hf_config
-        self.tokens_for = image_tokens_per_image
+        self.model_config = model_config
         self.image_token_id = model_config.image_token_id
         self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.max_images = _images_allowed(limit_mm_per_prompt)
@@ -71,18 +70,18 @@ class ImagePromptProcessor:
 
     def _tokens_of_largest_image(self) -> int:
         """The embedding rows of one image: the processor's output for a large picture (a
-        model that resizes every image to one size gives every image this count)."""
+        model that resizes every image to one size gives every image this count; one of
+        dynamic resolution caps a picture at its ``max_pixels``)."""
         from PIL import Image
 
-        (pixels,) = self._pixels([Image.new("RGB", (1024, 1024))])
-        return self.tokens_for(self.hf_config, pixels.shape[-2], pixels.shape[-1])
+        (image,) = self._processed([Image.new("RGB", (4096, 4096))])
+        return image.num_tokens
 
     def process(self, prompt_ids: list[int], multi_modal_data) -> tuple[list[int], tuple]:
         """The expanded prompt and its images, or ``InvalidRequestError`` naming the field."""
         images = _images_of(multi_modal_data, self.max_images)
-        pixels = self._pixels(images)
-        counts = [self.tokens_for(self.hf_config, p.shape[-2], p.shape[-1]) for p in pixels]
-        spans = _image_spans(prompt_ids, self.image_token_id, counts)
+        processed = self._processed(images)
+        spans = _image_spans(prompt_ids, self.image_token_id, [p.num_tokens for p in processed])
         if spans is None:
             written = prompt_ids.count(self.image_token_id)
             raise InvalidRequestError(
@@ -92,19 +91,24 @@ class ImagePromptProcessor:
             )
         expanded, runs = spans
         inputs = tuple(
-            ImageInput(offset, length, image_content_hash(image), pixel)
-            for (offset, length), image, pixel in zip(runs, images, pixels, strict=True)
+            ImageInput(offset, length, image_content_hash(image), p.pixel_values, p.grid_thw)
+            for (offset, length), image, p in zip(runs, images, processed, strict=True)
         )
         return expanded, inputs
 
-    def _pixels(self, images: list) -> list[torch.Tensor]:
+    def _processed(self, images: list) -> list:
+        """One ``ProcessedImage`` per image, from the processor's batch of them all."""
+        from pagedserve.models import processed_images
+
+        if not images:
+            return []
         try:
             batch = self.image_processor(images=images, return_tensors="pt")
         except Exception as e:  # the processor's own refusal of a degenerate image
             raise InvalidRequestError(
                 f"the model's image processor rejected an image: {e}", "multi_modal_data"
             ) from e
-        return list(batch["pixel_values"])
+        return processed_images(self.model_config, batch)
 
 
 def image_processor_for(

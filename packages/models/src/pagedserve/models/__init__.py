@@ -1,10 +1,10 @@
 """pagedserve.models: model architectures over the paged KV cache, the loader, the tokenizer."""
 
 from pagedserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from pagedserve.models.image_inputs import ProcessedImage, processed_images
 from pagedserve.models.interface import ModelForCausalLM, ModelForPooling
 from pagedserve.models.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from pagedserve.models.layers.attention import AttentionMetadata, EncoderAttentionMetadata
-from pagedserve.models.llava import image_tokens_per_image
 from pagedserve.models.loader import load_model
 from pagedserve.models.parallel import ParallelContext
 from pagedserve.models.pooling import Pooler, PoolingType
@@ -22,8 +22,9 @@ __all__ = [
     "ParallelContext",
     "Pooler",
     "PoolingType",
+    "ProcessedImage",
     "apply_chat_template",
-    "image_tokens_per_image",
+    "processed_images",
     "kv_cache_spec",
     "load_model",
     "load_tokenizer",

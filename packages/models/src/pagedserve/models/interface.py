@@ -23,13 +23,16 @@ stage before the last returns ``IntermediateTensors`` instead of hidden states. 
 can start from embeddings (the Llama family's) takes, after it, ``inputs_embeds`` ``[T, H]``:
 the first stage's input rows, used instead of embedding ``input_ids``.
 
-A model whose prompts take images (its registry entry says ``images``: LLaVA, llava.py) has two
-more methods: ``embed_input_ids(input_ids) -> [T, H]``, its text embedding, and
-``embed_images(pixel_values [N, 3, S, S]) -> [N, rows, H]``, each image's rows in the model's
-dtype. The runner puts an image's rows in place of its ``config.image_token_id`` placeholders
-(``image_tokens_per_image`` of them) in the prompt's embedded ids and passes the result as
-``inputs_embeds``; its ``forward`` takes ``intermediate`` and ``inputs_embeds`` as a staged
-decoder's does, though it runs on one stage.
+A model whose prompts take images (its registry entry says ``images``: LLaVA, llava.py;
+Qwen2-VL, qwen2_vl.py) has two more methods: ``embed_input_ids(input_ids) -> [T, H]``, its text
+embedding, and ``embed_images(pixel_values, grid_thw) -> [rows_i, H] per image``: a list of
+each image's processed pixels (image_inputs.py: ``processed_images`` cuts the processor's
+batch) and, for a model of dynamic resolution, each one's patch grid (else None). The runner
+puts an image's rows in place of its ``config.image_token_id`` placeholders in the prompt's
+embedded ids and passes the result as ``inputs_embeds``; its ``forward`` takes
+``intermediate`` and ``inputs_embeds`` as a staged decoder's does, though it runs on one
+stage. A model with M-RoPE (Qwen2-VL) also has ``mrope_positions(positions, images) -> [3,
+n]`` and takes ``[3, T]`` positions in a step that holds images.
 
 A pooling model (``ModelForPooling``) has the same ``forward`` and ``load_weights`` and, instead
 of ``compute_logits``, a ``pooler`` (pooling.py) that says which rows make a sequence's vector

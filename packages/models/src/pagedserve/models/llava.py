@@ -18,7 +18,6 @@ repos' (``language_model.model.*``, ``language_model.lm_head.*``,
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,13 +26,14 @@ from torch import nn
 
 from pagedserve.models.clip import CLIPVisionTower, activation
 from pagedserve.models.config import ModelConfig, ModelLoadError
-from pagedserve.models.interface import KVCache
-from pagedserve.models.layers.attention import AttentionMetadata
+from pagedserve.models.image_inputs import ProcessedImage, VisionLanguageModel
 from pagedserve.models.layers.linear import ColumnParallelLinear
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.multimodal_config import decoder_architecture
+from pagedserve.models.multimodal_config import (
+    language_model_config,
+    refuse_what_images_do_not_run_with,
+)
 from pagedserve.models.parallel import ParallelContext
-from pagedserve.models.pipeline import IntermediateTensors
 from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
 
 FEATURE_SELECT_STRATEGIES = ("default", "full")  # without / with the class row
@@ -66,19 +66,18 @@ def image_tokens_per_image(hf_config: dict[str, Any], height: int, width: int) -
     return (height // patch) * (width // patch) + int(full)
 
 
+def llava_images(hf_config: dict[str, Any], batch) -> list[ProcessedImage]:
+    """The processor's ``pixel_values [N, 3, S, S]`` as one ``ProcessedImage`` per image."""
+    return [
+        ProcessedImage(pixels, None, image_tokens_per_image(hf_config, *pixels.shape[-2:]))
+        for pixels in batch["pixel_values"]
+    ]
+
+
 def _check_supported(config: ModelConfig, par: ParallelContext) -> None:
     """What this model is not built for, refused at load by the field that asks for it."""
     c = config.hf_config
-    if par.tp_size > 1:
-        raise ValueError(f"tensor_parallel_size = {par.tp_size}: LLaVA runs on one rank")
-    if par.stage.count > 1:
-        raise ValueError(f"pipeline_parallel_size = {par.stage.count}: LLaVA runs on one stage")
-    if config.quantization is not None:
-        raise ValueError(f"quantization = {config.quantization!r} is not supported for LLaVA")
-    if config.runner_type != "generate":
-        raise ValueError(f"convert = {config.convert!r}: LLaVA runs as a generative model")
-    if config.gguf_file is not None:
-        raise ValueError(f"model = {config.model!r}: LLaVA loads from a Hugging Face folder")
+    refuse_what_images_do_not_run_with(config, par, "LLaVA")
     strategy = c.get("vision_feature_select_strategy", "default")
     if strategy not in FEATURE_SELECT_STRATEGIES:
         raise ValueError(
@@ -90,19 +89,6 @@ def _check_supported(config: ModelConfig, par: ParallelContext) -> None:
         raise ValueError(
             f"vision_config.model_type = {vision_type!r}: LLaVA's tower is clip_vision_model"
         )
-
-
-def language_model_config(config: ModelConfig) -> ModelConfig:
-    """``config`` seen as its decoder's: ``hf_config`` the nested ``text_config``, the
-    architecture the decoder's, so llama.py builds it as it builds a text model. Tied
-    embeddings are LLaVA's own setting (it takes the decoder's as well)."""
-    text = dict(config.text_config)
-    text["tie_word_embeddings"] = bool(config.hf_config.get("tie_word_embeddings"))
-    view = copy.copy(config)
-    view.hf_config = view.text_config = text
-    view.architecture = view.hf_architecture = decoder_architecture(text)
-    view.arch, view.image_token_id = "llama", None
-    return view
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -122,7 +108,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """LLaVA-1.5 over the paged KV cache: ``embed_images`` and ``embed_input_ids`` build a
     prompt's input rows, ``forward`` runs the decoder from them (or from ids)."""
 
@@ -139,35 +125,21 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.language_model = LlamaForCausalLM(language_model_config(config), par)
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, S, S]`` processed pixels (on any device) -> ``[N, tokens_per_image, hidden]``
-        decoder rows, on the model's device, in its dtype."""
+    def embed_images(
+        self, pixel_values: list[torch.Tensor], grid_thw: list | None = None
+    ) -> list[torch.Tensor]:
+        """Each image's ``[3, S, S]`` processed pixels (on any device) -> its
+        ``[tokens_per_image, hidden]`` decoder rows, on the model's device, in its dtype. The
+        tower reads all images as one batch (they are all ``S`` x ``S``). ``grid_thw`` is
+        Qwen2-VL's; LLaVA's images have none."""
+        if grid_thw is not None:
+            raise ValueError("LLaVA's images are fixed-size: they have no grid_thw")
         config = self.config
-        features = self.vision_tower(pixel_values.to(config.torch_device, config.torch_dtype))
+        pixels = torch.stack(list(pixel_values)).to(config.torch_device, config.torch_dtype)
+        features = self.vision_tower(pixels)
         if self.strategy == "default":
             features = features[:, 1:]
-        return self.multi_modal_projector(features)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` ids -> ``[T, hidden]``: the decoder's token embedding (placeholders
-        included; the caller overwrites their rows with an image's)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-        intermediate: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.language_model(
-            input_ids, positions, kv_caches, attn_metadata, intermediate, inputs_embeds
-        )
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+        return list(self.multi_modal_projector(features))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
         """Route each tensor to its part by the checkpoint's prefix (either naming); the

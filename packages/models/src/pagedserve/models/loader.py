@@ -34,6 +34,7 @@ from pagedserve.models.quantization import (
     process_weights_after_loading,
     quantize_linear_layers,
 )
+from pagedserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedserve.models.weights import iterate_weights
 
 MODEL_CLASSES: dict[str, type] = {
@@ -48,6 +49,7 @@ MODEL_CLASSES: dict[str, type] = {
     "gpt_oss": GptOssForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "llava": LlavaForConditionalGeneration,
+    "qwen2_vl": Qwen2VLForConditionalGeneration,
     "bert": BertModel,
     "bert_classifier": BertForSequenceClassification,
 }

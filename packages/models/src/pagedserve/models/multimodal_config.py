@@ -10,11 +10,21 @@ takes the decoder's dimensions from the completed ``text_config``.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 # The decoders a multimodal checkpoint may nest (``text_config.model_type``): the classes of
-# the Llama family whose layers need nothing architecture-specific (llama.py).
-DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# the Llama family whose layers need nothing architecture-specific (llama.py). Qwen2-VL's
+# decoder is Qwen2's (qkv bias), its rotary M-RoPE (``rope_parameters.mrope_section``).
+DECODER_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2_vl_text": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
+}
+# Multimodal model types whose older config.json is flat (the decoder's fields at the top,
+# beside ``vision_config``): transformers' config class nests them under ``text_config``.
+FLAT_MULTIMODAL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def read_nested_configs(
@@ -28,9 +38,12 @@ def read_nested_configs(
     ``ModelLoadError`` naming the field."""
     from pagedserve.models.config import ModelLoadError  # config.py imports this module
 
-    if not isinstance(hf_config.get("text_config"), dict):
+    flat = hf_config.get("model_type") in FLAT_MULTIMODAL_TYPES
+    if not isinstance(hf_config.get("text_config"), dict) and not flat:
         return hf_config, hf_config, None
-    text_type = hf_config["text_config"].get("model_type", "llama")
+    text_type = (hf_config.get("text_config") or {}).get(
+        "model_type", f"{hf_config['model_type']}_text" if flat else "llama"
+    )
     if text_type not in DECODER_ARCHITECTURES:
         raise ModelLoadError(
             f"text_config.model_type = {text_type!r}: pagedserve builds the language model of a "
@@ -53,3 +66,31 @@ def read_nested_configs(
 def decoder_architecture(text_config: dict[str, Any]) -> str:
     """The causal-LM class whose layers the language model of a multimodal checkpoint is."""
     return DECODER_ARCHITECTURES[text_config["model_type"]]
+
+
+def language_model_config(config):
+    """``config`` seen as its decoder's: ``hf_config`` the nested ``text_config``, the
+    architecture the decoder's, so llama.py builds it as it builds a text model. Tied
+    embeddings are the multimodal model's own setting (it takes the decoder's as well)."""
+    text = dict(config.text_config)
+    text["tie_word_embeddings"] = bool(config.hf_config.get("tie_word_embeddings"))
+    view = copy.copy(config)
+    view.hf_config = view.text_config = text
+    view.architecture = view.hf_architecture = decoder_architecture(text)
+    view.arch, view.image_token_id = "llama", None
+    return view
+
+
+def refuse_what_images_do_not_run_with(config, par, name: str) -> None:
+    """A vision-language model runs on one rank and one stage, unquantized, generative, from a
+    Hugging Face folder: anything else is refused at load, by the field that asks for it."""
+    if par.tp_size > 1:
+        raise ValueError(f"tensor_parallel_size = {par.tp_size}: {name} runs on one rank")
+    if par.stage.count > 1:
+        raise ValueError(f"pipeline_parallel_size = {par.stage.count}: {name} runs on one stage")
+    if config.quantization is not None:
+        raise ValueError(f"quantization = {config.quantization!r} is not supported for {name}")
+    if config.runner_type != "generate":
+        raise ValueError(f"convert = {config.convert!r}: {name} runs as a generative model")
+    if config.gguf_file is not None:
+        raise ValueError(f"model = {config.model!r}: {name} loads from a Hugging Face folder")

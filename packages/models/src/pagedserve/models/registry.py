@@ -21,7 +21,7 @@ loading says no):
 - ``cpu_fused``: on a CPU, the runner runs its decoder layers as one numba call each for small
   steps (engine/cpu_runner.py; its layers must also be fusable, which tests hold it to);
 - ``images``: its prompts take images, each the rows of its vision tower in place of its
-  placeholder tokens (the model's ``embed_images``, llava.py).
+  placeholder tokens (the model's ``embed_images``: llava.py, qwen2_vl.py).
 """
 
 from __future__ import annotations
@@ -148,6 +148,17 @@ ARCHITECTURES: dict[str, Architecture] = {
         "images in: a CLIP vision tower's features (vision_feature_layer, default or full "
         "strategy) through a 2-layer projector into a Llama/Mistral decoder",
         tensor_parallel=False, images=True, cpu_fused=True,
+    ),
+    "Qwen2VLForConditionalGeneration": Architecture(
+        "qwen2_vl", "Qwen2-VL-2B/7B-Instruct",
+        "images in at their own resolution (2x2-merged patches of a ViT with 2-D rotary); "
+        "M-RoPE positions in a Qwen2 decoder",
+        tensor_parallel=False, images=True,
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(
+        "qwen2_vl", "Qwen2.5-VL-3B/7B-Instruct",
+        "Qwen2-VL's design; the tower's windowed attention, RMSNorm and gated MLP",
+        tensor_parallel=False, images=True,
     ),
     # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)
     "BertModel": _encoder(

@@ -124,6 +124,8 @@ def _yarn_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> t
 
 def build_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
     rope_type = params["rope_type"]
+    if rope_type == "mrope":  # older Qwen2-VL configs: default frequencies, turned per section
+        rope_type = "default"
     if rope_type in ("longrope", "su"):
         return _longrope_cache(rotary_dim, max_position, params)
     if rope_type == "yarn":
@@ -162,7 +164,12 @@ def shared_cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, A
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key at the given positions (neox / rotate-half style)."""
+    """Applies RoPE to query and key at the given positions (neox / rotate-half style).
+
+    With ``mrope_section`` in the settings (Qwen2-VL's M-RoPE) positions are ``[3, T]``:
+    a temporal, a height and a width position per token, and each section of the rotary pairs
+    turns by its own row (text tokens have the three equal, so they turn as plain RoPE;
+    ``[T]`` positions are taken as such text)."""
 
     def __init__(
         self, head_dim: int, max_position: int, params: dict[str, Any], is_neox: bool = True
@@ -173,6 +180,15 @@ class RotaryEmbedding(nn.Module):
         rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         cache = shared_cos_sin_cache(rotary_dim, max_position, params)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        section = params.get("mrope_section")
+        self.mrope_section = tuple(int(s) for s in section) if section else None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
+        if self.mrope_section is None:
+            return rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
+        if positions.dim() == 1:
+            positions = positions.expand(len(self.mrope_section), -1)
+        return rotary_embedding(
+            positions, query, key, self.cos_sin_cache, self.is_neox,
+            mrope_section=self.mrope_section,
+        )  # fmt: skip
