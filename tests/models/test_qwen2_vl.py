@@ -116,3 +116,43 @@ def test_what_it_does_not_run_with_is_refused_by_name(folder):
         Qwen2VLForConditionalGeneration(ModelConfig(model=str(folder), quantization="int8"))
     with pytest.raises(ValueError, match="convert"):
         load_model(ModelConfig(model=str(folder), convert="embed"))
+
+
+# Qwen2-VL-2B-Instruct's config.json as its repository holds it: the decoder's fields flat at
+# the top level, M-RoPE in rope_scaling, the tower's width in embed_dim, its output in hidden_size
+QWEN2_VL_2B_CONFIG = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+    "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 1536,
+    "intermediate_size": 8960, "max_position_embeddings": 32768, "max_window_layers": 28,
+    "num_attention_heads": 12, "num_hidden_layers": 28, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False,
+    "vision_config": {
+        "depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+        "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2,
+        "spatial_patch_size": 14, "temporal_patch_size": 2,
+    },
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vocab_size": 151936,
+}  # fmt: skip
+
+
+def test_the_flat_config_of_a_real_checkpoint_builds_its_shapes(tmp_path):
+    import json
+
+    from pagedserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_2B_CONFIG))
+    config = ModelConfig(model=str(tmp_path), device="cpu")
+    shape = (config.hidden_size, config.num_layers, config.num_attention_heads, config.head_dim)
+    assert shape == (1536, 28, 12, 128) and config.num_kv_heads == 2
+    assert (config.vocab_size, config.image_token_id) == (151936, 151655)
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(config)
+    attention = model.language_model.model.layers[0].self_attn
+    assert attention.rotary_emb.mrope_section == (16, 24, 24)
+    assert attention.qkv_proj.bias is not None and attention.o_proj.bias is None  # Qwen2's
+    assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight
+    assert model.visual.out_hidden_size == 1536 and len(model.visual.blocks) == 32
