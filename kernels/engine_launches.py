@@ -65,9 +65,6 @@ _MODULES = (
 # Encoder models (pooling: embeddings, cross-encoders): (name, heads, head_dim, hidden,
 # intermediate). all-MiniLM-L6-v2; BERT-base / bge-base / XLM-RoBERTa-base.
 ENCODER_SHAPES = [("minilm-l6", 12, 32, 384, 1536), ("bert-base", 12, 64, 768, 3072)]
-# LLaVA-1.5's vision tower, CLIP ViT-L/14 at 336 pixels: (name, rows an image, hidden,
-# intermediate).
-VISION_SHAPE = ("clip-vit-l14-336", 577, 1024, 4096)
 # (name, experts, top_k): Mixtral 8x7B, Qwen3-30B-A3B. Hidden and intermediate sizes are cut
 # to 256 / 512: the variant depends on the tile choices (the same from 64 features up), the
 # dtypes and the strides' divisibility, not on the sizes themselves.
@@ -75,14 +72,6 @@ MOE_SHAPES = [("mixtral-8x7b", 8, 2), ("qwen3-30b-a3b", 128, 8)]
 # gpt-oss-20b's experts: 32, top 4, biased, the clamped SwiGLU (its own variants of both GEMMs)
 GPT_OSS_MOE = ("gpt-oss-20b", 32, 4)
 
-
-# M-RoPE (Qwen2-VL / Qwen2.5-VL): (name, q heads, kv heads, head_dim, mrope_section). The
-# text model's [3, T] positions turn three sections of pairs; the vision tower's 2-D rotary
-# turns two (h, w) over all 80 dims of its MHA heads.
-MROPE_SHAPES = [
-    ("qwen2-vl-2b", 12, 2, 128, (16, 24, 24)),
-    ("qwen2-vl-vision", 16, 16, 80, (20, 20)),
-]
 
 # (name, heads a rank, kv_lora_rank, rope_dim): DeepSeek-V2-Lite has 16 heads, V3 128 (16 a
 # rank over 8); both cache 512 + 64 latent values. Heads are a runtime size: one shape covers.
@@ -389,33 +378,6 @@ def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
         record(f"{name} {label}")
 
 
-def vision_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
-    """A CLIP vision tower's own launches over an image's rows (LLaVA's): its LayerNorms and
-    QuickGELU. Its attention is torch's SDPA, and its projector's exact GELU is the encoders'
-    launch (encoder_launches)."""
-    mods = _wrappers()
-    name, rows, hidden, intermediate = VISION_SHAPE
-    x, weight = torch.randn(rows, hidden).to(dtype), torch.randn(hidden).to(dtype)
-    mods["layer_norm"].layer_norm_triton(x, weight, weight.clone(), 1e-5)
-    mods["quick_gelu"].quick_gelu_triton(torch.randn(rows, intermediate).to(dtype))
-    record(f"{name} {label}")
-
-
-def mrope_launches(dtype: torch.dtype, record: Callable, label: str, n_tokens: int = 3) -> None:
-    """The rotary kernel's M-RoPE variants (NUM_SECTIONS 3 and 2) on views of a fused qkv
-    output, as Qwen2-VL's text layers and vision tower launch them."""
-    mods = _wrappers()
-    for name, n_q, n_kv, head_dim, section in MROPE_SHAPES:
-        qkv = torch.randn(n_tokens, n_q + 2 * n_kv, head_dim).to(dtype)
-        q, k = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv]
-        positions = torch.arange(n_tokens).expand(len(section), -1)
-        cos_sin = torch.randn(64, 2 * sum(section))
-        mods["rotary_embedding"].rotary_embedding_triton(
-            positions, q, k, cos_sin, True, mrope_section=section
-        )
-        record(f"{name} {label} mrope")
-
-
 def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: str) -> None:
     """Multi-head latent attention's own launches: the absorbed decode over the latent cache
     (plain and split-KV), the latent store (k_pe a strided view of the kv_a projection), the
@@ -477,7 +439,13 @@ def engine_launches(
     for dtype_name, sizes in block_sizes.items():
         moe_launches(DTYPES[dtype_name], record, dtype_name)
         encoder_launches(DTYPES[dtype_name], record, dtype_name)
-        vision_launches(DTYPES[dtype_name], record, dtype_name)
-        mrope_launches(DTYPES[dtype_name], record, dtype_name)
         for block_size in sizes:
             mla_launches(DTYPES[dtype_name], block_size, record, dtype_name)
+        vision_language_launches(DTYPES[dtype_name], sizes, record, dtype_name)
+
+
+def vision_language_launches(dtype: torch.dtype, sizes: list[int], record: Callable, label: str):
+    """What vision-language models add (engine_launches_vision.py)."""
+    from engine_launches_vision import vision_language_launches as launches
+
+    launches(dtype, sizes, record, label)

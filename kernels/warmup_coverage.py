@@ -74,10 +74,11 @@ def step_args(m: ModelShape, seqs, dtype, block_size: int, device: str = "cpu") 
 
 
 def attention_keys(
-    m, dtype, block_size, max_model_len, steps, target, batch_invariant=False
+    m, dtype, block_size, max_model_len, steps, target, batch_invariant=False, key_limits=False
 ) -> tuple[set, set]:
     """(keys the warm-up made, keys the workload needs). A model with a window serves every
-    step through its global layers and through its windowed ones (as Gemma's alternate)."""
+    step through its global layers and through its windowed ones (as Gemma's alternate).
+    ``key_limits``: every step also carries per-row key limits (Gemma 3's images)."""
     sinks = dict(sinks=torch.zeros(m.n_q_heads)) if m.sinks else {}
     kinds = [dict(logits_soft_cap=m.logits_soft_cap, **sinks)]
     if m.sliding_window is not None:
@@ -89,13 +90,18 @@ def attention_keys(
             m.n_q_heads, m.n_kv_heads, m.head_dim, dtype, block_size, max_model_len, "cpu",
             layer_windows=(None, m.sliding_window), logits_soft_cap=m.logits_soft_cap,
             batch_invariant=batch_invariant,
-            sinks=m.sinks,
+            sinks=m.sinks, key_limits=key_limits,
         )  # fmt: skip
     with compiling_for(target), jit_cache_keys() as served:
         for seqs in steps:
             for kind in kinds:
                 args = step_args(m, seqs, dtype, block_size)
                 paged_attention_triton(*args, **kind, batch_invariant=batch_invariant)
+                if key_limits:
+                    limits = torch.ones(args[0].shape[0], dtype=torch.int32)
+                    paged_attention_triton(
+                        *args, **kind, batch_invariant=batch_invariant, key_limits=limits
+                    )
     return set(warm), set(served)
 
 
@@ -137,8 +143,10 @@ def check(target: Target, max_num_seqs: int = 256, max_model_len: int = 8192) ->
     for m in MODELS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for block_size, batch_invariant in product((16, 32), (False, True)):
+                # a windowed model stands for Gemma 3's: its image steps carry key limits
+                limited = m.sliding_window is not None and not m.sinks
                 warm, served = attention_keys(
-                    m, dtype, block_size, max_model_len, steps, target, batch_invariant
+                    m, dtype, block_size, max_model_len, steps, target, batch_invariant, limited
                 )
                 missing = served - warm
                 # decode, prefill and split decode at least; batch invariant: walk and split

@@ -19,8 +19,8 @@ the layer's own tensors, so a weight changed in place is seen; a parameter repla
 another object is not (nothing in pagedserve does that after load).
 
 The step's attention work plan (kernels/cpu/paged_attention_plan.py: tiles, KV splits, the
-parallel choice) depends on the batch's layout and the layer's window only, so the runner
-builds it once per step and window and hands it to each fused layer; under
+parallel choice, the rows' key limits) depends on the batch's layout and the layer's window
+only, so the runner builds it once per step and window and hands it to each fused layer; under
 ``--batch-invariant`` it is the batch-invariant plan, as the attention layers' own.
 """
 
@@ -79,6 +79,7 @@ class CPUModelRunner(ModelRunner):
                 plans[weights.window] = step_plan(
                     meta.block_tables, meta.seq_lens, meta.query_start_loc,
                     NUMBA_MAX_Q_LEN, None, weights.window, self.model_config.batch_invariant,
+                    meta.key_limits,
                 )  # fmt: skip
         if model_input.image_rows is not None:  # a vision model's prompt: image rows written in
             hidden = embeddings_with_images(self.model, input_ids, model_input.image_rows)

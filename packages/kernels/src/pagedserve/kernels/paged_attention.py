@@ -19,6 +19,14 @@ weights are ``exp(s_j) / (exp(sink_h) + sum_k exp(s_k))``, so they may sum to le
 (a head can "attend to nowhere"). The sink is a logit as the scores are after scaling (and
 capping); it is read in fp32.
 
+``key_limits`` (int32 ``[T]``, on the query's device) replaces the causal bound per query
+row: row t sees positions ``p < key_limits[t]`` (and, under a window, still
+``p > pos_t - W``), e.g. the end of the image a row lies in, so that an image's tokens attend
+to each other both ways (Gemma 3's vision-language prefill); ``pos_t + 1`` is causal. The
+caller keeps each limit within ``pos_t + 1 .. seq_len`` (an image is never split across
+prefill chunks, and its keys are stored before the attention runs); a limit past ``seq_len``
+reads nothing past it. None: causal, the kernels compiled exactly as without it.
+
 Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
 ``seq_len`` may hold anything, NaN included, and never reach an output; softmax runs in
@@ -60,17 +68,18 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_range(
-    q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi, read_lo,
-    m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride, cache_slot_stride,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi,
+    read_lo, m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
+    cache_slot_stride, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
-    SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr,
+    SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr, KEY_LIMITS: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of the tile's rows over KV positions ``kv_lo .. kv_hi - 1``, TILE_N
     at a time from ``kv_lo``, from the state ``(m_i, l_i)`` (-inf and 0, or a sink's) and a zero
     accumulator: ``(m, l, acc)`` in exp2 units, ``acc`` unnormalised. READ_FROM: positions
     before ``read_lo`` (before every row's window) are not read (a walk that starts at a
-    multiple of TILE_N below the first row's horizon)."""
+    multiple of TILE_N below the first row's horizon). KEY_LIMITS: each row sees positions
+    below its ``key_end`` (else up to its ``q_pos``)."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(kv_lo, kv_hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
@@ -88,7 +97,10 @@ def _attend_range(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:  # a cache of another 16-bit type than the query's is read as the query's
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        if KEY_LIMITS:
+            visible = (pos[None, :] < key_end[:, None]) & pos_valid[None, :]
+        else:
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
         if SLIDING:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         if SOFT_CAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1): no overflow
@@ -125,7 +137,7 @@ def _attend_range(
 )  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr, sinks_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim,
+    out_ptr, lse_ptr, sinks_ptr, key_limits_ptr, scale_log2, cap_inv, cap_log2, n_seqs, head_dim,
     kv_positions_per_split, window,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, out_split_stride,
     lse_token_stride, lse_head_stride, cache_block_stride, cache_slot_stride,
@@ -133,7 +145,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-    SINKS: tl.constexpr, FIXED_SPLITS: tl.constexpr,
+    SINKS: tl.constexpr, FIXED_SPLITS: tl.constexpr, KEY_LIMITS: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
@@ -148,7 +160,9 @@ def _paged_attention_kernel(
     128 as runtime branches). FIXED_SPLITS (batch invariant): every row's positions cut at
     multiples of ``kv_positions_per_split`` and folded in order (``_fold_split``), by this
     program or, with WRITE_PARTIAL, by ``_fold_kv_splits_kernel``; a sink is the fold's
-    starting state there, not a split's, so it enters at the same place for every row."""
+    starting state there, not a split's, so it enters at the same place for every row.
+    KEY_LIMITS: a row sees the positions below its ``key_limits`` entry; the tile walks (and
+    splits) up to its valid rows' largest."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,8 +186,12 @@ def _paged_attention_kernel(
         q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
-        # Causal: no row of this tile sees past its last token; a split sees its range only.
-        kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
+        key_end = q_pos  # each row's end (KEY_LIMITS)
+        if KEY_LIMITS:  # padding rows alias another tile's token: left out of the walk's end
+            key_end = tl.load(key_limits_ptr + token)
+            kv_end = tl.minimum(seq_len, tl.max(tl.where(row_valid, key_end, 0), axis=0))
+        else:  # causal: no row of this tile sees past its last token
+            kv_end = tl.minimum(seq_len, n_cached + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
         horizon = n_cached + q_tile * BLOCK_Q - window + 1  # the first row's (SLIDING)
         block_row_ptr = block_tables_ptr + seq * block_table_stride
         head_off = kv_head * cache_head_stride + dims[None, :]
@@ -188,11 +206,11 @@ def _paged_attention_kernel(
             per = kv_positions_per_split
             if WRITE_PARTIAL:  # this program's split; _fold_kv_splits_kernel folds them
                 m_i, l_i, acc = _attend_range(
-                    q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                    q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
                     tl.maximum(split * per, walk_lo), tl.minimum(kv_end, split * per + per),
                     read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                     cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
-                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING,
+                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS,
                 )  # fmt: skip
                 out, lse = _normalised(m_i, l_i, acc)
             else:  # every split in order, each folded as it ends
@@ -202,11 +220,12 @@ def _paged_attention_kernel(
                 acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
                 for part in range(walk_lo // per, tl.cdiv(kv_end, per)):
                     m_i, l_i, acc = _attend_range(
-                        q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                        q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off,
+                        d_mask,
                         tl.maximum(part * per, walk_lo), tl.minimum(kv_end, part * per + per),
                         read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                         cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N,
-                        BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING,
+                        BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS,
                     )  # fmt: skip
                     out_s, lse_s = _normalised(m_i, l_i, acc)
                     m_run, w_run, acc_run = _fold_split(m_run, w_run, acc_run, out_s, lse_s)
@@ -220,10 +239,10 @@ def _paged_attention_kernel(
                 m_0 = tl.where(split == 0, sink, m_0)
                 l_0 = tl.where(split == 0, 1.0, l_0)
             m_i, l_i, acc = _attend_range(
-                q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_start,
-                kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                kv_start, kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                 cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
-                DOT_FP32, SLIDING, SOFT_CAP, False,
+                DOT_FP32, SLIDING, SOFT_CAP, False, KEY_LIMITS,
             )  # fmt: skip
             out, lse = _normalised(m_i, l_i, acc)
         out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
@@ -249,15 +268,16 @@ def paged_attention_triton(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch wrapper. Grid: (q tiles, KV heads, KV splits). The number of q tiles is
-    bounded from shapes alone (T // BLOCK_Q + B), so no device-to-host sync is needed;
-    tiles past a sequence's last token exit at once. ``num_kv_splits`` > 1 takes the
-    flash-decoding path (partials + merge); by default it is chosen from shapes (1 under a
-    window: splits cut absolute positions). A windowed, capped or sinks layer is a variant
-    of its own (constexpr flags); the window's width is a runtime scalar. ``batch_invariant``:
-    ``launch_shape``'s one tile and fixed splits, folded in order (kv_splits.py)."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
+    """Launch wrapper. Grid: (q tiles, KV heads, KV splits); the q tiles are bounded from
+    shapes alone (T // BLOCK_Q + B): no device-to-host sync, and tiles past a sequence's
+    last token exit at once. ``num_kv_splits`` > 1 takes the flash-decoding path (partials +
+    merge); by default chosen from shapes (1 under a window: splits cut absolute positions).
+    A windowed, capped, sinks or key-limited layer is a variant of its own (constexpr flags;
+    the window's width is a runtime scalar). ``batch_invariant``: fixed splits (kv_splits.py)."""
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
+    limits = None if key_limits is None else key_limits.contiguous()  # None: a constexpr
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: KV caches must be contiguous")
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -280,7 +300,7 @@ def paged_attention_triton(
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        out if sinks is None else sinks, *score_scales(scale, logits_soft_cap), n_seqs,
+        out if sinks is None else sinks, limits, *score_scales(scale, logits_soft_cap), n_seqs,
         head_dim, per_split, sliding_window or 0, query.stride(0), query.stride(1),
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
@@ -289,7 +309,7 @@ def paged_attention_triton(
         BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
         DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
-        FIXED_SPLITS=batch_invariant, num_warps=num_warps,
+        FIXED_SPLITS=batch_invariant, KEY_LIMITS=key_limits is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         merge_kv_splits(target, lse, out, in_order=batch_invariant, sinks=sinks)
@@ -308,6 +328,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
@@ -316,9 +337,13 @@ def paged_attention(
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: None for a global, uncapped layer
     without sinks. ``batch_invariant``: each row's result the same bits in any batch, chunk
     or prefix hit (the Triton and numba paths; the reference batches its matmuls and is
-    refused)."""
+    refused). ``key_limits``: int32 ``[T]``, each row's exclusive bound on the key positions
+    it sees (the module docstring); None: causal. A ValueError names a wrong shape, dtype or
+    device."""
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     extra = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if key_limits is not None:
+        extra["key_limits"] = key_limits
     if batch_invariant:
         extra["batch_invariant"] = True
     path = kernel_path(query, has_numba=True)

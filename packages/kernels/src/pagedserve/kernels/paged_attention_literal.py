@@ -4,7 +4,8 @@ Not a fast path and not used by the engine: :func:`paged_attention_ref` (the CPU
 vectorised path) and the Triton kernel are both compared against this in the kernel suite.
 Each line is one clause of the contract (``paged_attention``'s docstring): for each sequence,
 gather its keys and values through its block table, let each new token see the cached
-positions up to its own (and, with a sliding window, no further back than the window),
+positions up to its own, or below its ``key_limits`` entry when given (and, with a sliding
+window, no further back than the window),
 cap the scores (``logits_soft_cap``), softmax in fp32 (with each head's sink, when given, one
 more logit in the denominator that weighs no value), weighted sum, cast to the query's dtype.
 """
@@ -25,6 +26,7 @@ def paged_attention_literal(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``paged_attention``; one sequence at a time."""
     out = torch.zeros_like(query)  # rows no sequence owns stay zero
@@ -50,7 +52,10 @@ def paged_attention_literal(
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
         if logits_soft_cap is not None:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if key_limits is None:
+            hidden = pos[None, None, :] > q_pos[None, :, None]
+        else:  # token j sees positions below its own limit (an image's end, say)
+            hidden = pos[None, None, :] >= key_limits[start:end].long()[None, :, None]
         if sliding_window is not None:
             hidden |= pos[None, None, :] <= q_pos[None, :, None] - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks=None) -> None:
+def _check(
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks=None, key_limits=None
+) -> None:
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: query {tuple(query.shape)} must be [T, Hq, D] and caches "
@@ -40,6 +42,21 @@ def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sin
         raise ValueError(
             f"paged_attention: sinks {tuple(sinks.shape)} must be [Hq] = [{n_q_heads}], one "
             "logit per query head"
+        )
+    if key_limits is not None and not (
+        isinstance(key_limits, torch.Tensor)
+        and key_limits.dtype == torch.int32
+        and key_limits.shape == (query.shape[0],)
+        and key_limits.device == query.device
+    ):
+        got = (
+            f"{key_limits.dtype} {tuple(key_limits.shape)} on {key_limits.device}"
+            if isinstance(key_limits, torch.Tensor)
+            else type(key_limits).__name__
+        )
+        raise ValueError(
+            f"paged_attention: key_limits must be int32 [T] = [{query.shape[0]}] on the "
+            f"query's device ({query.device}), one exclusive key bound per query row; got {got}"
         )
 
 
@@ -86,9 +103,12 @@ def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
-def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, window, cap, sinks):
+def _decode_ref(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, window, cap, sinks, limits=None
+):
     """All q_len == 1 rows at once: one gather per cache, two batched matmuls, fp32 softmax.
-    Under a window each row reads its last ``window`` positions only."""
+    Under a window each row reads its last ``window`` positions only; with ``limits`` (each
+    row's key limit, or None: causal) a row sees positions below its limit only."""
     n_seqs, n_q_heads, head_dim = query.shape
     n_kv_heads = k_cache.shape[2]
     first = None if window is None else (seq_lens.long() - window).clamp(min=0)
@@ -96,7 +116,8 @@ def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, window, 
     v = _gather_kv(v_cache, block_tables, seq_lens, first)
     q = query.float().view(n_seqs, n_kv_heads, n_q_heads // n_kv_heads, head_dim).transpose(0, 1)
     scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)  # [Hkv, n, G, L]
-    n_read = seq_lens.long() if first is None else seq_lens.long() - first
+    ends = seq_lens.long() if limits is None else torch.minimum(limits.long(), seq_lens.long())
+    n_read = ends if first is None else ends - first
     past_end = torch.arange(k.shape[2], device=k.device) >= n_read[:, None]
     scores.masked_fill_(past_end[None, :, None, :], float("-inf"))
     sink = None if sinks is None else sinks.view(n_kv_heads, 1, -1, 1)  # as the scores' heads
@@ -105,15 +126,17 @@ def _decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, window, 
 
 
 def _prefill_ref(
-    query, k_cache, v_cache, block_table, seq_len, scale, window=None, cap=None, sinks=None
-) -> torch.Tensor:
+    query, k_cache, v_cache, block_table, seq_len, scale, window=None, cap=None, sinks=None,
+    limits=None,
+) -> torch.Tensor:  # fmt: skip
     """One sequence with q_len > 1: SDPA over exactly the cached tokens it sees.
 
     The inputs are 4-D ([1, H, L, D]) with the KV heads repeated to the query heads: that is
     what sends CPU SDPA to its flash kernel. 3-D inputs, or ``enable_gqa`` on older torch,
     fall back to the "math" path, which materialises the scores (several times slower).
     A window reads from the first new token's horizon on and masks each row's own; a soft
-    cap needs the scores themselves, so it takes the explicit softmax."""
+    cap needs the scores themselves, so it takes the explicit softmax. ``limits`` (each row's
+    key limit, or None: causal) replaces the causal bound in the mask."""
     q_len, n_q_heads, _ = query.shape
     group = n_q_heads // k_cache.shape[2]
     first = 0 if window is None else max(0, int(seq_len) - q_len - window + 1)
@@ -127,10 +150,12 @@ def _prefill_ref(
     q_pos = torch.arange(seq_end - q_len, seq_end, device=query.device)[:, None]
     k_pos = torch.arange(first, seq_end, device=query.device)[None, :]
     mask = None
-    if window is not None or seq_end > q_len or cap is not None or sinks is not None:
+    if limits is not None:
+        mask = k_pos < limits.long()[:, None]
+    elif window is not None or seq_end > q_len or cap is not None or sinks is not None:
         mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
+    if window is not None:
+        mask &= k_pos > q_pos - window
     if cap is not None:
         scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
         sink = None if sinks is None else sinks.view(1, -1, 1, 1)
@@ -168,9 +193,10 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference and CPU hot path: decode rows batched, one SDPA per longer sequence."""
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
     out = torch.zeros_like(query)
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
@@ -180,7 +206,7 @@ def paged_attention_ref(
         rows = starts[decode]
         out[rows] = _decode_ref(
             query[rows], k_cache, v_cache, block_tables[decode], seq_lens[decode], scale,
-            window, cap, sinks,
+            window, cap, sinks, None if key_limits is None else key_limits[rows],
         )  # fmt: skip
     prefill = (q_lens > 1).nonzero().flatten().tolist()
     bounds = starts.tolist()
@@ -196,5 +222,6 @@ def paged_attention_ref(
             window,
             cap,
             sinks,
+            None if key_limits is None else key_limits[start:end],
         )
     return out

@@ -125,3 +125,36 @@ def random_gguf_rows(
         half = (torch.rand(raw.shape[0], generator=gen) + 0.5) * scale
         raw[:, offset : offset + 2] = half.to(torch.float16).view(torch.uint8).reshape(-1, 2)
     return raw.reshape(n, row_bytes(qtype, k))
+
+
+def image_key_limits(seqs, images: dict, device="cpu") -> torch.Tensor:
+    """Key limits (paged attention's ``key_limits``) for a batch of ``seqs`` ((seq_len, q_len)
+    each) whose sequence ``b`` holds images at ``images[b]`` ([first, end) positions): each new
+    token's image end inside an image, its own position + 1 elsewhere."""
+    limits = []
+    for b, (seq_len, q_len) in enumerate(seqs):
+        for pos in range(seq_len - q_len, seq_len):
+            ends = [end for first, end in images.get(b, []) if first <= pos < end]
+            limits.append(ends[0] if ends else pos + 1)
+    return torch.tensor(limits, dtype=torch.int32, device=device)
+
+
+def dense_attention(batch: PagedBatch, limits: torch.Tensor, window: int | None) -> torch.Tensor:
+    """An independent reference for paged attention with key limits: per sequence, over its
+    contiguous keys in float64, row t sees ``lower <= p < limits[t]`` (``lower``: the window's
+    bound, or 0). On the host, in the query's dtype."""
+    out = torch.zeros(batch.query.shape, dtype=torch.float64)
+    starts, limits = batch.query_start_loc.tolist(), limits.cpu().long()
+    for b, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        q = batch.query[starts[b] : starts[b + 1]].double().cpu()
+        group = q.shape[1] // k.shape[1]
+        k = k.double().cpu().repeat_interleave(group, 1)
+        v = v.double().cpu().repeat_interleave(group, 1)
+        pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+        lower = pos - window + 1 if window else torch.zeros_like(pos)
+        p = torch.arange(k.shape[0])[None, :]
+        seen = (p >= lower) & (p < limits[starts[b] : starts[b + 1], None])
+        scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.to(batch.query.dtype)

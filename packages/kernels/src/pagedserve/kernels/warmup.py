@@ -37,6 +37,7 @@ Every other kernel has one variant per model and dtype and is compiled by the fi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -68,6 +69,7 @@ def paged_attention_warmup(
     cache_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
     sinks: bool = False,
+    key_limits: bool = False,
 ) -> int:
     """Launch paged attention once per variant on tiny batches (compiling each, on a GPU);
     returns the number of launches. Does nothing off a GPU (CPU tensors outside
@@ -77,7 +79,9 @@ def paged_attention_warmup(
     the KV cache's element type when it differs from the model's (``--kv-cache-dtype``);
     ``batch_invariant``: the batch-invariant mode's variants instead (one tile for every step:
     a program that walks its fixed splits, split programs and their fold; windowed, the
-    first); ``sinks``: whether the model's layers have attention sinks."""
+    first); ``sinks``: whether the model's layers have attention sinks; ``key_limits``: whether
+    its steps may carry per-row key limits (Gemma 3's images read both ways): every variant
+    again with them."""
     probe = torch.empty(0, device=device)
     if not (is_cuda(probe) and use_triton(probe)):
         return 0
@@ -97,15 +101,17 @@ def paged_attention_warmup(
     variants = variants if None in layer_windows else []
     if windows:
         variants += [(min(windows), 1, 1)] + [(min(windows), 2, 1)] * (not batch_invariant)
-    for window, n_tokens, kv_splits in variants:
+    limits = [None, torch.full((2,), 2, dtype=torch.int32, device=device)][: 1 + key_limits]
+    for (window, n_tokens, kv_splits), limit in itertools.product(variants, limits):
         query = torch.zeros(n_tokens, n_q_heads, head_dim, dtype=dtype, device=device)
         query_start_loc = torch.tensor([0, n_tokens], dtype=torch.int32, device=device)
         paged_attention_triton(
             query, *caches, block_tables, seq_lens, query_start_loc, head_dim**-0.5, kv_splits,
             sliding_window=window, logits_soft_cap=logits_soft_cap, sinks=sink_logits,
             batch_invariant=batch_invariant,
+            key_limits=None if limit is None else limit[:n_tokens],
         )  # fmt: skip
-    return len(variants)
+    return len(variants) * len(limits)
 
 
 def mla_decode_warmup(

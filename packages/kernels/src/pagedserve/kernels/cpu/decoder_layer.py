@@ -97,7 +97,9 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     o, gate_up, down), each for ``project``; ``qkv_bias``: empty for none; ``heads``: (query heads, KV heads, head
     dim); ``rotary``: (positions, cos/sin cache, neox?); ``cache``: (K cache, V cache, slot
     mapping); ``attention``: (layout, work, merges, parallel?, scale, window, soft cap, sinks:
-    none, the fused layers are of models without them); ``batch_invariant``: the GEMMs' loop
+    none, the fused layers are of models without them; the layout carries the step's key
+    limits, where it has them, as the modules' attention reads them: ``StepPlan``);
+    ``batch_invariant``: the GEMMs' loop
     (``project``)."""
     w_qkv, w_o, w_gate_up, w_down = weights
     normed = np.empty_like(hidden)

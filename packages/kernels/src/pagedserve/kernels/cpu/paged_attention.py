@@ -11,7 +11,7 @@ attention itself. This kernel is the CPU analogue of the Triton one instead:
   each position's K and V rows in place (all KV heads of a slot are contiguous, so the walk
   streams whole blocks), each KV head's row once for its whole group of query heads (GQA);
 - the KV positions a tile can see (causal with an offset: new token j of a sequence sits at
-  ``seq_len - q_len + j``) are scored ``TILE_N`` at a time and folded in with an online
+  ``seq_len - q_len + j``; or below each token's key limit, when the step has them) are scored ``TILE_N`` at a time and folded in with an online
   softmax in fp32. Only positions below ``seq_len`` are ever read, so stale cache slots (NaN
   included) cannot reach an output; within a tile, a row's probabilities past its own
   position are exact zeros and the V rows they would weight are skipped;
@@ -45,6 +45,7 @@ from numba import prange
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.cpu.half import cache_as_numpy
 from pagedserve.kernels.cpu.paged_attention_plan import (
+    NO_KEY_LIMITS,
     StepPlan,
     _plan,
     _work_items,
@@ -61,12 +62,13 @@ NO_SINKS = np.empty(0, np.float32)  # a layer without attention sinks (one signa
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, item, scale,
-                 window, cap, sinks, out, part_acc, part_max, part_sum):  # fmt: skip
+def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, key_limits,
+                 item, scale, window, cap, sinks, out, part_acc, part_max, part_sum):  # fmt: skip
     """One work item ``item = work[i]``: (sequence, first new token, last + 1, first KV
     position, last + 1, partial slot). Slot -1: the item covers all positions, its rows go to
     ``out``; else it is one KV split of a one-token tile and leaves its unnormalised state in
-    the partials. ``sinks``: one per query head, or empty."""
+    the partials. ``sinks``: one per query head, or empty; ``key_limits``: one per new token,
+    or empty (causal)."""
     n_q_heads, head_dim = query.shape[1], query.shape[2]
     b, q0, q1, slot = item[0], item[1], item[2], item[5]
     q_start = query_start_loc[b]
@@ -80,7 +82,7 @@ def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             m[r] = sinks[r % n_q_heads]
             row_sum[r] = 1.0
     _attend_tile(
-        query, k_cache, v_cache, block_tables[b], n_cached, q_start, q0, q1,
+        query, k_cache, v_cache, block_tables[b], key_limits, n_cached, q_start, q0, q1,
         item[3], item[4], scale, window, cap, acc, m, row_sum,
     )  # fmt: skip
     if slot >= 0:
@@ -89,33 +91,33 @@ def _attend_item(query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         part_sum[slot] = row_sum
     else:
         for r in range(n_rows):
-            inv = np.float32(1.0) / row_sum[r]  # > 0: a row sees its own position
+            inv = np.float32(1.0) / row_sum[r]  # > 0: a row sees its own position (or limit's)
             for d in range(head_dim):
                 out[q_start + q0 + r // n_q_heads, r % n_q_heads, d] = acc[r, d] * inv
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _paged_attention_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            work, scale, window, cap, sinks, out, part_acc, part_max,
-                            part_sum):  # fmt: skip
+                            key_limits, work, scale, window, cap, sinks, out, part_acc,
+                            part_max, part_sum):  # fmt: skip
     """Every work item (``work [W, 6]``, see :func:`_attend_item`) under ``prange``."""
     for i in prange(work.shape[0]):
         _attend_item(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, work[i], scale,
-            window, cap, sinks, out, part_acc, part_max, part_sum,
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, key_limits,
+            work[i], scale, window, cap, sinks, out, part_acc, part_max, part_sum,
         )  # fmt: skip
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _paged_attention_serial(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            work, scale, window, cap, sinks, out, part_acc, part_max,
-                            part_sum):  # fmt: skip
+                            key_limits, work, scale, window, cap, sinks, out, part_acc,
+                            part_max, part_sum):  # fmt: skip
     """The same items in one thread: for a single item (a batch-1 decode) or one thread,
     where starting a parallel region costs more than it could share."""
     for i in range(work.shape[0]):
         _attend_item(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, work[i], scale,
-            window, cap, sinks, out, part_acc, part_max, part_sum,
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, key_limits,
+            work[i], scale, window, cap, sinks, out, part_acc, part_max, part_sum,
         )  # fmt: skip
 
 
@@ -157,18 +159,18 @@ def launch_attention(
     query, k_cache, v_cache, layout, work, merges, parallel, scale, window, cap, sinks, out
 ):
     """Run the work items into ``out``, under ``prange`` (handed out one by one, longest first)
-    or in this thread, then merge the KV splits. ``layout``: block tables, lengths and starts
-    as the kernels read them; ``sinks``: fp32, one per query head, or empty. Compiled, so
+    or in this thread, then merge the KV splits. ``layout``: block tables, lengths, starts and
+    key limits (empty: causal) as the kernels read them (``StepPlan.layout``); ``sinks``: fp32, one per query head, or empty. Compiled, so
     that the fused decoder layer (cpu/decoder_layer.py) calls the very same launch as this
     module's wrapper."""
-    block_tables, seq_lens, starts = layout
+    block_tables, seq_lens, starts, key_limits = layout
     n_parts = merges[:, 2].sum() if merges.shape[0] else 0  # one slot per split of a tile
     part_acc = np.empty((n_parts, out.shape[1], out.shape[2]), np.float32)
     part_max = np.empty((n_parts, out.shape[1]), np.float32)
     part_sum = np.empty((n_parts, out.shape[1]), np.float32)
     args = (
-        query, k_cache, v_cache, block_tables, seq_lens, starts, work, scale, window, cap, sinks,
-        out,
+        query, k_cache, v_cache, block_tables, seq_lens, starts, key_limits, work, scale, window,
+        cap, sinks, out,
     )  # fmt: skip
     if parallel:
         previous = _set_parallel_chunksize(1)
@@ -180,8 +182,10 @@ def launch_attention(
         _merge_kv_splits(part_acc, part_max, part_sum, merges, out)
 
 
-def _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks) -> None:
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
+def _check_cpu(
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits
+) -> None:
+    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
     if query.is_cuda or k_cache.is_cuda:
         raise ValueError("paged_attention_numba: runs on CPU tensors only")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -223,6 +227,7 @@ def paged_attention_numba(
     logits_soft_cap: float | None = None,
     batch_invariant: bool = False,
     sinks: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over the paged cache (CPU tensors); ``[T, Hq, D]``.
 
@@ -231,12 +236,13 @@ def paged_attention_numba(
     parallel and merged (flash-decoding); by default that happens only when there are too
     few decode rows to keep every thread busy. ``batch_invariant``: the plan of
     :func:`step_plan` whose every row's result is the same bits in any batch (both knobs
-    above ignored)."""
-    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
+    above ignored). ``key_limits``: each row's key limit (paged_attention's), or None."""
+    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
     window = sliding_window or 0
     plan = step_plan(
-        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, batch_invariant
-    )
+        block_tables, seq_lens, query_start_loc, max_q_len, num_kv_splits, window, batch_invariant,
+        key_limits,
+    )  # fmt: skip
     return _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap, sinks)
 
 
@@ -252,22 +258,25 @@ def paged_attention_cpu(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU engine's paged attention: this kernel for decode rows and short chunks, one
     SDPA flash call per sequence with more than ``NUMBA_MAX_Q_LEN`` new tokens; with
     ``batch_invariant`` this kernel for every row, in the order of the batch-invariant plan
     (SDPA's blocking follows the prompt's length, so a prompt's rows would not match the
     decode rows of the same positions)."""
-    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks)
+    _check_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
     window = sliding_window or 0
     plan = step_plan(
-        block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window, batch_invariant
-    )
+        block_tables, seq_lens, query_start_loc, NUMBA_MAX_Q_LEN, None, window, batch_invariant,
+        key_limits,
+    )  # fmt: skip
     out = _attend(query, k_cache, v_cache, plan, scale, window, logits_soft_cap, sinks)
     for b, start, end in plan.long_seqs:
         out[start:end] = _prefill_ref(
             query[start:end], k_cache, v_cache, block_tables[b], seq_lens[b], scale,
             sliding_window, logits_soft_cap, sinks,
+            None if key_limits is None else key_limits[start:end],
         )  # fmt: skip
     return out
 
@@ -286,9 +295,10 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         paged_attention_numba(*args)
         query, k_cache, v_cache, block_tables, seq_lens, starts, scale = args
         lens, starts = seq_lens.to(torch.int64).numpy(), starts.to(torch.int64).numpy()
-        work, merges = _plan(_work_items(starts[1:] - starts[:-1], lens, None), starts, lens, 1)
+        tiles = _work_items(starts[1:] - starts[:-1], lens, None)
+        work, merges = _plan(tiles, starts, lens, NO_KEY_LIMITS, 1)
         arrays = (query.float().numpy(), cache_as_numpy(k_cache), cache_as_numpy(v_cache),
-                  (block_tables.numpy(), lens, starts), work, merges)  # fmt: skip
+                  (block_tables.numpy(), lens, starts, NO_KEY_LIMITS), work, merges)  # fmt: skip
         for parallel in (True, False):
             out = np.zeros(query.shape, np.float32)
             launch_attention(*arrays, parallel, np.float32(scale), 0, np.float32(0), NO_SINKS, out)

@@ -130,14 +130,15 @@ def _online_softmax(s, first, n_visible, m, row_sum, acc, r):
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
-def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1, kv_lo,
-                 kv_hi, scale, window, cap, acc, m, row_sum):  # fmt: skip
+def _attend_tile(query, k_cache, v_cache, block_table, key_limits, n_cached, q_start, q0, q1,
+                 kv_lo, kv_hi, scale, window, cap, acc, m, row_sum):  # fmt: skip
     """Fold KV positions ``kv_lo .. kv_hi`` (clipped to what the tile sees) into the online
     softmax state of new tokens ``q0 .. q1`` of one sequence, all query heads, ``TILE_N`` at a
     time from ``kv_lo``. ``window`` > 0: a token sees its last ``window`` positions only, and
     nothing before the first token's horizon is read (``kv_lo`` may lie before it: the
     batch-invariant plan starts every walk at a multiple of ``TILE_N``); ``cap`` > 0: scores
-    soft-capped."""
+    soft-capped; ``key_limits`` (the step's, by flat row; empty: causal): a token sees the
+    positions below its limit (``kv_hi``, from the plan, reaches the tile's largest)."""
     n_q_heads, head_dim = query.shape[1], query.shape[2]
     group = n_q_heads // k_cache.shape[2]
     n_rows = (q1 - q0) * n_q_heads
@@ -146,7 +147,9 @@ def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1
         for d in range(head_dim):
             q[r, d] = query[q_start + q0 + r // n_q_heads, r % n_q_heads, d] * scale
     s = np.empty((n_rows, TILE_N), np.float32)
-    kv_end = min(kv_hi, n_cached + q1)  # the tile's last token sees positions < n_cached + q1
+    limited = key_limits.shape[0] > 0
+    # Causal: the tile's last token sees positions < n_cached + q1.
+    kv_end = kv_hi if limited else min(kv_hi, n_cached + q1)
     read_lo = max(n_cached + q0 - window + 1, 0) if window > 0 else 0
     for start in range(kv_lo, kv_end, TILE_N):
         n = min(TILE_N, kv_end - start)
@@ -156,7 +159,8 @@ def _attend_tile(query, k_cache, v_cache, block_table, n_cached, q_start, q0, q1
                 for j in range(n):
                     s[r, j] = cap * np.tanh(s[r, j] / cap)
         for t in range(q1 - q0):
-            n_visible = max(0, min(n, n_cached + q0 + t + 1 - start))
+            end = key_limits[q_start + q0 + t] if limited else n_cached + q0 + t + 1
+            n_visible = max(0, min(n, end - start))
             first = max(0, n_cached + q0 + t + 1 - window - start) if window > 0 else 0
             for r in range(t * n_q_heads, (t + 1) * n_q_heads):
                 _online_softmax(s, first, n_visible, m, row_sum, acc, r)

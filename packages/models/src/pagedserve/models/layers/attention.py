@@ -51,6 +51,10 @@ class AttentionMetadata:
     query_start_loc_cpu, seq_lens_cpu: the same two on the host, where the runner has them (it
     always does), so a layer that splits decodes from prefills (``decode_split``) never waits
     for the device.
+    key_limits [T] int32 or None: each new token's exclusive bound on the key positions it
+    attends to (kernels.paged_attention): the end of its image for an image's token, so that
+    the image attends to itself both ways (Gemma 3), ``position + 1`` for every other; None
+    for a causal step. On the device, as query_start_loc; every paged attention layer reads it.
     """
 
     slot_mapping: torch.Tensor
@@ -59,6 +63,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor | None = field(default=None, metadata=HOST_COPY)
     seq_lens_cpu: torch.Tensor | None = field(default=None, metadata=HOST_COPY)
+    key_limits: torch.Tensor | None = None
 
     @cached_property
     def decode_split(self) -> DecodeSplit:
@@ -140,6 +145,7 @@ class PagedAttention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
             batch_invariant=self.batch_invariant,
             sinks=self.sinks,
+            key_limits=meta.key_limits,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
