@@ -16,7 +16,6 @@ from transformers import AutoProcessor
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from pagedserve.models import (
-    AttentionMetadata,
     ModelConfig,
     ModelForCausalLM,
     ModelLoadError,
@@ -26,6 +25,7 @@ from pagedserve.models import (
 from pagedserve.models.llava import LlavaForConditionalGeneration, image_tokens_per_image
 from pagedserve.models.pipeline import PipelineStage
 from pagedserve.models.testing_multimodal import (
+    PagedSequence,
     make_tiny_llava_checkpoint,
     tiny_test_images,
     transformers_llava_greedy,
@@ -78,36 +78,6 @@ def _hf(folder: Path) -> HFLlava:
     return HFLlava.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-class _OneSequence:
-    """One sequence over a paged KV cache whose blocks are out of order and whose unused slots
-    are NaN (a read past the sequence poisons the output)."""
-
-    def __init__(self, config: ModelConfig, num_blocks: int = 16, block_size: int = 8) -> None:
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
-            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-            for _ in range(config.num_layers)
-        ]
-        gen = torch.Generator().manual_seed(0)
-        self.block_table = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-        self.block_size, self.length = block_size, 0
-
-    def run(self, model, ids: torch.Tensor, inputs_embeds=None) -> torch.Tensor:
-        """The logits of ``ids``, the sequence's next tokens, as one step."""
-        n, size = len(ids), self.block_size
-        positions = torch.arange(self.length, self.length + n)
-        slots = self.block_table[positions // size].long() * size + positions % size
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            block_tables=self.block_table[None],
-            seq_lens=torch.tensor([self.length + n], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        )
-        hidden = model(ids, positions, self.kv_caches, meta, inputs_embeds=inputs_embeds)
-        self.length += n
-        return model.compute_logits(hidden)
-
-
 def _prompt_embeds(model: LlavaForConditionalGeneration, ids: torch.Tensor, pixels) -> torch.Tensor:
     """The prompt's rows as the engine builds them: text embeddings, each placeholder's row
     replaced, in order, by the images' rows."""
@@ -144,7 +114,7 @@ def test_a_prompt_with_images_gives_transformers_logits_and_tokens(llava_folder,
     ours, hf = _ours(folder), _hf(folder)
     per_image = image_tokens_per_image(ours.config.hf_config, 32, 32)
     assert int((ids == ours.config.image_token_id).sum()) == 2 * per_image
-    sequence = _OneSequence(ours.config)
+    sequence = PagedSequence(ours.config)
     with torch.inference_mode():
         embeds = _prompt_embeds(ours, ids, inputs["pixel_values"])
         logits = sequence.run(ours, ids, inputs_embeds=embeds)
@@ -248,3 +218,7 @@ def test_what_is_not_supported_is_refused_by_name(llava_folder, tmp_path):
         path = _write_config(folder, tmp_path, **{key: "siglip_vision_model"})
         with pytest.raises(ValueError, match=field):
             LlavaForConditionalGeneration(ModelConfig(model=path, device="cpu"))
+    # a decoder pagedserve builds for another vision model is not LLaVA's
+    path = _write_config(folder, tmp_path, text_config__model_type="gemma3_text")
+    with pytest.raises(ModelLoadError, match="text_config.model_type"):
+        LlavaForConditionalGeneration(ModelConfig(model=path, device="cpu"))

@@ -163,6 +163,7 @@ def image_workloads(draw):
         encoder_cache_size=draw(st.sampled_from([8, 10, 16])),
         max_num_seqs=draw(st.sampled_from([2, 4])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 4])),
+        whole_images=draw(st.booleans()),
     )
     blocks = draw(st.sampled_from([12, 40]))
     return requests, config, blocks, draw(st.booleans()), draw(st.randoms())
@@ -174,11 +175,17 @@ def test_the_runner_always_holds_what_a_step_reads_and_the_cache_its_capacity(wo
     """Over random prompts of repeated pictures, tiny pools (preemption), prefix caching and
     aborts: every image a scheduled chunk covers is in the runner's cache (what the steps told
     it to encode, minus what they told it to drop), the cache never holds more than its
-    capacity, and every request finishes."""
+    capacity, and every request finishes. With images read both ways (``whole_images``) no
+    chunk ends inside an image, and an image longer than a step is refused at once."""
     requests, config, blocks, prefix_caching, rng = workload
     kv = KVCacheManager(blocks, 4, enable_prefix_caching=prefix_caching, watermark=0)
     s = Scheduler(SchedulerConfig(max_model_len=64, **config), kv)
     for request in requests:
+        longest = max(image.length for image in request.images)
+        if config["whole_images"] and longest > config["max_num_batched_tokens"]:
+            with pytest.raises(RequestRejectedError):
+                s.add_request(request)
+            continue
         s.add_request(request)
     runner: set[bytes] = set()
     for _ in range(500):
@@ -191,8 +198,40 @@ def test_the_runner_always_holds_what_a_step_reads_and_the_cache_its_capacity(wo
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
             for image in item.request.images:
                 assert not image.overlaps(start, end) or image.content_hash in runner
+                cut = image.offset < end < image.offset + image.length
+                assert not (config["whole_images"] and cut), (start, end, image)
         assert s.encoder.num_cached_rows <= s.encoder.capacity
         s.update(out, {i.request.request_id: [5] for i in out.scheduled if i.needs_sample})
         if s.running and rng.random() < 0.05:
             s.finish_requests([rng.choice(s.running).request_id], RequestStatus.FINISHED_ABORTED)
     assert not s.requests, "a request never finished: a livelock"
+
+
+def test_an_image_read_both_ways_is_never_split_across_chunks():
+    """Gemma 3's image tokens attend to each other both ways: the chunk that would cut the
+    image stops before it, and the next takes the whole image (over the long-prefill
+    threshold when need be)."""
+    s = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=8, whole_images=True)
+    s.add_request(image_request("a", b"cat", before=3, length=12, after=3))
+    assert step(s)[:2] == ([("a", 0, 3)], [])  # up to the image, not into it
+    assert step(s)[:2] == ([("a", 3, 12)], [("a", 0)])  # the image whole, past the threshold
+    assert step(s)[:2] == ([("a", 15, 3)], [])
+
+
+def test_an_image_read_both_ways_waits_for_a_step_with_room_for_it():
+    s = make_scheduler(max_num_batched_tokens=16, whole_images=True)
+    s.add_request(Request("text", [1] * 10, max_tokens=8))
+    step(s)  # text's prompt; it decodes from here on, one token of each step's budget
+    s.add_request(image_request("a", b"cat", before=0, length=16, after=1))
+    chunks, _, _ = step(s)
+    assert ("a", 0, 16) not in chunks and ("text", 10, 1) in chunks  # 15 left: not the image
+    s.finish_requests(["text"], RequestStatus.FINISHED_ABORTED)
+    chunks, encoded, _ = step(s)
+    assert chunks == [("a", 0, 16)] and encoded == [("a", 0)]
+
+
+def test_an_image_read_both_ways_larger_than_a_step_is_refused():
+    s = make_scheduler(max_num_batched_tokens=8, whole_images=True)
+    with pytest.raises(RequestRejectedError) as e:
+        s.add_request(image_request("a", b"cat", length=12))
+    assert e.value.param == "multi_modal_data" and "max_num_batched_tokens" in str(e.value)

@@ -1,5 +1,5 @@
-"""The model runner's encoder cache: image embeddings by content hash, a step's image rows, and
-its M-RoPE positions.
+"""The model runner's encoder cache: image embeddings by content hash, a step's image rows, its
+M-RoPE positions and (for images read both ways) its attention's key limits.
 
 The scheduler decides (scheduler/encoder_cache.py): which images a step encodes, which cached
 entries go. This side holds the tensors and does what it was told, in that order: drop the
@@ -76,6 +76,15 @@ def embeddings_with_images(
     return embeds
 
 
+def image_layout(
+    model: torch.nn.Module, output: SchedulerOutput, batch
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """What images change in a step's layout (``batch``, input_batch.layout_paged_batch): its
+    positions (``step_positions``) and its attention's key limits (``step_key_limits``)."""
+    positions = step_positions(model, output, batch.positions, batch.query_start_loc)
+    return positions, step_key_limits(model, output, batch)
+
+
 def step_positions(
     model: torch.nn.Module, output: SchedulerOutput, positions: np.ndarray, query_start_loc
 ) -> np.ndarray:
@@ -91,3 +100,24 @@ def step_positions(
             rows = slice(int(query_start_loc[entry]), int(query_start_loc[entry + 1]))
             rows3[:, rows] = mrope(positions[rows], request.images)
     return rows3
+
+
+def step_key_limits(model: torch.nn.Module, output: SchedulerOutput, batch) -> np.ndarray | None:
+    """For a model whose image tokens attend to each other both ways (Gemma 3): each row's
+    exclusive bound on the key positions it may read, ``[T]`` int32: the end of its image for a
+    row inside an image, its own position + 1 (causal) for any other; None when no row of the
+    step is inside an image. The scheduler computes each image in one chunk (``whole_images``),
+    so the keys up to its end are in the cache when the step attends."""
+    if not getattr(model, "bidirectional_images", False):
+        return None
+    positions, query_start_loc, limits = batch.positions, batch.query_start_loc, None
+    for entry, request in enumerate(output.requests):
+        start, end = int(query_start_loc[entry]), int(query_start_loc[entry + 1])
+        for image in request.images:
+            image_end = image.offset + image.length
+            inside = (positions[start:end] >= image.offset) & (positions[start:end] < image_end)
+            if inside.any():
+                if limits is None:
+                    limits = (positions + 1).astype(np.int32)
+                limits[start:end][inside] = image_end
+    return limits

@@ -254,8 +254,11 @@ def prompt_logit_positions(request: Request, start: int, count: int) -> range:
     return range(start, min(start + count, request.num_prompt_tokens - 1))
 
 
-def attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMetadata:
-    """A step's layout (``layout_paged_batch``) as the tensors every attention layer reads."""
+def attention_metadata(
+    batch: PagedBatch, device: torch.device, key_limits: np.ndarray | None = None
+) -> AttentionMetadata:
+    """A step's layout (``layout_paged_batch``) as the tensors every attention layer reads;
+    ``key_limits``: each row's bound on the keys it reads, where it is not causal."""
     return AttentionMetadata(
         slot_mapping=to_device(batch.slot_mapping, device),
         block_tables=to_device(batch.block_tables, device),
@@ -263,6 +266,7 @@ def attention_metadata(batch: PagedBatch, device: torch.device) -> AttentionMeta
         query_start_loc=to_device(batch.query_start_loc, device),
         query_start_loc_cpu=torch.from_numpy(batch.query_start_loc),
         seq_lens_cpu=torch.from_numpy(batch.seq_lens),
+        key_limits=None if key_limits is None else to_device(key_limits, device),
     )
 
 

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from pagedserve.blockmgr import KVCacheManager, NoKVCacheManager
+from pagedserve.engine.multimodal import reads_images_both_ways
 from pagedserve.kernels import copy_blocks, mla_decode_warmup, paged_attention_warmup
 from pagedserve.models import KVCacheSpec, ModelConfig
 
@@ -121,6 +122,7 @@ def warm_up_attention(
         config.max_model_len, device, layer_windows=config.sliding_windows,
         logits_soft_cap=config.attention_logits_soft_cap, cache_dtype=cache_dtype,
         sinks=config.has_attention_sinks, batch_invariant=config.batch_invariant,
+        key_limits=reads_images_both_ways(config),
     )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ import torch
 from pagedserve.blockmgr import CacheConfig
 from pagedserve.blockmgr.slot_mapping import PagedBatch, layout_paged_batch
 from pagedserve.engine.cuda_graph import CUDAGraphConfig, DecodeCUDAGraphs, DecodeInputBuffers
-from pagedserve.engine.encoder_cache import EncoderCache, embeddings_with_images, step_positions
+from pagedserve.engine.encoder_cache import EncoderCache, embeddings_with_images, image_layout
 from pagedserve.engine.gpu_profile import profile_gpu_kv_cache_budget
 from pagedserve.engine.input_batch import (
     BlockTable,
@@ -318,7 +318,7 @@ class ModelRunner:
             if self.encoder_cache is not None
             else None
         )
-        positions = step_positions(self.model, output, batch.positions, batch.query_start_loc)
+        positions, key_limits = image_layout(self.model, output, batch)
         bucket = self._decode_bucket(len(token_ids), output.num_scheduled_seqs)
         if bucket is not None and image_rows is None and positions.ndim == 1:
             input_ids, positions, meta = self.decode_buffers.load(token_ids, batch, bucket)
@@ -326,7 +326,7 @@ class ModelRunner:
         return ModelInput(
             input_ids=to_device(token_ids, dev),
             positions=to_device(positions, dev),
-            attn_metadata=attention_metadata(batch, dev),
+            attn_metadata=attention_metadata(batch, dev, key_limits),
             logits_indices=logits_indices,
             lora_token_slot=self._lora_token_slot(output),
             image_rows=image_rows,

@@ -22,6 +22,7 @@ import torch
 
 from pagedserve.blockmgr import ImagePlaceholder
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.models.image_inputs import ImagePromptFormat, image_prompt_format
 
 DEFAULT_IMAGES_PER_PROMPT = 4
 # An image processor scales the shortest side up to the tower's size before it crops: a thin
@@ -63,8 +64,8 @@ class ImagePromptProcessor:
                 f"(preprocessor_config.json): {e}"
             ) from e
         self.model_config = model_config
-        self.image_token_id = model_config.image_token_id
-        self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.format = image_prompt_format(model_config, tokenizer)
+        self.placeholder = tokenizer.convert_ids_to_tokens(self.format.marker)
         self.max_images = _images_allowed(limit_mm_per_prompt)
         self.max_image_tokens = self._tokens_of_largest_image()
 
@@ -81,9 +82,9 @@ class ImagePromptProcessor:
         """The expanded prompt and its images, or ``InvalidRequestError`` naming the field."""
         images = _images_of(multi_modal_data, self.max_images)
         processed = self._processed(images)
-        spans = _image_spans(prompt_ids, self.image_token_id, [p.num_tokens for p in processed])
+        spans = _image_spans(prompt_ids, self.format, [p.num_tokens for p in processed])
         if spans is None:
-            written = prompt_ids.count(self.image_token_id)
+            written = prompt_ids.count(self.format.marker)
             raise InvalidRequestError(
                 f"the prompt has {written} image placeholder(s) {self.placeholder!r} and "
                 f"{len(images)} image(s) were given: put one placeholder where each image goes",
@@ -116,7 +117,8 @@ def image_processor_for(
 ) -> ImagePromptProcessor | None:
     """The prompt processor of a model that takes images (None for a text model), after
     refusing the options that cannot serve image prompts yet. The encoder cache, unless sized
-    by hand, holds at least one image."""
+    by hand, holds at least one image. A model whose image tokens attend to each other both
+    ways (Gemma 3) has each image computed in one chunk (``whole_images``)."""
     if model_config.image_token_id is None:
         if args.limit_mm_per_prompt:
             raise ValueError(
@@ -131,6 +133,7 @@ def image_processor_for(
     processor = ImagePromptProcessor(
         args.tokenizer or args.model, model_config, tokenizer, args.limit_mm_per_prompt
     )
+    scheduler_config.whole_images = reads_images_both_ways(model_config)
     if args.encoder_cache_size is None:
         scheduler_config.encoder_cache_size = max(
             scheduler_config.encoder_cache_size, processor.max_image_tokens
@@ -143,6 +146,14 @@ def image_processor_for(
     return processor
 
 
+def reads_images_both_ways(model_config) -> bool:
+    """Whether the model's image tokens attend to each other both ways (``bidirectional_images``
+    on its class: Gemma 3), so that the runner lifts the causal mask inside each image."""
+    from pagedserve.models.loader import MODEL_CLASSES
+
+    return bool(getattr(MODEL_CLASSES[model_config.arch], "bidirectional_images", False))
+
+
 def prompt_with_images(
     processor: ImagePromptProcessor | None, model_name: str, prompt_ids: list[int], data
 ) -> tuple[list[int], tuple]:
@@ -153,7 +164,7 @@ def prompt_with_images(
                 f"{model_name} is a text model: it takes no images", "multi_modal_data"
             )
         return prompt_ids, ()
-    if data is None and processor.image_token_id not in prompt_ids:
+    if data is None and not {processor.format.marker, processor.format.row} & set(prompt_ids):
         return prompt_ids, ()
     return processor.process(list(prompt_ids), data or {})
 
@@ -221,34 +232,58 @@ def as_rgb(image):
 
 
 def _image_spans(
-    token_ids: list[int], image_token_id: int, counts: list[int]
+    token_ids: list[int], fmt: ImagePromptFormat, counts: list[int]
 ) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """The prompt with each image's placeholder expanded to ``counts[i]`` tokens, and each
-    image's (offset, length) in it; None when the placeholders do not match the images.
+    """The prompt with each image's marker expanded (``fmt``: ``counts[i]`` row tokens, with
+    what the model puts around them), and each image's rows as (offset, length) in it; None
+    when the markers do not match the images.
 
-    One placeholder per image (``<image><image>`` is two images) is expanded; a prompt already
-    expanded (a processor's output: ``sum(counts)`` placeholders, each image's consecutive) is
+    One marker per image (``<image><image>`` is two images) is expanded; a prompt already
+    expanded (a processor's output: ``sum(counts)`` row tokens, each image's consecutive) is
     taken as it is."""
-    where = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    if len(where) == len(counts):
-        expanded: list[int] = []
-        runs: list[tuple[int, int]] = []
-        images = iter(counts)
-        for token in token_ids:
-            if token == image_token_id:
-                count = next(images)
-                runs.append((len(expanded), count))
-                expanded.extend([token] * count)
-            else:
-                expanded.append(token)
-        return expanded, runs
-    if len(where) != sum(counts):
+    rows = [i for i, token in enumerate(token_ids) if token == fmt.row]
+    markers = (
+        rows if fmt.marker == fmt.row else [i for i, t in enumerate(token_ids) if t == fmt.marker]
+    )
+    if len(markers) == len(counts) and (fmt.marker == fmt.row or not rows):
+        return _expand_markers(token_ids, markers, fmt, counts)
+    if len(rows) != sum(counts):
         return None
     runs, first = [], 0
     for count in counts:
-        span = where[first : first + count]
+        span = rows[first : first + count]
         if span[-1] - span[0] != count - 1:
             return None  # this image's placeholders are not one run
         runs.append((span[0], count))
         first += count
     return list(token_ids), runs
+
+
+def _expand_markers(token_ids, markers, fmt: ImagePromptFormat, counts):
+    """``_image_spans`` for a prompt of one marker per image."""
+    expanded: list[int] = []
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for where, count in zip(markers, counts, strict=True):
+        _join(expanded, token_ids[start:where], fmt.newlines)
+        image = [*fmt.before, *[fmt.row] * count, *fmt.after]
+        first_row = len(expanded) + len(fmt.before) - _join(expanded, image, fmt.newlines)
+        runs.append((first_row, count))
+        start = where + 1
+    _join(expanded, token_ids[start:], fmt.newlines)
+    return expanded, runs
+
+
+def _join(tokens: list[int], piece: list[int], newlines: dict[int, int] | None) -> int:
+    """Append ``piece`` to ``tokens``; where the seam puts a newline token after another and the
+    tokenizer has one token for all of them, that one token (as tokenizing the expanded text
+    would give it). Returns how many tokens the seam merged away (0 or 1)."""
+    if newlines and tokens and piece:
+        count_of = {token: count for count, token in newlines.items()}
+        merged = newlines.get(count_of.get(tokens[-1], 0) + count_of.get(piece[0], 0))
+        if tokens[-1] in count_of and piece[0] in count_of and merged is not None:
+            tokens[-1] = merged
+            tokens.extend(piece[1:])
+            return 1
+    tokens.extend(piece)
+    return 0

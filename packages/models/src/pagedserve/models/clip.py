@@ -82,19 +82,25 @@ class CLIPVisionEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, C, S, S]`` pixels -> ``[N, 1 + patches, hidden]`` rows, class row first."""
-        n, _, height, width = pixel_values.shape
-        if height != self.image_size or width != self.image_size:
-            raise ValueError(
-                f"images are {height}x{width} pixels; this vision tower reads "
-                f"{self.image_size}x{self.image_size} (vision_config.image_size)"
-            )
-        p, weight = self.patch_size, self.patch_embedding.weight
-        # [N, C, S, S] -> [N, patches (row by row), C * p * p]: each patch's pixels in one row
-        grid = pixel_values.unflatten(2, (height // p, p)).unflatten(4, (width // p, p))
-        rows = grid.permute(0, 2, 4, 1, 3, 5).flatten(3).flatten(1, 2)
+        weight = self.patch_embedding.weight
+        rows = patch_rows(pixel_values, self.image_size, self.patch_size)
         patches = linear(rows.to(weight.dtype), weight.flatten(1))
-        cls = self.class_embedding.expand(n, 1, -1)
+        cls = self.class_embedding.expand(len(pixel_values), 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+
+
+def patch_rows(pixel_values: torch.Tensor, image_size: int, patch: int) -> torch.Tensor:
+    """``[N, C, S, S]`` pixels -> ``[N, patches (row by row), C * p * p]``: each patch's pixels
+    in one row, in the order a ``[hidden, C, p, p]`` convolution weight flattens; ValueError
+    for an image that is not ``image_size`` square."""
+    height, width = pixel_values.shape[-2:]
+    if height != image_size or width != image_size:
+        raise ValueError(
+            f"images are {height}x{width} pixels; this vision tower reads "
+            f"{image_size}x{image_size} (vision_config.image_size)"
+        )
+    grid = pixel_values.unflatten(2, (height // patch, patch)).unflatten(4, (width // patch, patch))
+    return grid.permute(0, 2, 4, 1, 3, 5).flatten(3).flatten(1, 2)
 
 
 class CLIPAttention(nn.Module):

@@ -182,8 +182,22 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, c["rms_norm_eps"], config.torch_dtype)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
-        hidden = self.embed_tokens(input_ids) * self.normalizer
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]``: the token embedding times ``sqrt(hidden_size)``."""
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def forward(
+        self,
+        input_ids,
+        positions,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``inputs_embeds`` [T, H]: rows already embedded (and scaled, as ``embed`` scales
+        them: a multimodal model's text embeddings with its image rows in place), used instead
+        of embedding ``input_ids``."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -215,9 +229,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The whole stack: Gemma is not cut into pipeline stages (registry.py)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        """The whole stack: Gemma is not cut into pipeline stages (registry.py).
+        ``inputs_embeds``: as ``GemmaModel.forward``."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)

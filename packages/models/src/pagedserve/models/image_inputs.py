@@ -34,12 +34,59 @@ class ProcessedImage:
     num_tokens: int  # placeholder tokens (decoder rows) it takes
 
 
+@dataclass(frozen=True)
+class ImagePromptFormat:
+    """How a model's prompt holds an image. A prompt writes ``marker`` where an image goes;
+    the engine expands it to ``before``, one ``row`` token per embedding row, ``after``.
+    LLaVA and Qwen2-VL: the marker is the row token itself (``<image>``, ``<|image_pad|>``),
+    nothing around it (Qwen2-VL's chat template writes its vision markers itself). Gemma 3:
+    ``<start_of_image>`` becomes ``"\n\n" <start_of_image> rows <end_of_image> "\n\n"``, as
+    its processor expands it in text; ``newlines`` (count -> token id of that many newlines)
+    lets the engine merge the newlines at each seam into the one token the tokenizer would
+    have made of the text."""
+
+    marker: int
+    row: int
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+    newlines: dict[int, int] | None = None
+
+
+def image_prompt_format(model_config, tokenizer) -> ImagePromptFormat:
+    """``model_config``'s image prompt format, its token ids from ``tokenizer``."""
+    row = model_config.image_token_id
+    if model_config.arch != "gemma3_mm":
+        return ImagePromptFormat(row, row)
+    c = model_config.hf_config
+    newlines = _newline_tokens(tokenizer)
+    two = newlines.get(2)
+    if two is None:
+        raise ValueError("the tokenizer has no token for two newlines, which Gemma 3's images need")
+    begin, end = int(c["boi_token_index"]), int(c["eoi_token_index"])
+    return ImagePromptFormat(begin, row, (two, begin), (end, two), newlines)
+
+
+def _newline_tokens(tokenizer) -> dict[int, int]:
+    """Newline count -> the token id of exactly that many newlines, for the counts the vocab
+    holds as one token."""
+    found: dict[int, int] = {}
+    for count in range(1, 33):
+        ids = tokenizer.encode("\n" * count, add_special_tokens=False)
+        if len(ids) == 1:
+            found[count] = ids[0]
+    return found
+
+
 def processed_images(model_config, batch) -> list[ProcessedImage]:
     """The processor's ``batch`` for ``model_config``'s images, one entry per image."""
     if model_config.arch == "qwen2_vl":
         from pagedserve.models.qwen2_vl import qwen2_vl_images
 
         return qwen2_vl_images(model_config.hf_config, batch)
+    if model_config.arch == "gemma3_mm":
+        from pagedserve.models.gemma3_mm import gemma3_images
+
+        return gemma3_images(model_config.hf_config, batch)
     from pagedserve.models.llava import llava_images
 
     return llava_images(model_config.hf_config, batch)
@@ -71,3 +118,41 @@ class VisionLanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def load_parts(self, weights, parts: list[tuple[str, str, str]], name: str) -> None:
+        """Load a checkpoint whose tensors belong to ``language_model``, ``vision_tower`` and
+        ``multi_modal_projector`` (LLaVA's and Gemma 3's layout): ``parts`` maps a name's
+        prefix (after any leading ``model.``) to (prefix, part, prefix inside the part), first
+        match wins. The decoder loads as a text model's checkpoint would; the tower (with its
+        ``stacked_params`` and the tensors it ``skips_weight``) and the projector after it."""
+        from pagedserve.models.config import ModelLoadError
+        from pagedserve.models.weights import load_stacked_weights
+
+        others: dict[str, list] = {"vision_tower": [], "multi_modal_projector": []}
+
+        def split(tensor_name: str) -> tuple[str, str]:
+            bare = tensor_name.removeprefix("model.")
+            for prefix, part, inner in parts:
+                if bare.startswith(prefix):
+                    return part, inner + bare[len(prefix) :]
+            raise ModelLoadError(
+                f"checkpoint tensor {tensor_name!r} belongs to no part of a {name} model "
+                "(language_model, vision_tower, multi_modal_projector, lm_head)"
+            )
+
+        def decoder_weights():
+            for tensor_name, tensor in weights:
+                part, inner = split(tensor_name)
+                if part == "language_model":
+                    yield inner, tensor
+                else:
+                    others[part].append((inner, tensor))
+
+        self.language_model.load_weights(decoder_weights())
+        tower = self.vision_tower
+
+        def tower_name(weight: str) -> str | None:  # None: a tensor the tower does not build
+            return None if tower.skips_weight(weight) else weight
+
+        load_stacked_weights(tower, others["vision_tower"], tower.stacked_params, tower_name)
+        load_stacked_weights(self.multi_modal_projector, others["multi_modal_projector"], [], str)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pagedserve.models.clip import CLIPVisionTower, activation
-from pagedserve.models.config import ModelConfig, ModelLoadError
+from pagedserve.models.config import ModelConfig
 from pagedserve.models.image_inputs import ProcessedImage, VisionLanguageModel
 from pagedserve.models.layers.linear import ColumnParallelLinear
 from pagedserve.models.llama import LlamaForCausalLM
@@ -34,7 +34,7 @@ from pagedserve.models.multimodal_config import (
     refuse_what_images_do_not_run_with,
 )
 from pagedserve.models.parallel import ParallelContext
-from pagedserve.models.weights import CheckpointTensor, load_stacked_weights
+from pagedserve.models.weights import CheckpointTensor
 
 FEATURE_SELECT_STRATEGIES = ("default", "full")  # without / with the class row
 
@@ -123,7 +123,9 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
             c["vision_config"], c.get("vision_feature_layer", -2), config.torch_dtype
         )
         self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self.language_model = LlamaForCausalLM(language_model_config(config), par)
+        self.language_model = LlamaForCausalLM(
+            language_model_config(config, ("llama", "mistral")), par
+        )
 
     def embed_images(
         self, pixel_values: list[torch.Tensor], grid_thw: list | None = None
@@ -142,36 +144,6 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         return list(self.multi_modal_projector(features))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
-        """Route each tensor to its part by the checkpoint's prefix (either naming); the
-        decoder loads as a text model's checkpoint would, the tower and projector after it."""
-        others: dict[str, list] = {"vision_tower": [], "multi_modal_projector": []}
-
-        def decoder_weights():
-            for name, tensor in weights:
-                part, inner = _split_name(name)
-                if part == "language_model":
-                    yield inner, tensor
-                else:
-                    others[part].append((inner, tensor))
-
-        self.language_model.load_weights(decoder_weights())
-        tower = self.vision_tower
-        load_stacked_weights(
-            tower,
-            others["vision_tower"],
-            tower.stacked_params,
-            lambda name: None if tower.skips_weight(name) else name,
-        )
-        load_stacked_weights(self.multi_modal_projector, others["multi_modal_projector"], [], str)
-
-
-def _split_name(name: str) -> tuple[str, str]:
-    """``(part, name inside it)`` of a checkpoint tensor, in either naming."""
-    bare = name.removeprefix("model.")
-    for prefix, part, inner in _PARTS:
-        if bare.startswith(prefix):
-            return part, inner + bare[len(prefix) :]
-    raise ModelLoadError(
-        f"checkpoint tensor {name!r} belongs to no part of a LLaVA model (language_model, "
-        "vision_tower, multi_modal_projector, lm_head)"
-    )
+        """Route each tensor to its part by the checkpoint's prefix (``_PARTS``: every
+        naming); the decoder loads as a text checkpoint would, the tower and projector after."""
+        self.load_parts(weights, _PARTS, "LLaVA")

@@ -13,6 +13,7 @@ from pagedserve.models.bert import BertForSequenceClassification, BertModel
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
+from pagedserve.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedserve.models.gguf_loader import load_gguf_model
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.gpt_oss import GptOssForCausalLM
@@ -50,6 +51,7 @@ MODEL_CLASSES: dict[str, type] = {
     "gpt2": GPT2LMHeadModel,
     "llava": LlavaForConditionalGeneration,
     "qwen2_vl": Qwen2VLForConditionalGeneration,
+    "gemma3_mm": Gemma3ForConditionalGeneration,
     "bert": BertModel,
     "bert_classifier": BertForSequenceClassification,
 }

@@ -15,12 +15,14 @@ from typing import Any
 
 # The decoders a multimodal checkpoint may nest (``text_config.model_type``): the classes of
 # the Llama family whose layers need nothing architecture-specific (llama.py). Qwen2-VL's
-# decoder is Qwen2's (qkv bias), its rotary M-RoPE (``rope_parameters.mrope_section``).
+# decoder is Qwen2's (qkv bias), its rotary M-RoPE (``rope_parameters.mrope_section``); Gemma
+# 3's is gemma.py's Gemma 3 text model.
 DECODER_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Multimodal model types whose older config.json is flat (the decoder's fields at the top,
 # beside ``vision_config``): transformers' config class nests them under ``text_config``.
@@ -68,16 +70,27 @@ def decoder_architecture(text_config: dict[str, Any]) -> str:
     return DECODER_ARCHITECTURES[text_config["model_type"]]
 
 
-def language_model_config(config):
+def language_model_config(config, decoders: tuple[str, ...], arch: str = "llama"):
     """``config`` seen as its decoder's: ``hf_config`` the nested ``text_config``, the
-    architecture the decoder's, so llama.py builds it as it builds a text model. Tied
-    embeddings are the multimodal model's own setting (it takes the decoder's as well)."""
+    architecture the decoder's and the family ``arch`` (the loader's key of the class that
+    builds it: llama.py's, or gemma.py's), so it is built as a text model is. ``decoders``:
+    the ``text_config.model_type`` values the multimodal model is built with; another is a
+    ``ModelLoadError`` naming the field. Tied embeddings are the multimodal model's own setting
+    (it takes the decoder's as well)."""
+    from pagedserve.models.config import ModelLoadError  # config.py imports this module
+
+    text_type = config.text_config.get("model_type")
+    if text_type not in decoders:
+        raise ModelLoadError(
+            f"text_config.model_type = {text_type!r}: {config.hf_architecture} is built with "
+            f"a decoder of {list(decoders)}"
+        )
     text = dict(config.text_config)
     text["tie_word_embeddings"] = bool(config.hf_config.get("tie_word_embeddings"))
     view = copy.copy(config)
     view.hf_config = view.text_config = text
     view.architecture = view.hf_architecture = decoder_architecture(text)
-    view.arch, view.image_token_id = "llama", None
+    view.arch, view.image_token_id = arch, None
     return view
 
 

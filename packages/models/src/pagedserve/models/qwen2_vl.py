@@ -108,7 +108,9 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         vision = config.hf_config["vision_config"]
         self.spatial_merge_size = int(vision.get("spatial_merge_size", 2))
         self.visual = Qwen2VisionTransformer(vision, config.torch_dtype)
-        self.language_model = LlamaForCausalLM(language_model_config(config), par)
+        self.language_model = LlamaForCausalLM(
+            language_model_config(config, ("qwen2_vl_text", "qwen2_5_vl_text")), par
+        )
 
     def embed_images(
         self, pixel_values: list[torch.Tensor], grid_thw: list[tuple[int, int, int]] | None = None

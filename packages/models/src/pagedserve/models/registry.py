@@ -21,7 +21,7 @@ loading says no):
 - ``cpu_fused``: on a CPU, the runner runs its decoder layers as one numba call each for small
   steps (engine/cpu_runner.py; its layers must also be fusable, which tests hold it to);
 - ``images``: its prompts take images, each the rows of its vision tower in place of its
-  placeholder tokens (the model's ``embed_images``: llava.py, qwen2_vl.py).
+  placeholder tokens (the model's ``embed_images``: llava.py, qwen2_vl.py, gemma3_mm.py).
 """
 
 from __future__ import annotations
@@ -158,6 +158,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2_5_VLForConditionalGeneration": Architecture(
         "qwen2_vl", "Qwen2.5-VL-3B/7B-Instruct",
         "Qwen2-VL's design; the tower's windowed attention, RMSNorm and gated MLP",
+        tensor_parallel=False, images=True,
+    ),
+    "Gemma3ForConditionalGeneration": Architecture(
+        "gemma3_mm", "Gemma 3 4B/12B/27B (-it)",
+        "images in: a SigLIP tower's rows average-pooled to mm_tokens_per_image (256), "
+        "RMSNorm and a projection into the Gemma 3 decoder; image tokens attend both ways",
         tensor_parallel=False, images=True,
     ),
     # pooling models (--runner pooling: /v1/embeddings, /classify, /score, /rerank)

@@ -354,3 +354,39 @@ def transformers_qwen2_vl_greedy(
     processor = qwen2_vl_processor(folder)
     model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
     return _greedy_over_own_cache(model, processor, prompt, images, max_new_tokens)
+
+
+class PagedSequence:
+    """One sequence over a paged KV cache whose blocks are out of order and whose unused slots
+    are NaN (a read past the sequence poisons the output)."""
+
+    def __init__(self, config, num_blocks: int = 16, block_size: int = 8) -> None:
+        import torch
+
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            for _ in range(config.num_layers)
+        ]
+        gen = torch.Generator().manual_seed(0)
+        self.block_table = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        self.block_size, self.length = block_size, 0
+
+    def run(self, model, ids, inputs_embeds=None):
+        """The logits of ``ids``, the sequence's next tokens, as one step."""
+        import torch
+
+        from pagedserve.models.layers.attention import AttentionMetadata
+
+        n, size = len(ids), self.block_size
+        positions = torch.arange(self.length, self.length + n)
+        slots = self.block_table[positions // size].long() * size + positions % size
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=self.block_table[None],
+            seq_lens=torch.tensor([self.length + n], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        )
+        hidden = model(ids, positions, self.kv_caches, meta, inputs_embeds=inputs_embeds)
+        self.length += n
+        return model.compute_logits(hidden)

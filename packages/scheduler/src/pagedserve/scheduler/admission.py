@@ -58,10 +58,18 @@ def check_fits(request: Request, config: SchedulerConfig, kv: KVCacheManager) ->
 
 def _check_images(request: Request, config: SchedulerConfig) -> None:
     """Every image must fit the encoder cache (which holds it while its placeholders are
-    computed); without chunked prefill, all of a prompt's images at once."""
+    computed); without chunked prefill, all of a prompt's images at once. An image computed in
+    one chunk (``whole_images``) must fit one step's token budget."""
     # a picture repeated in the prompt is encoded once, and held once
     sizes = list({image.content_hash: image.length for image in request.images}.values())
-    room = config.encoder_cache_size
+    room, budget = config.encoder_cache_size, config.max_num_batched_tokens
+    if sizes and config.whole_images and max(sizes) > budget:
+        raise RequestRejectedError(
+            f"an image of the prompt takes {max(sizes)} tokens, more than one step computes "
+            f"(max_num_batched_tokens = {budget}): this model reads an image's tokens in one "
+            "step (they attend to each other both ways)",
+            "multi_modal_data",
+        )
     if sizes and max(sizes) > room:
         raise RequestRejectedError(
             f"an image of the prompt takes {max(sizes)} tokens, more than the encoder cache "
@@ -122,15 +130,32 @@ def next_chunk(
 ) -> int:
     """The next chunk's size: every uncomputed token, capped by the long-prefill threshold
     (when chunked prefill is on) and by what is left of the budget, ending before an image the
-    encoder cache cannot take in this step."""
+    encoder cache cannot take in this step, and never inside an image read whole."""
     num_new = request.num_tokens - num_computed
     threshold = config.long_prefill_token_threshold
     if threshold and config.enable_chunked_prefill:
         num_new = min(num_new, threshold)
     num_new = min(num_new, budget)
     if request.images:
-        num_new = encoder.chunk_end(request, num_computed, num_computed + num_new) - num_computed
+        end = num_computed + num_new
+        if config.whole_images:
+            end = _around_whole_images(request, num_computed, end, num_computed + budget)
+        num_new = encoder.chunk_end(request, num_computed, end) - num_computed
     return num_new
+
+
+def _around_whole_images(request: Request, start: int, end: int, budget_end: int) -> int:
+    """Where the chunk ``[start, end)`` ends so that it cuts no image: before the first image it
+    would cut; past it when the chunk starts inside it (a prefix hit that ends mid-image: the
+    rest is computed at once, over the threshold if need be) and the budget reaches its end;
+    else at ``start`` (nothing this step)."""
+    for image in request.images:
+        image_end = image.offset + image.length
+        if image.offset < end < image_end:
+            if image.offset > start:
+                return image.offset
+            return image_end if image_end <= budget_end else start
+    return end
 
 
 def blocks_to_admit(

@@ -32,6 +32,8 @@ class SchedulerConfig:
 
     ``encoder_cache_size`` (0 = ``max_num_batched_tokens``) is how many image embedding rows the
     encoder cache keeps between steps, and the most one step encodes (encoder_cache.py).
+    ``whole_images``: the model's image tokens attend to each other both ways (Gemma 3), so an
+    image's tokens are computed in one chunk, never split across steps (admission.py).
     """
 
     max_num_seqs: int = 64
@@ -45,6 +47,7 @@ class SchedulerConfig:
     max_loras: int = 0
     background_priority: int | None = None
     encoder_cache_size: int = 0
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

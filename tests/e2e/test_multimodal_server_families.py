@@ -1,14 +1,19 @@
-"""`pagedserve serve` on a tiny Qwen2-VL and a tiny Qwen2.5-VL answers the official openai
-client as transformers does: base64 PNGs of different sizes (so of different token counts) in a
-chat, streamed or not, and an image in the Responses API's input; the chat template reads the
-content as parts and renders each image as its vision markers."""
+"""`pagedserve serve` on a tiny Qwen2-VL, Qwen2.5-VL and Gemma 3 answers the official openai
+client as transformers does: base64 PNGs of different sizes (for Qwen2-VL, of different token
+counts) in a chat, streamed or not, and an image in the Responses API's input; the chat
+template reads the content as parts and renders each image as its markers (Gemma 3's
+``<start_of_image>``, which the engine expands as the processor does). LLaVA's server test is
+test_multimodal_server.py."""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
+from pagedserve.models.testing_gemma3 import make_tiny_gemma3_checkpoint, transformers_gemma3_greedy
 from pagedserve.models.testing_multimodal import (
     make_tiny_qwen2_vl_checkpoint,
     tiny_test_images,
@@ -16,9 +21,9 @@ from pagedserve.models.testing_multimodal import (
 )
 from pagedserve.server.testing import live_server, png_data_url
 
-pytestmark = pytest.mark.slow  # one real server per variant: ~5 s each to start
+pytestmark = pytest.mark.slow  # one real server per model: ~5 s each to start
 
-NAME = "tiny-qwen2-vl"
+NAME = "tiny-vision"
 MAX_TOKENS = 16
 QUESTION = "What is in these pictures? Describe the colours."
 GREEDY = dict(
@@ -28,9 +33,12 @@ GREEDY = dict(
 )
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3"])
 def folder(request, tmp_path_factory):
-    return make_tiny_qwen2_vl_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "gemma3":
+        return make_tiny_gemma3_checkpoint(out)
+    return make_tiny_qwen2_vl_checkpoint(out, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +55,9 @@ def reference(folder, images: list) -> list[int]:
     prompt = AutoTokenizer.from_pretrained(folder).apply_chat_template(
         [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
     )
-    return transformers_qwen2_vl_greedy(folder, prompt, images, MAX_TOKENS)[1]
+    gemma3 = json.loads((folder / "config.json").read_text())["model_type"] == "gemma3"
+    greedy = transformers_gemma3_greedy if gemma3 else transformers_qwen2_vl_greedy
+    return greedy(folder, prompt, images, MAX_TOKENS)[1]
 
 
 def messages(*pictures) -> list[dict]:
@@ -73,10 +83,15 @@ def test_an_image_in_the_responses_input_equals_transformers(client, folder):
     picture = tiny_test_images()[2]
     response = client.responses.create(
         model=NAME,
-        input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": png_data_url(picture)},
-            {"type": "input_text", "text": QUESTION},
-        ]}],  # fmt: skip
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": png_data_url(picture)},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],  # fmt: skip
         max_output_tokens=MAX_TOKENS,
         temperature=0,
         extra_body={"ignore_eos": True},
