@@ -100,3 +100,34 @@ def test_a_models_spec_holds_its_ranks_share_of_the_kv_heads(tiny_checkpoint):
     assert kv_cache_spec(config) == KVCacheSpec(2, 2, 16, tensors_per_layer=2)
     assert kv_cache_spec(config, tp_size=2) == KVCacheSpec(2, 1, 16, tensors_per_layer=2)
     assert not kv_cache_spec(config).is_latent
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_a_vision_models_profile_step_runs_the_most_images_a_step_encodes(family, tmp_path):
+    """What a GPU's memory profile runs for a vision-language model, checked on the CPU: the
+    largest image as many times as the encoder cache lets one step encode it, through the
+    tower in one call, its rows written over the profiling step's first tokens."""
+    from pagedserve.engine import LLM
+    from pagedserve.engine.gpu_profile import profile_inputs_embeds
+    from pagedserve.models.testing_multimodal import (
+        make_tiny_llava_checkpoint,
+        make_tiny_qwen2_vl_checkpoint,
+    )
+
+    folder = (
+        make_tiny_llava_checkpoint(tmp_path / family)
+        if family == "llava"
+        else make_tiny_qwen2_vl_checkpoint(tmp_path / family)
+    )
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=256, encoder_cache_size=100)
+    runner, processor = llm.engine.runner, llm.engine.image_processor
+    largest = processor.max_image_tokens  # LLaVA: 16 rows; Qwen2-VL: 36 (max_pixels)
+    assert len(runner.profile_images) == 100 // largest
+    input_ids = torch.zeros(200, dtype=torch.long)
+    with torch.inference_mode():
+        rows, embeds = profile_inputs_embeds(runner, input_ids)
+    assert [len(r) for r in rows] == [largest] * (100 // largest)
+    written = min(200, sum(len(r) for r in rows))
+    torch.testing.assert_close(embeds[:written], torch.cat(rows)[:written])
+    text = runner.model.embed_input_ids(input_ids[written:])
+    torch.testing.assert_close(embeds[written:], text)

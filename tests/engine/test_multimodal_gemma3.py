@@ -86,3 +86,15 @@ def test_an_image_larger_than_a_step_is_refused_by_name(folder, images):
         llm.generate(request_of(ONE, images[:1]), GREEDY, use_tqdm=False)
     assert e.value.param == "multi_modal_data" and "max_num_batched_tokens" in str(e.value)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_processor_that_cuts_pan_and_scan_crops_is_refused_at_load(folder, tmp_path):
+    import json
+    import shutil
+
+    copy = Path(shutil.copytree(folder, tmp_path / "pan-and-scan"))
+    config = json.loads((copy / "processor_config.json").read_text())
+    config["image_processor"]["do_pan_and_scan"] = True
+    (copy / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        engine(copy)

@@ -6,6 +6,7 @@ parallel config."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr import CacheConfig
@@ -26,10 +27,13 @@ def create_runner(
     cache_config: CacheConfig,
     extra_block_bytes: int = 0,
     drafter: DraftModelProposer | None = None,
+    profile_images: Sequence = (),
 ) -> ModelRunner | DistributedExecutor:
     """The runner for ``args``; ``extra_block_bytes``: a draft model's KV bytes per block, which
     share the KV memory budget (on rank 0 only under tensor parallelism); ``drafter``: that
-    draft model, which the runner runs at the start of each step."""
+    draft model, which the runner runs at the start of each step; ``profile_images``: the
+    images a step may encode at most, which a GPU's memory profile runs through the tower (a
+    vision-language model runs on one rank)."""
     lora_config = args.create_lora_config()
     if model_config.runner_type == "pooling":  # prefill steps only: no decode graphs
         return PoolingModelRunner(model_config, cache_config)
@@ -43,6 +47,7 @@ def create_runner(
             lora_config=lora_config,
             extra_block_bytes=extra_block_bytes,
             drafter=drafter,
+            profile_images=profile_images,
         )
     return DistributedExecutor(
         model_config,

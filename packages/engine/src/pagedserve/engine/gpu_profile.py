@@ -28,7 +28,10 @@ def profile_gpu_kv_cache_budget(runner: ModelRunner, block_bytes: int) -> int:
     The step is ``profile_num_tokens`` tokens (the scheduler's token budget) as prefills of up
     to ``max_model_len`` each, through the real attention path over a throwaway cache just
     large enough to hold them; that cache's bytes are taken off the measured peak. A pipeline
-    stage after the first starts from stand-in hidden states; only the last runs the head.
+    stage after the first starts from stand-in hidden states; only the last runs the head. A
+    vision-language model first runs the most images a step encodes through its tower, and its
+    step starts from their rows, held meanwhile as the encoder cache holds them
+    (``profile_inputs_embeds``).
     """
     mc, cc, dev = runner.model_config, runner.cache_config, runner.device
     stage = runner.par.stage
@@ -49,6 +52,9 @@ def profile_gpu_kv_cache_budget(runner: ModelRunner, block_bytes: int) -> int:
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
     positions = torch.from_numpy(batch.positions).to(dev)
     extra = {}
+    held_images = None
+    if runner.profile_images:
+        held_images, extra["inputs_embeds"] = profile_inputs_embeds(runner, input_ids)
     if not stage.is_first:
         hidden = torch.zeros(num_tokens, mc.hidden_size, dtype=mc.torch_dtype, device=dev)
         extra["intermediate"] = IntermediateTensors(hidden, hidden.clone())
@@ -60,6 +66,22 @@ def profile_gpu_kv_cache_budget(runner: ModelRunner, block_bytes: int) -> int:
     peak_torch = torch.cuda.max_memory_allocated(dev) - num_blocks * block_bytes
     free, total = torch.cuda.mem_get_info(dev)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
-    del caches, hidden, meta, input_ids, positions, extra
+    del caches, hidden, meta, input_ids, positions, extra, held_images
     torch.cuda.empty_cache()
     return gpu_kv_cache_budget(total, cc.gpu_memory_utilization, peak_torch, non_torch)
+
+
+def profile_inputs_embeds(
+    runner: ModelRunner, input_ids: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(image rows, inputs_embeds)`` of a vision-language model's profiling step: the tower
+    over ``runner.profile_images`` (the largest image, as many times as one step encodes it:
+    one call, as the encoder cache's ``update`` makes it), and the step's text embeddings with
+    as many of those rows written over its first tokens as fit."""
+    images = runner.profile_images
+    grids = None if images[0].grid_thw is None else [image.grid_thw for image in images]
+    rows = runner.model.embed_images([image.pixel_values for image in images], grids)
+    embeds = runner.model.embed_input_ids(input_ids)
+    flat = torch.cat(rows)[: len(input_ids)]
+    embeds[: len(flat)] = flat.to(embeds.dtype)
+    return rows, embeds

@@ -84,8 +84,16 @@ class LLMEngine:
         block_size = self.cache_config.block_size
         draft_bytes = self.speculator.kv_block_bytes(block_size) if self.speculator else 0
         drafter = self.speculator.draft if self.speculator else None
+        self.image_processor = image_processor_for(
+            args, self.model_config, self.tokenizer, self.scheduler_config, self.speculator
+        )
+        profile_images = (  # what a GPU's memory profile runs through the vision tower
+            self.image_processor.most_encoded_in_a_step(self.scheduler_config.encoder_cache_size)
+            if self.image_processor
+            else ()
+        )
         self.runner = create_runner(
-            args, self.model_config, self.cache_config, draft_bytes, drafter
+            args, self.model_config, self.cache_config, draft_bytes, drafter, profile_images
         )
         if self.speculator is not None:  # a draft model's cache: the same blocks
             self.speculator.allocate_kv_caches(self.runner.num_blocks, block_size)
@@ -95,9 +103,6 @@ class LLMEngine:
         )
         self.kv_cache_manager = kv_cache_manager_for(
             self.model_config, self.cache_config, self.runner.num_blocks, connector
-        )
-        self.image_processor = image_processor_for(
-            args, self.model_config, self.tokenizer, self.scheduler_config, self.speculator
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)

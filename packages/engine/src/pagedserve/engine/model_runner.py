@@ -16,6 +16,7 @@ as CUDA graphs on a GPU (cuda_graph.py); the logits are those of the real rows e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,8 +115,10 @@ class ModelRunner:
         lora_config: LoRAConfig | None = None,
         extra_block_bytes: int = 0,
         drafter: DraftModelProposer | None = None,
+        profile_images: Sequence = (),
     ) -> None:
         self.model_config = model_config
+        self.profile_images = profile_images  # the most a step encodes (gpu_profile.py)
         self.cache_config = cache_config
         self.par = par or ParallelContext()
         self.extra_block_bytes = extra_block_bytes

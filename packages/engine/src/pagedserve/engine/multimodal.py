@@ -63,20 +63,32 @@ class ImagePromptProcessor:
                 f"{model_dir} takes images but has no image processor config "
                 f"(preprocessor_config.json): {e}"
             ) from e
+        if getattr(self.image_processor, "do_pan_and_scan", False):
+            raise ValueError(
+                f"{model_dir}: its image processor cuts wide images into pan-and-scan crops "
+                "(do_pan_and_scan), which pagedserve does not serve: set it to false in "
+                "preprocessor_config.json"
+            )
         self.model_config = model_config
         self.format = image_prompt_format(model_config, tokenizer)
         self.placeholder = tokenizer.convert_ids_to_tokens(self.format.marker)
         self.max_images = _images_allowed(limit_mm_per_prompt)
-        self.max_image_tokens = self._tokens_of_largest_image()
+        self.largest_image = self._largest_image()
+        self.max_image_tokens = self.largest_image.num_tokens
 
-    def _tokens_of_largest_image(self) -> int:
-        """The embedding rows of one image: the processor's output for a large picture (a
-        model that resizes every image to one size gives every image this count; one of
+    def _largest_image(self):
+        """The processor's output for a large picture: the most embedding rows one image takes
+        (a model that resizes every image to one size gives every image this count; one of
         dynamic resolution caps a picture at its ``max_pixels``)."""
         from PIL import Image
 
         (image,) = self._processed([Image.new("RGB", (4096, 4096))])
-        return image.num_tokens
+        return image
+
+    def most_encoded_in_a_step(self, encoder_cache_size: int) -> list:
+        """The largest image as many times as one step may encode it (the encoder cache's size
+        bounds a step's encoding): what a GPU's memory profile runs through the tower."""
+        return [self.largest_image] * max(1, encoder_cache_size // self.max_image_tokens)
 
     def process(self, prompt_ids: list[int], multi_modal_data) -> tuple[list[int], tuple]:
         """The expanded prompt and its images, or ``InvalidRequestError`` naming the field."""
@@ -109,7 +121,10 @@ class ImagePromptProcessor:
             raise InvalidRequestError(
                 f"the model's image processor rejected an image: {e}", "multi_modal_data"
             ) from e
-        return processed_images(self.model_config, batch)
+        try:
+            return processed_images(self.model_config, batch)
+        except ValueError as e:  # what the model cannot read of the processor's output
+            raise InvalidRequestError(str(e), "multi_modal_data") from e
 
 
 def image_processor_for(
