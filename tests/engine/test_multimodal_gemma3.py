@@ -98,3 +98,17 @@ def test_a_processor_that_cuts_pan_and_scan_crops_is_refused_at_load(folder, tmp
     (copy / "processor_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="do_pan_and_scan"):
         engine(copy)
+
+
+def test_ngram_speculation_and_beams_read_image_prompts(folder, images):
+    _, expected = transformers_gemma3_greedy(folder, TWO, images[:2], MAX_TOKENS)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = engine(folder, speculative_config=ngram)
+    (out,) = llm.generate(request_of(TWO, images[:2]), GREEDY, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == expected
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    beams = SamplingParams(
+        n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=4, ignore_eos=True
+    )
+    (out,) = engine(folder).generate(request_of(ONE, images[:1]), beams, use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 2

@@ -90,3 +90,21 @@ def test_preemption_n_and_ngram_speculation_equal_transformers(folder, images):
     (out,) = llm.generate(request_of(ONE, images[:1]), GREEDY, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == expected
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_beam_search_forks_keep_their_m_rope_positions(folder, images):
+    """Beams fork from the prompt's blocks and carry its images, so every beam's positions
+    past the prompt are its sequence positions plus the prompt's shift: the best beam of width
+    one is the greedy answer, and wider beams are distinct."""
+    _, expected = transformers_qwen2_vl_greedy(folder, ONE, images[:1], 6)
+    llm = engine(folder)
+    width_one = SamplingParams(
+        n=1, best_of=1, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True
+    )
+    (out,) = llm.generate(request_of(ONE, images[:1]), width_one, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == expected
+    beams = SamplingParams(
+        n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=4, ignore_eos=True
+    )
+    (out,) = llm.generate(request_of(ONE, images[:1]), beams, use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 2
