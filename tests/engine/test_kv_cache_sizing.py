@@ -121,8 +121,10 @@ def test_a_vision_models_profile_step_runs_the_most_images_a_step_encodes(family
     )
     llm = LLM(model=str(folder), dtype="float32", max_model_len=256, encoder_cache_size=100)
     runner, processor = llm.engine.runner, llm.engine.image_processor
+    assert not runner.profile_images  # profiled (on a GPU) at start-up, then let go of
+    runner.profile_images = processor.take_profile_images(llm.engine.scheduler_config)
     largest = processor.max_image_tokens  # LLaVA: 16 rows; Qwen2-VL: 36 (max_pixels)
-    assert len(runner.profile_images) == 100 // largest
+    assert len(runner.profile_images) == 100 // largest  # the encoder cache bounds a step
     input_ids = torch.zeros(200, dtype=torch.long)
     with torch.inference_mode():
         rows, embeds = profile_inputs_embeds(runner, input_ids)

@@ -78,13 +78,18 @@ def test_prefix_hits_preemption_and_n_equal_transformers(folder, images):
     assert all(list(c.token_ids) == expected for o in outs for c in o.outputs)
 
 
-def test_an_image_larger_than_a_step_is_refused_by_name(folder, images):
+def test_a_step_budget_smaller_than_an_image_is_refused_at_load(folder):
+    with pytest.raises(ValueError, match="max_num_batched_tokens 12 is less than one image"):
+        engine(folder, max_num_batched_tokens=12, encoder_cache_size=16)
+
+
+def test_a_marker_without_an_image_is_refused_by_name(folder):
     from pagedserve.engine.errors import InvalidRequestError
 
-    llm = engine(folder, max_num_batched_tokens=12, encoder_cache_size=16)
+    llm = engine(folder)
     with pytest.raises(InvalidRequestError) as e:
-        llm.generate(request_of(ONE, images[:1]), GREEDY, use_tqdm=False)
-    assert e.value.param == "multi_modal_data" and "max_num_batched_tokens" in str(e.value)
+        llm.generate({"prompt": ONE}, GREEDY, use_tqdm=False)
+    assert e.value.param == "multi_modal_data" and "<start_of_image>" in str(e.value)
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -112,3 +117,20 @@ def test_ngram_speculation_and_beams_read_image_prompts(folder, images):
     )
     (out,) = engine(folder).generate(request_of(ONE, images[:1]), beams, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in out.outputs}) == 2
+
+
+def test_a_prefix_hit_that_ends_inside_an_image_equals_transformers(folder, images):
+    """The same picture under a new question: the hit's last block ends inside the image, so
+    the rest of the image is computed in one chunk (its rows see the cached rows before them
+    and each other both ways) and the answer is still transformers'."""
+    other = "User: <start_of_image>Describe the colours. Assistant:"
+    llm = engine(folder, enable_prefix_caching=True, block_size=16)
+    llm.generate(request_of(ONE, images[:1]), GREEDY, use_tqdm=False)
+    (out,) = llm.generate(request_of(other, [images[0].copy()]), GREEDY, use_tqdm=False)
+    row_token = llm.engine.model_config.image_token_id  # <image_soft_token>
+    rows = [i for i, token in enumerate(out.prompt_token_ids) if token == row_token]
+    assert rows[0] < out.num_cached_tokens < rows[-1] + 1  # the hit ends inside the image
+    assert (
+        list(out.outputs[0].token_ids)
+        == transformers_gemma3_greedy(folder, other, images[:1], MAX_TOKENS)[1]
+    )

@@ -113,8 +113,11 @@ def step_key_limits(model: torch.nn.Module, output: SchedulerOutput, batch) -> n
     positions, query_start_loc, limits = batch.positions, batch.query_start_loc, None
     for entry, request in enumerate(output.requests):
         start, end = int(query_start_loc[entry]), int(query_start_loc[entry + 1])
+        first, last = int(positions[start]), int(positions[end - 1])
         for image in request.images:
             image_end = image.offset + image.length
+            if image_end <= first or image.offset > last:  # a decode step past its images
+                continue
             inside = (positions[start:end] >= image.offset) & (positions[start:end] < image_end)
             if inside.any():
                 if limits is None:

@@ -88,7 +88,7 @@ class LLMEngine:
             args, self.model_config, self.tokenizer, self.scheduler_config, self.speculator
         )
         profile_images = (  # what a GPU's memory profile runs through the vision tower
-            self.image_processor.most_encoded_in_a_step(self.scheduler_config.encoder_cache_size)
+            self.image_processor.take_profile_images(self.scheduler_config)
             if self.image_processor
             else ()
         )

@@ -133,6 +133,7 @@ class ModelRunner:
             LoRAManager(self.model, model_config, lora_config) if lora_config else None
         )
         self.num_blocks = self.par.min_over_ranks(self._num_blocks())
+        self.profile_images = ()  # profiled: let go of them
         pads = graph_config is not None and graph_config.pads_decode(self.device)
         self.kv_caches = self.new_kv_caches(self.num_blocks + int(pads))
         if self.num_blocks:  # none: an encoder, which has no KV cache (pooling_runner.py)

@@ -16,6 +16,7 @@ pixels cannot.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -73,22 +74,32 @@ class ImagePromptProcessor:
         self.format = image_prompt_format(model_config, tokenizer)
         self.placeholder = tokenizer.convert_ids_to_tokens(self.format.marker)
         self.max_images = _images_allowed(limit_mm_per_prompt)
-        self.largest_image = self._largest_image()
-        self.max_image_tokens = self.largest_image.num_tokens
+        self._largest = self.largest_image()  # until the memory profile takes it
+        self.max_image_tokens = self._largest.num_tokens
 
-    def _largest_image(self):
-        """The processor's output for a large picture: the most embedding rows one image takes
-        (a model that resizes every image to one size gives every image this count; one of
-        dynamic resolution caps a picture at its ``max_pixels``)."""
+    def largest_image(self):
+        """The processor's output for a picture larger than it keeps: the most embedding rows
+        one image takes (a model that resizes every image to one size gives every image this
+        count; one of dynamic resolution caps a picture at its ``max_pixels``)."""
         from PIL import Image
 
-        (image,) = self._processed([Image.new("RGB", (4096, 4096))])
+        limit = getattr(self.image_processor, "max_pixels", None) or (
+            (getattr(self.image_processor, "size", None) or {}).get("longest_edge")
+        )
+        side = max(4096, math.isqrt(int(limit)) + 64) if isinstance(limit, int) else 4096
+        (image,) = self._processed([Image.new("RGB", (side, side))])
         return image
 
-    def most_encoded_in_a_step(self, encoder_cache_size: int) -> list:
-        """The largest image as many times as one step may encode it (the encoder cache's size
-        bounds a step's encoding): what a GPU's memory profile runs through the tower."""
-        return [self.largest_image] * max(1, encoder_cache_size // self.max_image_tokens)
+    def take_profile_images(self, scheduler_config) -> list:
+        """The largest image as many times as one step may encode it, for a GPU's memory
+        profile to run through the tower; the processor lets go of it (hundreds of MB for
+        Qwen2-VL at its ``max_pixels``). A step encodes what its chunks reach: at most the
+        encoder cache's rows, and about a token budget's worth of images (all of them whole
+        when images are read whole, ``whole_images``)."""
+        image, self._largest = self._largest or self.largest_image(), None
+        size, budget = self.max_image_tokens, scheduler_config.max_num_batched_tokens
+        reach = budget // size if scheduler_config.whole_images else budget // size + 1
+        return [image] * max(1, min(scheduler_config.encoder_cache_size // size, reach))
 
     def process(self, prompt_ids: list[int], multi_modal_data) -> tuple[list[int], tuple]:
         """The expanded prompt and its images, or ``InvalidRequestError`` naming the field."""
@@ -153,7 +164,15 @@ def image_processor_for(
         scheduler_config.encoder_cache_size = max(
             scheduler_config.encoder_cache_size, processor.max_image_tokens
         )
-    elif args.encoder_cache_size < processor.max_image_tokens:
+    if scheduler_config.whole_images and (
+        scheduler_config.max_num_batched_tokens < processor.max_image_tokens
+    ):
+        raise ValueError(
+            f"max_num_batched_tokens {scheduler_config.max_num_batched_tokens} is less than one "
+            f"image of {args.model} ({processor.max_image_tokens} rows), which it reads in one "
+            "step: every image would be refused"
+        )
+    if args.encoder_cache_size is not None and args.encoder_cache_size < processor.max_image_tokens:
         raise ValueError(
             f"encoder_cache_size {args.encoder_cache_size} is less than one image of "
             f"{args.model} ({processor.max_image_tokens} rows): every image would be refused"
@@ -264,6 +283,8 @@ def _image_spans(
         return _expand_markers(token_ids, markers, fmt, counts)
     if len(rows) != sum(counts):
         return None
+    if fmt.marker != fmt.row and len(markers) != len(counts):
+        return None  # an expanded prompt of Gemma 3 has a marker before each image's rows
     runs, first = [], 0
     for count in counts:
         span = rows[first : first + count]

@@ -65,21 +65,31 @@ def qwen2_vl_images(hf_config: dict[str, Any], batch) -> list[ProcessedImage]:
 
 
 def mrope_positions(positions: np.ndarray, images: Sequence, spatial_merge_size: int) -> np.ndarray:
-    """``[3, n]`` M-RoPE positions (temporal, height, width) of a request's tokens at sequence
-    ``positions [n]``. ``images``: the request's images in prompt order, each with ``offset``
-    and ``length`` (its placeholder run) and ``grid_thw`` (its patch grid)."""
-    out = np.broadcast_to(np.asarray(positions, dtype=np.int64), (3, len(positions))).copy()
-    shift = 0  # how far M-RoPE positions run behind sequence positions after the images so far
+    """``[3, n]`` M-RoPE positions (temporal, height, width) of a request's tokens at the
+    consecutive sequence ``positions [n]`` (a chunk, a decode step, proposals). ``images``: the
+    request's images in prompt order, each with ``offset`` and ``length`` (its placeholder run)
+    and ``grid_thw`` (its patch grid). Images wholly before the run only shift it (a decode
+    step costs a few scalar operations per image); those it overlaps place their rows."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if not len(positions):
+        return np.zeros((3, 0), dtype=np.int64)
+    shift, overlapped = 0, []  # shift: how far M-RoPE runs behind sequence positions
     for image in images:
-        t, h, w = image.grid_thw
+        _, h, w = image.grid_thw
         rows, cols = h // spatial_merge_size, w // spatial_merge_size
+        if image.offset + image.length <= positions[0]:
+            shift += max(rows, cols) - image.length  # text goes on from start + longer side
+        elif image.offset <= positions[-1]:
+            overlapped.append((image, rows, cols))
+    out = np.broadcast_to(positions + shift, (3, len(positions))).copy()
+    for image, rows, cols in overlapped:
         start = image.offset + shift  # every position of the image counts from here
         inside = (positions >= image.offset) & (positions < image.offset + image.length)
         index = positions[inside] - image.offset
         out[0, inside] = start + index // (rows * cols)
         out[1, inside] = start + (index % (rows * cols)) // cols
         out[2, inside] = start + index % cols
-        step = max(rows, cols) - image.length  # text goes on from start + the longer side
+        step = max(rows, cols) - image.length
         out[:, positions >= image.offset + image.length] += step
         shift += step
     return out
