@@ -108,3 +108,36 @@ def test_beam_search_forks_keep_their_m_rope_positions(folder, images):
     )
     (out,) = llm.generate(request_of(ONE, images[:1]), beams, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in out.outputs}) == 2
+
+
+def test_mm_processor_kwargs_cap_an_images_tokens_as_the_processor_would(folder, images, tmp_path):
+    """``--mm-processor-kwargs '{"max_pixels": 1024}'`` (vLLM's way to bound Qwen2-VL's tokens
+    an image): the 64 x 64 picture takes 16 tokens, not 36, and the answer equals transformers
+    over a folder whose processor is configured so."""
+    import json
+    import shutil
+
+    capped = Path(shutil.copytree(folder, tmp_path / "capped"))
+    config = json.loads((capped / "preprocessor_config.json").read_text())
+    config["size"]["longest_edge"] = 1024
+    (capped / "preprocessor_config.json").write_text(json.dumps(config))
+    expected_prompt, expected = transformers_qwen2_vl_greedy(capped, ONE, images[1:2], MAX_TOKENS)
+    llm = engine(folder, mm_processor_kwargs={"max_pixels": 1024})
+    assert llm.engine.image_processor.max_image_tokens == 16
+    (out,) = llm.generate(request_of(ONE, images[1:2]), GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == expected_prompt
+    assert list(out.outputs[0].token_ids) == expected
+
+
+def test_mm_processor_kwargs_the_processor_or_the_tower_cannot_take_are_refused(folder, tmp_path):
+    from pagedserve.models.testing import make_tiny_checkpoint
+
+    for kwargs, words in [
+        ({"max_pixel": 1024}, "mm_processor_kwargs.max_pixel: not a setting"),
+        ({"patch_size": 8}, "mm_processor_kwargs.patch_size: the model's tower is built for"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            engine(folder, mm_processor_kwargs=kwargs)
+    text_model = make_tiny_checkpoint("llama", tmp_path / "text")
+    with pytest.raises(ValueError, match="mm_processor_kwargs: .* is a text model"):
+        engine(text_model, mm_processor_kwargs={"max_pixels": 1024})

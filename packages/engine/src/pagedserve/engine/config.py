@@ -193,6 +193,13 @@ class EngineArgs:
         "that takes images; a text model takes none)",
         unit="json",
     )
+    mm_processor_kwargs: dict | None = option(
+        None,
+        "settings for the model's image processor over its folder's, as vLLM's JSON: "
+        '{"max_pixels": 802816} caps Qwen2-VL\'s tokens an image (a key the processor does '
+        "not take, or one the model's tower depends on, is refused at start)",
+        unit="json",
+    )
     allowed_local_media_path: str | None = option(
         None,
         "a folder whose images a request may name by local path (file:// URLs); without it "

@@ -54,16 +54,10 @@ class ImagePromptProcessor:
     """Turns (prompt token ids with one image token per image, images) into the prompt the
     engine runs and its ``ImageInput``s, for one vision-language model."""
 
-    def __init__(self, model_dir: str, model_config, tokenizer, limit_mm_per_prompt) -> None:
-        from transformers import AutoImageProcessor
-
-        try:
-            self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"{model_dir} takes images but has no image processor config "
-                f"(preprocessor_config.json): {e}"
-            ) from e
+    def __init__(
+        self, model_dir: str, model_config, tokenizer, limit_mm_per_prompt, processor_kwargs=None
+    ) -> None:
+        self.image_processor = _image_processor(model_dir, processor_kwargs or {})
         if getattr(self.image_processor, "do_pan_and_scan", False):
             raise ValueError(
                 f"{model_dir}: its image processor cuts wide images into pan-and-scan crops "
@@ -138,6 +132,40 @@ class ImagePromptProcessor:
             raise InvalidRequestError(str(e), "multi_modal_data") from e
 
 
+# What a model's tower is built for: changing it would make the processor's patches or token
+# counts disagree with the model, so mm_processor_kwargs may not.
+_TOWER_SETTINGS = {"patch_size", "merge_size", "temporal_patch_size"}
+_NOT_SETTINGS = {"return_tensors", "device", "data_format", "input_data_format"}
+
+
+def _image_processor(model_dir: str, kwargs: dict):
+    """The folder's image processor (transformers' ``AutoImageProcessor``), with ``kwargs``
+    (``mm_processor_kwargs``) over its settings: each must be a setting the processor takes
+    (its ``valid_kwargs``) and not one the model's tower depends on, or it is refused."""
+    from transformers import AutoImageProcessor
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"{model_dir} takes images but has no image processor config "
+            f"(preprocessor_config.json): {e}"
+        ) from e
+    if not kwargs:
+        return processor
+    takes = set()
+    for cls in getattr(type(processor), "valid_kwargs", dict).__mro__:
+        takes |= set(getattr(cls, "__annotations__", {}))
+    for key in kwargs:
+        if key not in takes - _NOT_SETTINGS or key in _TOWER_SETTINGS:
+            why = "the model's tower is built for" if key in _TOWER_SETTINGS else "not a setting of"
+            raise ValueError(
+                f"mm_processor_kwargs.{key}: {why} {type(processor).__name__} (it takes "
+                f"{sorted(takes - _NOT_SETTINGS - _TOWER_SETTINGS)})"
+            )
+    return AutoImageProcessor.from_pretrained(model_dir, **kwargs)
+
+
 def image_processor_for(
     args, model_config, tokenizer, scheduler_config, speculator
 ) -> ImagePromptProcessor | None:
@@ -146,10 +174,9 @@ def image_processor_for(
     by hand, holds at least one image. A model whose image tokens attend to each other both
     ways (Gemma 3) has each image computed in one chunk (``whole_images``)."""
     if model_config.image_token_id is None:
-        if args.limit_mm_per_prompt:
-            raise ValueError(
-                f"limit_mm_per_prompt: {args.model} is a text model: it takes no images"
-            )
+        for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+            if getattr(args, name):
+                raise ValueError(f"{name}: {args.model} is a text model: it takes no images")
         return None
     for name in ("kv_transfer_config", "kv_offload_memory", "kv_offload_dir"):
         if getattr(args, name):
@@ -157,7 +184,11 @@ def image_processor_for(
     if speculator is not None and speculator.draft is not None:
         raise ValueError("speculative_config: a draft model cannot read image prompts (use ngram)")
     processor = ImagePromptProcessor(
-        args.tokenizer or args.model, model_config, tokenizer, args.limit_mm_per_prompt
+        args.tokenizer or args.model,
+        model_config,
+        tokenizer,
+        args.limit_mm_per_prompt,
+        args.mm_processor_kwargs,
     )
     scheduler_config.whole_images = reads_images_both_ways(model_config)
     if args.encoder_cache_size is None:

@@ -185,7 +185,6 @@ REFUSED: dict[str, str] = {
     **_refusing(
         IMAGES_ONLY,
         "--media-io-kwargs",
-        "--mm-processor-kwargs",
         "--mm-processor-cache-gb",
         "--disable-mm-preprocessor-cache",
         "--mm-processor-cache-type",
