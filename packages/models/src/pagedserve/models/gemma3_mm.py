@@ -52,18 +52,6 @@ from pagedserve.models.pipeline import IntermediateTensors
 from pagedserve.models.siglip import SiglipVisionTower
 from pagedserve.models.weights import CheckpointTensor
 
-# (checkpoint prefix, our part, the name's prefix inside the part), first match wins, after a
-# leading ``model.`` is dropped: save_pretrained's and Google's names, then transformers 5's.
-_PARTS = [
-    ("language_model.model.", "language_model", "model."),
-    ("language_model.lm_head.", "language_model", "lm_head."),
-    ("language_model.", "language_model", "model."),
-    ("lm_head.", "language_model", "lm_head."),
-    ("vision_tower.vision_model.", "vision_tower", ""),
-    ("vision_tower.", "vision_tower", ""),
-    ("multi_modal_projector.", "multi_modal_projector", ""),
-]
-
 
 def pooled_grid(hf_config: dict[str, Any]) -> tuple[int, int]:
     """``(patches a side, rows a side)``: the tower's patch grid and the projector's pooled
@@ -194,13 +182,10 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         ``[mm_tokens_per_image, hidden]`` decoder rows, on the model's device, in its dtype,
         all images in one batch through the tower. ``grid_thw`` is Qwen2-VL's; Gemma 3's
         images have none."""
-        if grid_thw is not None:
-            raise ValueError("Gemma 3's images are fixed-size: they have no grid_thw")
-        config = self.config
-        pixels = torch.stack(list(pixel_values)).to(config.torch_device, config.torch_dtype)
+        pixels = self.stacked_pixels(pixel_values, grid_thw, "Gemma 3")
         return list(self.multi_modal_projector(self.vision_tower(pixels)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
-        """Route each tensor to its part by the checkpoint's prefix (``_PARTS``: every
+        """Route each tensor to its part by the checkpoint's prefix (image_inputs.py: every
         naming); the decoder loads as a text checkpoint would, the tower and projector after."""
-        self.load_parts(weights, _PARTS, "Gemma 3")
+        self.load_parts(weights, "Gemma 3")

@@ -92,6 +92,20 @@ def processed_images(model_config, batch) -> list[ProcessedImage]:
     return llava_images(model_config.hf_config, batch)
 
 
+# LLaVA's and Gemma 3's checkpoints: (checkpoint prefix, our part, the name's prefix inside the
+# part), first match wins, after a leading ``model.`` is dropped: what save_pretrained writes
+# (and the llava-hf / Google repositories hold), then transformers 5's state dict.
+CHECKPOINT_PARTS = [
+    ("language_model.model.", "language_model", "model."),
+    ("language_model.lm_head.", "language_model", "lm_head."),
+    ("language_model.", "language_model", "model."),
+    ("lm_head.", "language_model", "lm_head."),
+    ("vision_tower.vision_model.", "vision_tower", ""),
+    ("vision_tower.", "vision_tower", ""),
+    ("multi_modal_projector.", "multi_modal_projector", ""),
+]
+
+
 class VisionLanguageModel(nn.Module):
     """What LLaVA and Qwen2-VL share: a text decoder (``self.language_model``, a Llama-family
     causal LM) that embeds the prompt's ids, runs from embeddings with image rows written in,
@@ -119,11 +133,18 @@ class VisionLanguageModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
-    def load_parts(self, weights, parts: list[tuple[str, str, str]], name: str) -> None:
+    def stacked_pixels(self, pixel_values, grid_thw, name: str) -> torch.Tensor:
+        """A fixed-size tower's images (LLaVA's, Gemma 3's: each ``[3, S, S]``) as one batch on
+        the model's device, in its dtype; a ``grid_thw`` (Qwen2-VL's) is refused."""
+        if grid_thw is not None:
+            raise ValueError(f"{name}'s images are fixed-size: they have no grid_thw")
+        config = self.config
+        return torch.stack(list(pixel_values)).to(config.torch_device, config.torch_dtype)
+
+    def load_parts(self, weights, name: str) -> None:
         """Load a checkpoint whose tensors belong to ``language_model``, ``vision_tower`` and
-        ``multi_modal_projector`` (LLaVA's and Gemma 3's layout): ``parts`` maps a name's
-        prefix (after any leading ``model.``) to (prefix, part, prefix inside the part), first
-        match wins. The decoder loads as a text model's checkpoint would; the tower (with its
+        ``multi_modal_projector`` (LLaVA's and Gemma 3's layout), each routed by its prefix
+        (``CHECKPOINT_PARTS``). The decoder loads as a text model's checkpoint would; the tower (with its
         ``stacked_params`` and the tensors it ``skips_weight``) and the projector after it."""
         from pagedserve.models.config import ModelLoadError
         from pagedserve.models.weights import load_stacked_weights
@@ -132,7 +153,7 @@ class VisionLanguageModel(nn.Module):
 
         def split(tensor_name: str) -> tuple[str, str]:
             bare = tensor_name.removeprefix("model.")
-            for prefix, part, inner in parts:
+            for prefix, part, inner in CHECKPOINT_PARTS:
                 if bare.startswith(prefix):
                     return part, inner + bare[len(prefix) :]
             raise ModelLoadError(

@@ -38,18 +38,6 @@ from pagedserve.models.weights import CheckpointTensor
 
 FEATURE_SELECT_STRATEGIES = ("default", "full")  # without / with the class row
 
-# (checkpoint prefix, our part, the name's prefix inside the part), first match wins: the
-# llava-hf names, then transformers 5's (their leading ``model.`` already dropped).
-_PARTS = [
-    ("language_model.model.", "language_model", "model."),
-    ("language_model.lm_head.", "language_model", "lm_head."),
-    ("language_model.", "language_model", "model."),
-    ("lm_head.", "language_model", "lm_head."),
-    ("vision_tower.vision_model.", "vision_tower", ""),
-    ("vision_tower.", "vision_tower", ""),
-    ("multi_modal_projector.", "multi_modal_projector", ""),
-]
-
 
 def image_tokens_per_image(hf_config: dict[str, Any], height: int, width: int) -> int:
     """The decoder rows (placeholder tokens) one processed image of ``height`` x ``width``
@@ -134,16 +122,13 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         ``[tokens_per_image, hidden]`` decoder rows, on the model's device, in its dtype. The
         tower reads all images as one batch (they are all ``S`` x ``S``). ``grid_thw`` is
         Qwen2-VL's; LLaVA's images have none."""
-        if grid_thw is not None:
-            raise ValueError("LLaVA's images are fixed-size: they have no grid_thw")
-        config = self.config
-        pixels = torch.stack(list(pixel_values)).to(config.torch_device, config.torch_dtype)
+        pixels = self.stacked_pixels(pixel_values, grid_thw, "LLaVA")
         features = self.vision_tower(pixels)
         if self.strategy == "default":
             features = features[:, 1:]
         return list(self.multi_modal_projector(features))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
-        """Route each tensor to its part by the checkpoint's prefix (``_PARTS``: every
+        """Route each tensor to its part by the checkpoint's prefix (image_inputs.py: every
         naming); the decoder loads as a text checkpoint would, the tower and projector after."""
-        self.load_parts(weights, _PARTS, "LLaVA")
+        self.load_parts(weights, "LLaVA")
