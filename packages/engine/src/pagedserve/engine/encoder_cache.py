@@ -4,9 +4,10 @@ M-RoPE positions and (for images read both ways) its attention's key limits.
 The scheduler decides (scheduler/encoder_cache.py): which images a step encodes, which cached
 entries go. This side holds the tensors and does what it was told, in that order: drop the
 evicted entries, run the vision encoder over the step's new images (one call for all of them:
-the model batches them as its tower can), then, for every chunk of the step that covers placeholder tokens, pick the embedding
-rows those tokens stand for. A chunk that ends in the middle of an image takes the rows up to
-its end; the next chunk takes the rest from the cache, without encoding again.
+the model batches them as its tower can), then, for every chunk of the step that covers
+placeholder tokens, pick the embedding rows those tokens stand for. A chunk that ends in the
+middle of an image takes the rows up to its end; the next chunk takes the rest from the cache,
+without encoding again.
 """
 
 from __future__ import annotations
@@ -81,23 +82,20 @@ def image_layout(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """What images change in a step's layout (``batch``, input_batch.layout_paged_batch): its
     positions (``step_positions``) and its attention's key limits (``step_key_limits``)."""
-    positions = step_positions(model, output, batch.positions, batch.query_start_loc)
-    return positions, step_key_limits(model, output, batch)
+    return step_positions(model, output, batch), step_key_limits(model, output, batch)
 
 
-def step_positions(
-    model: torch.nn.Module, output: SchedulerOutput, positions: np.ndarray, query_start_loc
-) -> np.ndarray:
+def step_positions(model: torch.nn.Module, output: SchedulerOutput, batch) -> np.ndarray:
     """The step's token positions, ``[T]``; ``[3, T]`` M-RoPE positions when the model has them
     (Qwen2-VL, models/qwen2_vl.py) and a request of the step has images (a text request's
     three rows are its plain position; a step of text alone stays ``[T]``)."""
-    mrope = getattr(model, "mrope_positions", None)
+    mrope, positions = getattr(model, "mrope_positions", None), batch.positions
     if mrope is None or not any(request.images for request in output.requests):
         return positions
     rows3 = np.broadcast_to(positions, (3, len(positions))).copy()
     for entry, request in enumerate(output.requests):
         if request.images:
-            rows = slice(int(query_start_loc[entry]), int(query_start_loc[entry + 1]))
+            rows = slice(int(batch.query_start_loc[entry]), int(batch.query_start_loc[entry + 1]))
             rows3[:, rows] = mrope(positions[rows], request.images)
     return rows3
 
