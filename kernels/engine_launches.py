@@ -78,7 +78,7 @@ GPT_OSS_MOE = ("gpt-oss-20b", 32, 4)
 MLA_SHAPE = ("deepseek-v3-tp8", 16, 512, 64)
 
 
-def _wrappers():
+def launch_wrappers():
     return {name: importlib.import_module(f"pagedserve.kernels.{name}") for name in _MODULES}
 
 
@@ -103,7 +103,7 @@ def attention_launches(
 ) -> None:
     """Every attention step shape through paged_attention_triton, then store_kv; with
     ``cache_dtype``, over a cache of that type (``--kv-cache-dtype``)."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     sinks = dict(sinks=torch.randn(m.n_q_heads)) if m.sinks else {}  # fp32, as models hold them
     for step, seqs in attention_steps(block_size).items():
         batch = make_paged_batch(
@@ -125,7 +125,7 @@ def batch_invariant_launches(m: ModelShape, dtype: torch.dtype, block_size: int,
     KV splits for every step shape (split-KV decodes fold their partials in order), and the
     fixed-tile GEMM of each projection, the lm_head and a MoE router (a decode's rows and a
     prefill's: one variant)."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     sinks = dict(sinks=torch.randn(m.n_q_heads)) if m.sinks else {}  # their fold starts there
     windows = [{}]
     if m.sliding_window is not None:
@@ -162,14 +162,14 @@ def store_launches(
     value = torch.randn(n_tokens, m.n_kv_heads, m.head_dim).to(dtype)
     cache = torch.empty(4, block_size, m.n_kv_heads, m.head_dim, dtype=cache_dtype or dtype)
     slots = torch.randint(-1, 4 * block_size, (n_tokens,))
-    mods = _wrappers()
+    mods = launch_wrappers()
     mods["store_kv"].store_kv_triton(key, value, cache, cache.clone(), slots)
     mods["store_kv"].store_kv_triton(value, value, cache, cache.clone(), slots)
 
 
 def layer_launches(m: ModelShape, dtype: torch.dtype, block_size: int, n_tokens: int = 3) -> None:
     """Norms, rotary and activations of one decoder layer, and copy-on-write's block copy."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     x = torch.randn(n_tokens, m.hidden).to(dtype)
     weight = torch.randn(m.hidden).to(dtype)
     if m.gpt2:
@@ -208,7 +208,7 @@ def quantized_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callabl
     """A layer's projections with int8 and fp8 weights (``--quantization int8|fp8``), for a
     decode step's few rows and a prefill's many (the two tiles the wrapper picks). Kept out of
     layer_launches: its tile follows the token count, which the warm-up check forbids there."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     for fmt in ("int8", "fp8"):
         for n, k in projection_shapes(m).values():
             qweight, scale = mods["weight_only_linear"].quantize_per_channel(torch.randn(n, k), fmt)
@@ -226,7 +226,7 @@ def int4_linear_launches(m: ModelShape, dtype: torch.dtype, group_size: int = 12
     """A layer's projections as 4-bit groups (AWQ and GPTQ checkpoints, group size 128) for
     decode and prefill; o also with the sorted g_idx of an act-order checkpoint's row-parallel
     shard (groups of uneven length) and a bias, so both constexpr branches compile."""
-    mod = _wrappers()["int4_linear"]
+    mod = launch_wrappers()["int4_linear"]
     for name, (n, k) in projection_shapes(m).items():
         groups = -(-k // group_size)
         qweight = torch.zeros(k // mod.PACK, n, dtype=torch.int32)
@@ -246,7 +246,7 @@ def lora_launches(m: ModelShape, dtype: torch.dtype, record: Callable, label: st
     parts' A stacked along the rank, one expand per part (q, k, v; gate, up) into its columns,
     with rows of several slots and rows without an adapter. The rank tile is fixed, so the rank
     changes only the strides' divisibility: 8 (not a multiple of 16) and 16 cover it."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     n_tokens, slots = 3, 4
     token_slot = torch.tensor([0, -1, 2])
     q, kv = m.n_q_heads * m.head_dim, m.n_kv_heads * m.head_dim
@@ -279,7 +279,7 @@ def gguf_linear_launches(m: ModelShape, dtype: torch.dtype, record: Callable, la
 
     if m.name != GGUF_MODEL or dtype == torch.float32:
         return
-    mods = _wrappers()
+    mods = launch_wrappers()
     for name, qtype in GGUF_TYPE_IDS.items():
         for n, k in projection_shapes(m).values():
             if k % gguf_type(qtype).block_size:
@@ -295,7 +295,7 @@ def sampler_launches(m: ModelShape, rows: int = 2) -> None:
     """Penalties, the structured-output mask (every row, and some rows by index), token
     sampling and speculative decoding's rejection sampling over fp32 logits of the model's
     vocabulary."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     logits = torch.randn(rows, m.vocab)
     counts = torch.zeros(rows, m.vocab, dtype=torch.int32)
     per_row = [torch.ones(rows) for _ in range(3)]
@@ -314,7 +314,7 @@ def sampler_launches(m: ModelShape, rows: int = 2) -> None:
 def spec_decode_launches(m: ModelShape, rows: int, k: int = 3) -> None:
     """The verify step's rejection sampling, with (draft model) and without (n-gram) draft
     probabilities, as the engine calls it over the model's vocabulary."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     probs = torch.softmax(torch.randn(rows, k, m.vocab), dim=-1)
     draft = torch.randint(m.vocab, (rows, k))
     num_draft = torch.full((rows,), k, dtype=torch.int32)
@@ -339,7 +339,7 @@ def moe_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
     """The two grouped GEMMs (gate_up per token, down per pair with the routing weight) of
     each MoE shape, with routing that leaves some experts empty; gpt-oss's with its biases and
     clamped SwiGLU."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     for name, n_experts, top_k in [*MOE_SHAPES, GPT_OSS_MOE]:
         n_tokens, hidden, inter = 5, 256, 512
         x = torch.randn(n_tokens, hidden).to(dtype)
@@ -365,7 +365,7 @@ def encoder_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
     """An encoder layer's own launches (a pooling model's: no cache, no rotary): bidirectional
     attention over a step of whole sequences of several lengths (the tile follows the head
     dim only), its LayerNorms and its exact GELU."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     for name, heads, head_dim, hidden, intermediate in ENCODER_SHAPES:
         lengths = [7, 40, 1]
         starts = torch.tensor([0, 7, 47, 48], dtype=torch.int32)
@@ -383,7 +383,7 @@ def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: s
     (plain and split-KV), the latent store (k_pe a strided view of the kv_a projection), the
     interleaved (GPT-J) rotary on q_pe / k_pe views, the latent norm, and copy-on-write of
     caches without values."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     name, heads, kv_lora_rank, rope_dim = MLA_SHAPE
     width = kv_lora_rank + rope_dim
     for step in ("decode", "split-kv"):

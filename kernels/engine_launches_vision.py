@@ -9,7 +9,7 @@ from collections.abc import Callable
 from itertools import product
 
 import torch
-from engine_launches import _wrappers, attention_steps
+from engine_launches import launch_wrappers, attention_steps
 
 from pagedserve.kernels.testing import make_paged_batch
 
@@ -37,7 +37,7 @@ def vision_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
     """A CLIP vision tower's own launches over an image's rows (LLaVA's): its LayerNorms and
     QuickGELU. Its attention is torch's SDPA, and its projector's exact GELU is the encoders'
     launch (encoder_launches)."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     name, rows, hidden, intermediate = VISION_SHAPE
     x, weight = torch.randn(rows, hidden).to(dtype), torch.randn(hidden).to(dtype)
     mods["layer_norm"].layer_norm_triton(x, weight, weight.clone(), 1e-5)
@@ -48,7 +48,7 @@ def vision_launches(dtype: torch.dtype, record: Callable, label: str) -> None:
 def mrope_launches(dtype: torch.dtype, record: Callable, label: str, n_tokens: int = 3) -> None:
     """The rotary kernel's M-RoPE variants (NUM_SECTIONS 3 and 2) on views of a fused qkv
     output, as Qwen2-VL's text layers and vision tower launch them."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     for name, n_q, n_kv, head_dim, section in MROPE_SHAPES:
         qkv = torch.randn(n_tokens, n_q + 2 * n_kv, head_dim).to(dtype)
         q, k = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv]
@@ -73,7 +73,7 @@ def key_limits_launches(dtype: torch.dtype, block_size: int, record: Callable, l
     """Paged attention with a key limit per row (``KEY_LIMITS_SHAPES``' layers) for every step
     shape, global and windowed, as launched and in the batch-invariant mode: the KEY_LIMITS
     variants of each tile, split and fold."""
-    mods = _wrappers()
+    mods = launch_wrappers()
     for name, n_q_heads, n_kv_heads, head_dim, window, invariant_too in KEY_LIMITS_SHAPES:
         modes = (False, True) if invariant_too else (False,)
         for step, seqs in attention_steps(block_size).items():
