@@ -9,7 +9,7 @@ from collections.abc import Callable
 from itertools import product
 
 import torch
-from engine_launches import launch_wrappers, attention_steps
+from engine_launches import attention_steps, launch_wrappers
 
 from pagedserve.kernels.testing import make_paged_batch
 
