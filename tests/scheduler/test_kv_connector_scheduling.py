@@ -73,7 +73,10 @@ def test_asynchronous_load_holds_the_request_and_others_pass_it():
     assert kv.get_block_table("a") and connector.allocated["a"][1:] == (8, True)
     # not in the prefix cache while they hold nothing: the same prompt does not hit them
     assert kv.get_computed_blocks(list(range(10, 21)))[1] == 0
-    assert s.schedule().requests == [out.requests[0]]  # still held: only b runs
+    s.update(out, {"b": 9})
+    out = s.schedule()
+    assert out.requests == [s.requests["b"]]  # still held: only b runs
+    s.update(out, {"b": 9})
 
     s.finish_kv_loads({"a": 8})
     assert kv.get_block_table("a") == [] and a.status is RequestStatus.WAITING

@@ -2,6 +2,7 @@
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
+from pagedserve.scheduler.in_flight import StepsInFlight
 from pagedserve.scheduler.kv_connector import KVConnectorScheduler
 from pagedserve.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.request import Request, RequestStatus
@@ -18,4 +19,5 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerOverloadedError",
     "SchedulerStats",
+    "StepsInFlight",
 ]

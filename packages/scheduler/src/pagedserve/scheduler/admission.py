@@ -8,12 +8,13 @@ waiting queue full is refused for now (retry later).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr import KVCacheManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import RequestRejectedError, SchedulerOverloadedError
-from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.encoder_cache import EncoderCacheManager
@@ -172,3 +173,22 @@ def blocks_to_admit(
     num_blocks = -(-(num_cached + num_new) // kv.block_size)
     num_idle_hits = sum(1 for block in hits if block.ref_count == 0)
     return num_blocks - len(hits) + num_idle_hits + kv.watermark_blocks
+
+
+def check_fork(requests: Mapping[str, Request], parent_request_id: str, child: Request) -> Request:
+    """The running parent that ``child`` may fork from, or ValueError: the parent must run,
+    the child's id be new, and its tokens extend the parent's computed ones."""
+    parent = requests.get(parent_request_id)
+    if parent is None or parent.status is not RequestStatus.RUNNING:
+        raise ValueError(f"request {parent_request_id!r} is not running: it cannot be forked")
+    if child.request_id in requests:
+        raise ValueError(f"request id {child.request_id!r} is already in use")
+    computed = parent.num_computed_tokens
+    if child.num_tokens <= computed or (
+        child.all_token_ids[:computed] != parent.all_token_ids[:computed]
+    ):
+        raise ValueError(
+            f"a child of {parent_request_id!r} must start with the parent's {computed} "
+            "computed tokens and have at least one more"
+        )
+    return parent

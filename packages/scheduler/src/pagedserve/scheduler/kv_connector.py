@@ -30,12 +30,14 @@ depends on no engine code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from pagedserve.scheduler.request import Request, RequestStatus
+
 if TYPE_CHECKING:
+    from pagedserve.blockmgr import KVCacheManager
     from pagedserve.scheduler.output import SchedulerOutput
-    from pagedserve.scheduler.request import Request
 
 
 class KVConnectorScheduler(Protocol):
@@ -66,3 +68,24 @@ class KVConnectorScheduler(Protocol):
     def request_finished(self, request: Request) -> dict | None:
         """Forget ``request``; the ``kv_transfer_params`` its caller gets back, if any."""
         ...
+
+
+def release_loaded_blocks(
+    kv: KVCacheManager, requests: Mapping[str, Request], num_computed: Mapping[str, int]
+) -> None:
+    """After asynchronous loads ended (request id -> tokens whose keys and values its blocks
+    now hold: the prefix-cache hit and what arrived, fewer than asked when part of the load
+    failed): each request's full blocks are registered in the prefix cache and its blocks
+    freed, as a finished request's are. They wait in the free queue's most recently used end,
+    and the request waits as any other, its admission hitting them in the prefix cache and
+    computing the rest. So no waiting request holds blocks once its load has ended (waiting
+    requests holding the pool while nothing runs could never move). Unknown or finished ids
+    (an abort raced with the load) are ignored."""
+    for request_id, num_tokens in num_computed.items():
+        request = requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+            continue
+        tokens, salt, lora = request.all_token_ids, request.cache_salt, request.lora_int_id
+        kv.cache_blocks(request_id, tokens, num_tokens, salt, lora)
+        kv.free(request_id)
+        request.status = RequestStatus.WAITING

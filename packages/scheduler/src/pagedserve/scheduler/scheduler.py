@@ -14,15 +14,14 @@ same keys and values, so its output continues exactly as if it had never been pr
 Invariants, after every call:
 - ``running`` is in policy order (admission order for FCFS, ``policy_key`` for priority), so the
   preemption victim is always ``running[-1]``: a request that has not been scheduled in this
-  step yet, or the request that needs the block itself.
+  step yet, or the request that needs the block itself. (When that request's step is still in
+  flight in a pipeline, nobody is preempted: in_flight.py.)
 - Every request in ``requests`` is either in ``running`` or in ``waiting``; a finished or aborted
   request is in neither and holds no block.
 
 With a KV connector (kv_connector.py), admission also asks it for the tokens after the prefix
-cache's hit that it can supply (offloaded or transferred blocks): loaded in the step itself,
-or later, the request waiting in the queue meanwhile with its blocks held
-(``WAITING_FOR_REMOTE_KVS``) until ``finish_kv_loads`` says what arrived, which its next
-admission then finds in the prefix cache.
+cache's hit that it can supply (offloaded or transferred blocks), loaded in the step itself or
+later (the request waits, holding its blocks, until ``finish_kv_loads``).
 
 ``update`` takes the step's sampled tokens back: it appends them, meets the stop rules, rolls
 a speculative decode back past its rejected proposals, and frees what finished. A pooling
@@ -49,12 +48,14 @@ from pagedserve.scheduler import background
 from pagedserve.scheduler.admission import (
     blocks_to_admit,
     check_fits,
+    check_fork,
     check_not_overloaded,
     next_chunk,
 )
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.encoder_cache import EncoderCacheManager
-from pagedserve.scheduler.kv_connector import KVConnectorScheduler
+from pagedserve.scheduler.in_flight import StepsInFlight
+from pagedserve.scheduler.kv_connector import KVConnectorScheduler, release_loaded_blocks
 from pagedserve.scheduler.output import SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.queue import make_waiting_queue, policy_key
 from pagedserve.scheduler.request import _FINISHED_VALUES, Request, RequestStatus
@@ -83,6 +84,9 @@ class Scheduler:
         self._total_scheduled_tokens = 0
         self._last_step = (0, 0)  # scheduled tokens, scheduled sequences
         self._finished: list[Request] = []  # since the last step: reported in its output
+        self.steps_in_flight = StepsInFlight()  # scheduled, not yet updated (in_flight.py)
+        self._in_flight: frozenset[int] | None = None  # during schedule(): ids() to skip
+        self._seqs_per_step = config.max_num_seqs  # during schedule(): its sequence cap
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -114,19 +118,8 @@ class Scheduler:
         it goes right after the parent and the parent's earlier children in ``running``, with
         the parent's priority and arrival.
         """
-        parent = self.requests.get(parent_request_id)
-        if parent is None or parent.status is not RequestStatus.RUNNING:
-            raise ValueError(f"request {parent_request_id!r} is not running: it cannot be forked")
-        if child.request_id in self.requests:
-            raise ValueError(f"request id {child.request_id!r} is already in use")
+        parent = check_fork(self.requests, parent_request_id, child)
         computed = parent.num_computed_tokens
-        if child.num_tokens <= computed or (
-            child.all_token_ids[:computed] != parent.all_token_ids[:computed]
-        ):
-            raise ValueError(
-                f"a child of {parent_request_id!r} must start with the parent's {computed} "
-                "computed tokens and have at least one more"
-            )
         self.kv.fork(parent.request_id, child.request_id)
         child.num_computed_tokens = computed
         child.num_cached_tokens = parent.num_cached_tokens
@@ -222,16 +215,22 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, pipeline_depth: int = 1) -> SchedulerOutput:
         """Decide one step: running requests first, then admissions, under one token budget.
 
         No request is admitted in a step whose running requests had to preempt one: the cache
         has just run dry, and a new request would only take the blocks that the preempted one
         needs to return. (Under the priority policy a more important waiting request may first
         preempt less important running ones to make its own room: ``_make_room_for_priority``.)
+        With ``pipeline_depth`` steps in flight (in_flight.py) a step takes at most its share
+        of the live requests: a step that took them all would leave the next one empty, and
+        the pipeline's stages idle.
         """
         output = SchedulerOutput()
-        output.finished, self._finished = self._finished, []
+        live = len(self.running) + len(self.waiting)
+        self._seqs_per_step = min(self.config.max_num_seqs, max(1, -(-live // pipeline_depth)))
+        self._in_flight = in_flight = self.steps_in_flight.request_ids()
+        output.finished, self._finished = StepsInFlight.split_finished(self._finished, in_flight)
         self.encoder.begin_step()
         if self.config.policy == "priority" and self.waiting and self.running:
             self._make_room_for_priority(output)
@@ -255,6 +254,7 @@ class Scheduler:
         self._last_step = (num_tokens, output.num_scheduled_seqs)
         self._num_steps += 1
         self._total_scheduled_tokens += num_tokens
+        self.steps_in_flight.add(output)
         return output
 
     def update(
@@ -270,6 +270,7 @@ class Scheduler:
         string) is skipped. Returns the requests that got new tokens, finished ones included;
         those have already freed their blocks.
         """
+        self.steps_in_flight.returned(output)
         updated: list[Request] = []
         stopped = False
         spec, finished = output.spec_token_ids, _FINISHED_VALUES
@@ -324,22 +325,27 @@ class Scheduler:
         preempting from the tail as needed; returns the budget left. Runs of decodes go through
         ``_schedule_decodes``; the first request it does not take goes through
         ``_schedule_chunk``, and so on."""
-        max_seqs, running, requests = self.config.max_num_seqs, self.running, output.requests
-        index = start
+        max_seqs, running, requests = self._seqs_per_step, self.running, output.requests
+        in_flight, index = self._in_flight, start
         while budget > 0 and len(requests) < max_seqs:
             end = min(stop, len(running))  # a preemption shortens ``running``
             if index >= end:
                 break
+            if in_flight is not None and id(running[index]) in in_flight:
+                index += 1  # its last step is still in the pipeline
+                continue
             num_decodes = self._schedule_decodes(
                 output, index, index + min(budget, max_seqs - len(requests), end - index)
             )
             index, budget = index + num_decodes, budget - num_decodes
             if index >= end or budget <= 0 or len(requests) >= max_seqs:
                 break
+            if in_flight is not None and id(running[index]) in in_flight:
+                continue
             num_new = self._schedule_chunk(running[index], budget, output)
             if num_new == 0:
                 break  # the request was the last one running, and preempted itself
-            budget -= num_new or 0  # None: its next image waits for the encoder cache
+            budget -= num_new or 0  # None: it waits (for the encoder cache, for a step in flight)
             index += 1
         return budget
 
@@ -354,8 +360,10 @@ class Scheduler:
         allocate = self.kv.allocate_decode_slot
         requests, starts = output.requests, output.num_computed_tokens
         counts, tables, fed = output.num_new_tokens, output.block_ids, output.decode_token_ids
-        count = 0
+        count, in_flight = 0, self._in_flight
         for request in self.running[start:stop]:
+            if in_flight is not None and id(request) in in_flight:
+                break
             num_computed = request.num_computed_tokens
             prompt_ids, output_ids = request.prompt_token_ids, request.output_token_ids
             if request.spec_token_ids or num_computed + 1 != len(prompt_ids) + len(output_ids):
@@ -396,17 +404,22 @@ class Scheduler:
             num_new = next_chunk(request, num_computed, budget, self.config, self.encoder)
             if num_new == 0:
                 return None
-        if not spec and not self._allocate_or_preempt(request, num_new, output):
-            return 0
+        if not spec and not (allocated := self._allocate_or_preempt(request, num_new, output)):
+            return None if allocated is None else 0
         self._add_to_step(request, num_computed, num_new, output)
         if spec:
             output.spec_token_ids[request.request_id] = spec
         return num_new
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, output: SchedulerOutput
+    ) -> bool | None:
         """Get ``request`` the slots for its chunk, preempting from the tail of ``running`` until
-        the pool can give them. False when ``request`` itself had to go."""
+        the pool can give them. False when ``request`` itself had to go; None when the tail's
+        step is in flight (it is no victim: ``request`` waits for a step)."""
         while not self._allocate(request, request.num_computed_tokens, num_new):
+            if self._tail_in_flight():
+                return None
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
@@ -456,13 +469,14 @@ class Scheduler:
         scratch the blocks it just gave up, so it waits for the next step like any victim. No
         background request is admitted in a step that reads a more important prompt."""
         max_seqs, lowest = self.config.max_num_seqs, self.config.background_priority
+        step_seqs = self._seqs_per_step
         preempted_now = {id(r) for r in output.preempted}
         yields = None  # whether background work yields this step: asked at a background head
         while (
             self.waiting
             and budget > 0
             and len(self.running) < max_seqs
-            and output.num_scheduled_seqs < max_seqs
+            and output.num_scheduled_seqs < step_seqs
         ):
             request = self.waiting.first_ready()
             if request is None:
@@ -529,23 +543,9 @@ class Scheduler:
 
     def finish_kv_loads(self, num_computed: Mapping[str, int]) -> None:
         """The KV connector's asynchronous loads that ended: request id -> tokens whose keys
-        and values its blocks now hold (the prefix-cache hit and what arrived; fewer than
-        asked when part of the load failed).
-
-        Their full blocks are registered in the prefix cache and the request's blocks freed,
-        as a finished request's are: they wait in the free queue's most recently used end,
-        and the request waits as any other, its admission hitting them in the prefix cache
-        and computing the rest. So no waiting request holds blocks once its load has ended
-        (waiting requests holding the pool while nothing runs could never move). Unknown or
-        finished ids (an abort raced with the load) are ignored."""
-        for request_id, num_tokens in num_computed.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            tokens, salt, lora = request.all_token_ids, request.cache_salt, request.lora_int_id
-            self.kv.cache_blocks(request_id, tokens, num_tokens, salt, lora)
-            self.kv.free(request_id)
-            request.status = RequestStatus.WAITING
+        and values its blocks now hold. Each such request waits as any other, its blocks in the
+        prefix cache (``kv_connector.release_loaded_blocks`` says why)."""
+        release_loaded_blocks(self.kv, self.requests, num_computed)
 
     def _make_room_for_priority(self, output: SchedulerOutput) -> None:
         """The priority policy's admission: a waiting request that matters more than the
@@ -558,13 +558,16 @@ class Scheduler:
         if head is None:
             return
         key, max_seqs = policy_key(head), self.config.max_num_seqs
-        while self.running and policy_key(self.running[-1]) > key:
+        while self.running and policy_key(self.running[-1]) > key and not self._tail_in_flight():
             needed = blocks_to_admit(head, self.kv, self.config, self.encoder)
             if len(self.running) < max_seqs and self.kv.num_free_blocks >= needed:
                 return
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
+
+    def _tail_in_flight(self) -> bool:
+        return self._in_flight is not None and id(self.running[-1]) in self._in_flight
 
     def _add_running(self, request: Request) -> None:
         """Keep ``running`` in policy order, so that its tail is the next preemption victim."""
