@@ -8,9 +8,13 @@
     output_processor.process(...) -> RequestOutputs    detokenize, stop strings, forks, outputs
 
 and returns a RequestOutput for every request that advanced (cumulative, a delta, or none until
-it finishes, as its ``output_kind`` asks). Offline ``LLM`` and online ``AsyncLLM`` both drive
-this loop. Beam search is the one step that decides between execute and update: its groups
-choose their beams' tokens from the runner's log-probabilities (``step_beams``).
+it finishes, as its ``output_kind`` asks). A pipeline of P stages keeps up to P steps in flight:
+``step`` schedules and hands over steps (``runner.submit``) until P are in the pipeline, then
+takes the oldest one's result (``runner.collect``) and updates from it; one process has one
+step in flight, so it schedules, runs and updates one step per call (``_next_result``).
+Offline ``LLM`` and online ``AsyncLLM`` both drive this loop. Beam search is the one step that
+decides between execute and update: its groups choose their beams' tokens from the runner's
+log-probabilities (``step_beams``).
 
 The scheduler sees sequences; the engine groups them into requests (sequence_group.py): a request
 with ``n > 1`` forks into n sequences at its first sample, and a beam-search request keeps its
@@ -28,13 +32,14 @@ import itertools
 import logging
 import secrets
 import time
+from collections import deque
 
 import torch
 
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.cpu_threads import set_cpu_threads
-from pagedserve.engine.errors import InvalidRequestError, RequestRejectedError
+from pagedserve.engine.errors import EngineError, InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.gc_tuning import raise_gc_threshold
 from pagedserve.engine.input_batch import SamplingState
@@ -46,7 +51,12 @@ from pagedserve.engine.lora.manager import require_lora
 from pagedserve.engine.metrics import EngineStats, StatsCollector, finished_request_stats
 from pagedserve.engine.multimodal import image_processor_for, prompt_with_images
 from pagedserve.engine.output_processor import OutputProcessor, StepTokens
-from pagedserve.engine.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
+from pagedserve.engine.outputs import (
+    ModelRunnerOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedserve.engine.pooling import add_to_scheduler, pooling_request
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
@@ -121,6 +131,10 @@ class LLMEngine:
         self.stats = StatsCollector(connector)
         self.structured_output = StructuredOutputManager(self._grammar_backend)
         self._request_errors: list[tuple[str, BaseException]] = []
+        self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # submitted steps
+        # a speculator proposes for every running request after each step, from its newest
+        # token: a pipeline runs one step at a time with it
+        self.max_steps_in_flight = 1 if self.speculator else self.runner.max_steps_in_flight
 
     @property
     def image_placeholder(self) -> str | None:
@@ -324,8 +338,10 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Release what outlives the engine object: tensor-parallel worker processes."""
+        """Release what outlives the engine object: tensor-parallel worker processes (once
+        the steps in flight are back: the workers are in the middle of them)."""
         self.structured_output.shutdown()
+        self._drain()
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.shutdown()
         stop_workers = getattr(self.runner, "shutdown", None)
@@ -347,7 +363,10 @@ class LLMEngine:
         return list(self.output_processor.groups)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.groups) or self.scheduler.has_unfinished_requests()
+        """Requests to serve, or steps in flight to take back (even if every request in them
+        was aborted: the pipeline's ranks are inside them)."""
+        groups, scheduler = self.output_processor.groups, self.scheduler
+        return bool(groups) or scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_stats(self, drain: bool = True) -> EngineStats:
         """Gauges, counters and finished-request latencies; safe to call from any thread."""
@@ -359,10 +378,7 @@ class LLMEngine:
         """One iteration: schedule -> execute -> update -> outputs (module docstring)."""
         if self.structured_output.num_held:
             self._release_grammars()
-        scheduled = self.scheduler.schedule()
-        if self._never_scheduled and not scheduled.is_empty:  # only then can one be new
-            self._stamp_first_scheduled(scheduled)
-        output = self.runner.execute(scheduled)  # an empty step only forgets what finished
+        scheduled, output = self._next_result()
         if output.finished_kv_loads:  # a KV connector's blocks arrived: they may be admitted
             self.scheduler.finish_kv_loads(output.finished_kv_loads)
         if scheduled.is_empty:
@@ -380,6 +396,33 @@ class LLMEngine:
         if self.speculator is not None:  # proposals for the next step's decodes
             self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _next_result(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Schedule and submit steps until ``max_steps_in_flight`` are in flight, then collect
+        the oldest. An empty step (nothing runnable: it only forgets what finished) is run at
+        once when another is in flight, and ends the filling."""
+        queue, runner = self._in_flight, self.runner
+        while len(queue) < self.max_steps_in_flight:
+            scheduled = self.scheduler.schedule(self.max_steps_in_flight)
+            if self._never_scheduled and not scheduled.is_empty:  # only then can one be new
+                self._stamp_first_scheduled(scheduled)
+            if scheduled.is_empty and queue:
+                runner.collect(runner.submit(scheduled))
+                break
+            queue.append((scheduled, runner.submit(scheduled)))
+            if scheduled.is_empty:
+                break
+        scheduled, submitted = queue.popleft()
+        return scheduled, runner.collect(submitted)
+
+    def _drain(self) -> None:
+        """Take back the steps in flight, dropping their results (shutting down)."""
+        while self._in_flight:
+            scheduled, submitted = self._in_flight.popleft()
+            try:
+                self.runner.collect(submitted)
+            except EngineError:  # the group failed: the workers are killed anyway
+                self._in_flight.clear()
 
     def _stamp_first_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()

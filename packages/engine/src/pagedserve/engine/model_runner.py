@@ -17,7 +17,6 @@ as CUDA graphs on a GPU (cuda_graph.py); the logits are those of the real rows e
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,13 +48,12 @@ from pagedserve.engine.kv_cache import (
     warm_up_attention,
 )
 from pagedserve.engine.lora import LoRAConfig, LoRAManager
+from pagedserve.engine.model_input import ModelInput
 from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.engine.sample_step import LogitsLayout, sample_step
 from pagedserve.engine.sampler import Sampler
 from pagedserve.kernels.dispatch import use_triton
 from pagedserve.models import (
-    AttentionMetadata,
-    EncoderAttentionMetadata,
     ModelConfig,
     ParallelContext,
     kv_cache_spec,
@@ -65,26 +63,6 @@ from pagedserve.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
-
-
-@dataclass
-class ModelInput:
-    """A step's flat batch as every tensor-parallel rank runs it (rank 0 alone keeps the
-    ``LogitsLayout`` that says which logits row is what)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata | EncoderAttentionMetadata
-    logits_indices: torch.Tensor
-    # the decode bucket this batch was padded to (its tensors are views of the runner's
-    # persistent buffers); None for an unpadded batch
-    padded_batch_size: int | None = None
-    # each token's LoRA slot (-1: the base model); None when no row has an adapter
-    lora_token_slot: torch.Tensor | None = None
-    # each token's segment, for a model that reads them (BERT's sentence pairs); None: all 0
-    token_type_ids: torch.Tensor | None = None
-    # the rows that hold image placeholders and their image embeddings (encoder_cache.py)
-    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -210,6 +188,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     # ---- one step ------------------------------------------------------------------------
+
+    max_steps_in_flight = 1  # one process computes a step whole (a pipeline: executor.py)
+
+    def submit(self, output: SchedulerOutput) -> SchedulerOutput:
+        """Hand a step over; ``collect`` runs it (one process has nothing to overlap)."""
+        return output
+
+    def collect(self, submitted: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute(submitted)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

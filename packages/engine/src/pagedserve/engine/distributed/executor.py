@@ -8,10 +8,13 @@ gather join the tensor-parallel shards inside the model; between stages the hidd
 from rank to rank (group.py). Rank 0 holds the last stage, so the logits end where they are
 sampled: only rank 0 samples.
 
-Pipeline parallelism here runs one batch at a time: while stage 1 works on a step, stage 0 has
-nothing to do (the pipeline "bubble": with P stages each rank idles (P - 1) / P of a step).
-Its use is a model that does not fit one machine's memory, not speed (docs/parallelism.md has
-the figures).
+With P pipeline stages the engine keeps up to P steps in flight (``max_steps_in_flight``):
+``submit`` lays a step out and starts its broadcast, and returns at once; ``collect`` runs
+rank 0's part of it (the last stage: it waits for the hidden states of the stage before) and
+samples. So while rank 0 finishes step N, the first stage already computes step N+1; with one
+step at a time each stage would idle (P - 1) / P of every step (the pipeline "bubble").
+The scheduler gives no request a second step while its first is in flight
+(scheduler/in_flight.py); docs/parallelism.md has the figures.
 
 Workers are ``python -m pagedserve.engine.distributed.worker`` processes, started here, one per
 rank 1..world_size-1, on this machine (launch.py; rendezvous on 127.0.0.1 at a free port unless
@@ -22,8 +25,9 @@ are started elsewhere (other machines, torchrun) and this process joins as rank 
 A worker that exits, or a collective that times out, fails the step with a
 ``DistributedError`` (an ``EngineError``) that says which rank and why; the group is then
 unusable and the engine must be restarted. It never hangs. Since the workers' wait for the next
-step is bounded by the same timeout, an idle engine sends them a keep-alive message every
-quarter timeout (a background thread; a lock keeps it from interleaving with a step).
+step is bounded by the same timeout, an idle engine (no step in flight) sends them a keep-alive
+message every quarter timeout (a background thread; a lock keeps it from interleaving with a
+step).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,11 +51,13 @@ from pagedserve.engine.distributed.group import (
 )
 from pagedserve.engine.distributed.launch import Rendezvous, WorkerProcesses
 from pagedserve.engine.distributed.ray_workers import RayWorkers
-from pagedserve.engine.distributed.step_channel import Step, StepSender
+from pagedserve.engine.distributed.step_channel import SentStep, Step, StepSender
 from pagedserve.engine.errors import DistributedError
 from pagedserve.engine.input_batch import InputBatch
+from pagedserve.engine.model_input import ModelInput
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.sample_step import LogitsLayout
 from pagedserve.models import ModelConfig, ParallelContext
 from pagedserve.models.loader import MODEL_CLASSES
 from pagedserve.models.pipeline import partition_layers
@@ -105,6 +112,16 @@ def plan_layout(
     return layout
 
 
+@dataclass
+class SubmittedStep:
+    """A step handed to the ranks: its batch and logits layout (None: nothing to run) and
+    its broadcast under way."""
+
+    output: SchedulerOutput
+    prepared: tuple[ModelInput, LogitsLayout] | None
+    sent: SentStep
+
+
 class DistributedExecutor:
     """Rank 0: schedules in this process, runs its part here (the last stage's first shard),
     drives the workers' parts. ``rank_memory``: what each rank holds, gathered at start-up."""
@@ -147,6 +164,8 @@ class DistributedExecutor:
                 raise error from e
             raise  # a bad model folder, a timeout at the rendezvous: the error as it is
         self.sender = StepSender(self.group)
+        self.max_steps_in_flight = pp_size  # a step per stage (the module docstring)
+        self._num_in_flight = 0  # submitted, not yet collected
         self._lock = threading.Lock()  # one message sequence at a time: a step or a keep-alive
         self._last_sent = time.monotonic()
         self._closing = threading.Event()
@@ -173,25 +192,49 @@ class DistributedExecutor:
     def input_batch(self) -> InputBatch:
         return self.driver.input_batch
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank, sampled on rank 0."""
+        return self.collect(self.submit(output))
+
+    @torch.inference_mode()
+    def submit(self, output: SchedulerOutput) -> SubmittedStep:
+        """Lay the step out and start sending it to every rank; returns without waiting."""
         prepared = self.driver.begin_step(output)
         if prepared is None:  # nothing runnable: the workers have nothing to do
-            return ModelRunnerOutput()
-        model_input, layout = prepared
+            return SubmittedStep(output, None, SentStep())
+        model_input, _ = prepared
         with self._lock:
-            if self._failed is not None:
-                raise DistributedError(f"the distributed group failed: {self._failed}")
-            self._raise_if_worker_exited()
+            self._raise_if_unusable()
             try:
-                self.sender.send(Step(model_input, output.blocks_to_copy))
-                logits = self.driver.execute_model(model_input, output.blocks_to_copy)
+                sent = self.sender.send(Step(model_input, output.blocks_to_copy))
+            except Exception as e:
+                self._fail("sending a step", e)
+                raise self._failed from e
+            self._num_in_flight += 1
+            self._last_sent = time.monotonic()
+        return SubmittedStep(output, prepared, sent)
+
+    @torch.inference_mode()
+    def collect(self, submitted: SubmittedStep) -> ModelRunnerOutput:
+        """Rank 0's part of a submitted step (the last stage), then its sampling."""
+        if submitted.prepared is None:
+            return ModelRunnerOutput()
+        model_input, layout = submitted.prepared
+        with self._lock:
+            self._raise_if_unusable()
+            try:
+                logits = self.driver.execute_model(model_input, submitted.output.blocks_to_copy)
+                submitted.sent.wait()
             except Exception as e:
                 self._fail("running a step", e)
                 raise self._failed from e
-            self._last_sent = time.monotonic()
+            self._num_in_flight -= 1
         return self.driver.sample(layout, logits)
+
+    def _raise_if_unusable(self) -> None:
+        if self._failed is not None:
+            raise DistributedError(f"the distributed group failed: {self._failed}")
+        self._raise_if_worker_exited()
 
     def shutdown(self) -> None:
         """Stop the workers (a stop message, then a kill after a grace period) and the group."""
@@ -216,8 +259,8 @@ class DistributedExecutor:
             with self._lock:
                 if self._failed is not None or self.group is None:
                     return
-                if time.monotonic() - self._last_sent < interval:
-                    continue
+                if self._num_in_flight or time.monotonic() - self._last_sent < interval:
+                    continue  # a step in flight: the workers are busy, not waiting
                 try:
                     self._raise_if_worker_exited()
                     self.sender.keep_alive()

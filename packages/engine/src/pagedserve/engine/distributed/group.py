@@ -14,7 +14,7 @@ The ranks are ``tp_size`` x ``pp_size``: tensor-parallel shards within each pipe
 
 Each stage's ranks have a group of their own (one for start-up, one for steps) for the
 tensor-parallel all-reduces and gathers inside its layers; the hidden states go from stage to
-stage by send/recv on the step group.
+stage by send/recv on a group of their own (the *links*, made like the step group).
 
 The step and control groups time out after ``PAGEDSERVE_TP_TIMEOUT_S`` (120 s by default):
 inside a step the ranks are never more than a layer apart, so a collective that waits that long
@@ -179,6 +179,11 @@ class ParallelGroups:
         # every rank creates every stage's group, in the same order (new_group is collective)
         startup = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp_size)]
         self._steps = dist.new_group(timeout=collective_timeout())
+        # the hidden states between stages: a group apart from the steps' broadcasts, since rank
+        # 0 broadcasts step N+1 before it receives step N's hidden states, while the stage
+        # before sends step N's before it receives N+1 (NCCL runs a group's operations in
+        # the order each rank issued them: one group would deadlock; gloo matches by tag)
+        self._links = dist.new_group(timeout=collective_timeout())
         steps = [
             dist.new_group(layout.stage_ranks(s), timeout=collective_timeout())
             for s in range(layout.pp_size)
@@ -186,7 +191,10 @@ class ParallelGroups:
         own = layout.stage_of(rank)
         self._stage_startup, self._stage_steps = startup[own], steps[own]
         self._current: dist.ProcessGroup | None = None  # None: the default group
+        # time spent waiting for the previous stage's hidden states: this rank's bubble
+        self.seconds_waiting_for_previous_stage = 0.0
         self._current_stage = self._stage_startup
+        self._current_links: dist.ProcessGroup | None = None
 
     @classmethod
     def join(
@@ -225,6 +233,7 @@ class ParallelGroups:
     def finish_startup(self) -> None:
         """From now on collectives time out after ``PAGEDSERVE_TP_TIMEOUT_S``."""
         self._current, self._current_stage = self._steps, self._stage_steps
+        self._current_links = self._links
 
     def parallel_context(self, config: ModelConfig) -> ParallelContext:
         """The model's collectives over this rank's stage (in rank order under
@@ -244,9 +253,9 @@ class ParallelGroups:
             receive_from_previous_stage=pipe.receive if pipe else None,
         )
 
-    def broadcast(self, x: torch.Tensor) -> None:
-        """From rank 0 to every rank (a step's batch)."""
-        dist.broadcast(x, src=0, group=self._current)
+    def broadcast(self, x: torch.Tensor, async_op: bool = False):
+        """From rank 0 to every rank (a step's batch); with ``async_op``, the work to wait on."""
+        return dist.broadcast(x, src=0, group=self._current, async_op=async_op)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the stage's ranks, in place (``x`` is a fresh activation nobody else
@@ -286,10 +295,10 @@ class ParallelGroups:
         return int(t.item())
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        dist.send(x, dst=dst, group=self._current)
+        dist.send(x, dst=dst, group=self._current_links)
 
     def receive_into(self, x: torch.Tensor, src: int) -> None:
-        dist.recv(x, src=src, group=self._current)
+        dist.recv(x, src=src, group=self._current_links)
 
     def gather_objects(self, value) -> list:
         """Every rank's ``value`` on every rank, in rank order (start-up facts: bytes held)."""
@@ -324,7 +333,9 @@ class _StageLink:
     def receive(self, num_tokens: int) -> IntermediateTensors:
         shape = (2, num_tokens, self.hidden_size)
         both = torch.empty(shape, dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
         self.groups.receive_into(both, self.previous)
+        self.groups.seconds_waiting_for_previous_stage += time.perf_counter() - start
         return IntermediateTensors(both[0], both[1])
 
 

@@ -1,14 +1,19 @@
 """How each step's batch goes from rank 0 to the other ranks: torch.distributed broadcasts.
 
 Rank 0 schedules and flattens the step (``ModelRunner.prepare_input``); the workers receive the
-flat batch and run the same forward on their shard. One step is three broadcasts:
+flat batch and run the same forward on their shard. One step is a few broadcasts:
 
-1. on the control group, a small pickled message: the command (``step``, ``keep_alive`` or
-   ``stop``), the non-tensor fields (the padded batch size ...), and each tensor's name, dtype and
-   shape;
+1. on the control group, a small pickled message (its length, then its bytes): the command
+   (``step``, ``keep_alive`` or ``stop``), the non-tensor fields (the padded batch size ...),
+   and each tensor's name, dtype and shape;
 2. on the step group, the tensors themselves, packed into one flat buffer per dtype (two
    buffers today: int64 token ids, positions, slots; int32 block tables, lengths), on the
    model's device (so NCCL carries them on GPUs).
+
+Rank 0 sends a step without waiting for it to arrive (``async_op``): with pipeline stages it
+sends step N+1 and then runs its own part of step N, while a stage-mate of its own may still be
+inside step N's collectives and take N+1's broadcast only afterwards (``SentStep.wait``, once
+the step is done, releases the buffers).
 
 The message lists fields by name from the dataclasses, so a field added to ``ModelInput`` or
 ``AttentionMetadata`` travels without changes here. A field marked as a host copy (its
@@ -18,13 +23,14 @@ the pickled message itself, and arrives on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+import pickle
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 import torch.distributed as dist
 
 from pagedserve.engine.distributed.group import ParallelGroups
-from pagedserve.engine.model_runner import ModelInput
+from pagedserve.engine.model_input import ModelInput
 from pagedserve.models import AttentionMetadata
 
 STEP, KEEP_ALIVE, STOP = "step", "keep_alive", "stop"
@@ -38,6 +44,19 @@ class Step:
     blocks_to_copy: list[tuple[int, int]]
 
 
+@dataclass
+class SentStep:
+    """Broadcasts under way, and the buffers they read (kept alive until they are done)."""
+
+    works: list = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+
+
 class StepSender:
     """Rank 0's side: ``send(step)`` each step, ``keep_alive()`` when idle, ``stop()`` once."""
 
@@ -45,21 +64,25 @@ class StepSender:
         self.group = group
         self.control = group.control
 
-    def send(self, step: Step) -> None:
+    def send(self, step: Step) -> SentStep:
+        """Start broadcasting ``step``; the caller waits on the result once the step is done."""
         tensors: dict[str, torch.Tensor] = {}
         values = _flatten(step.model_input, "", tensors)
         values["blocks_to_copy"] = step.blocks_to_copy
         specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-        dist.broadcast_object_list([(STEP, values, specs)], src=0, group=self.control)
+        sent = _send_message((STEP, values, specs), self.control)
         for names in _by_dtype(specs).values():
-            self.group.broadcast(torch.cat([tensors[n].reshape(-1) for n in names]))
+            flat = torch.cat([tensors[n].reshape(-1) for n in names])
+            sent.works.append(self.group.broadcast(flat, async_op=True))
+            sent.buffers.append(flat)
+        return sent
 
     def keep_alive(self) -> None:
         """Tell idle workers that rank 0 is alive, so their wait never reaches the timeout."""
-        dist.broadcast_object_list([(KEEP_ALIVE, None, None)], src=0, group=self.control)
+        _send_message((KEEP_ALIVE, None, None), self.control).wait()
 
     def stop(self) -> None:
-        dist.broadcast_object_list([(STOP, None, None)], src=0, group=self.control)
+        _send_message((STOP, None, None), self.control).wait()
 
 
 class StepReceiver:
@@ -73,9 +96,7 @@ class StepReceiver:
     def receive(self) -> Step | None:
         command = KEEP_ALIVE
         while command == KEEP_ALIVE:
-            message = [None]
-            dist.broadcast_object_list(message, src=0, group=self.control)
-            command, values, specs = message[0]
+            command, values, specs = _receive_message(self.control)
         if command == STOP:
             return None
         tensors: dict[str, torch.Tensor] = {}
@@ -88,6 +109,22 @@ class StepReceiver:
                 tensors[name] = piece.view(shapes[name])
         blocks_to_copy = values.pop("blocks_to_copy")
         return Step(_unflatten(ModelInput, "", values, tensors), blocks_to_copy)
+
+
+def _send_message(message, group) -> SentStep:
+    """Broadcast a picklable ``message`` from rank 0: its length, then its bytes."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in (size, data)]
+    return SentStep(works, [size, data])
+
+
+def _receive_message(group):
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.numpy().tobytes())
 
 
 _NESTED = {"attn_metadata": AttentionMetadata}
