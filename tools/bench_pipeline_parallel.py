@@ -1,16 +1,23 @@
-"""What the pipeline bubble costs: the same workload on one process and on pipeline stages.
+"""What the pipeline bubble costs, and what steps in flight win back: the same workload on one
+process and on pipeline stages.
 
-pagedserve's pipeline parallelism runs one batch at a time through its stages, so while one
-stage computes the others wait (the "bubble"): with P stages each rank is busy about 1/P of a
-step. Its use is memory (each rank holds 1/P of the layers and of the KV cache), not speed.
-This measures that cost. The workload is bench_throughput's, seeded and spelled out
+With one step at a time in the pipeline, while one stage computes the others wait (the
+"bubble"): with P stages each rank is busy about 1/P of the time. The engine keeps up to P
+steps in flight (micro-batches, each about 1/P of the running requests), so every stage has
+work. This measures both. The workload is bench_throughput's, seeded and spelled out
 (``--num-requests`` prompts of uniformly random length in [min_prompt, max_prompt] of random
 token ids, each asking for exactly a uniformly random number of output tokens in
 [min_output, max_output], EOS ignored, greedy, at most ``--max-num-seqs`` at once), run on:
 
 - one process with ``--threads`` threads (the baseline; the ratio column is against it);
 - one process with ``--threads / stages`` threads: what one stage's share of the cores does;
-- ``--stages`` pipeline stages, ``--threads / stages`` threads each (one process per stage).
+- ``--stages`` pipeline stages, ``--threads / stages`` threads each (one process per stage),
+  with up to ``--stages`` steps in flight (the default);
+- the same stages with one step at a time (``LLMEngine.max_steps_in_flight = 1``): the bubble.
+
+"Last stage idle" is the share of the run that rank 0 (the last stage) spent waiting for the
+hidden states of the stage before it (``ParallelGroups.seconds_waiting_for_previous_stage``):
+the bubble as the last stage sees it.
 
 Each configuration runs ``--rounds`` times in turn (the configurations alternate, so the
 machine's other work falls on all alike); the table gives each one's median. Outputs are
@@ -52,6 +59,7 @@ def build(args: argparse.Namespace, workload: Workload, threads: int, stages: in
         max_model_len=max(longest + 1, 512),
         kv_cache_memory=args.kv_cache_memory,
         pipeline_parallel_size=stages,
+        pp_layer_partition=args.pp_layer_partition if stages > 1 else None,
     )
 
 
@@ -68,6 +76,10 @@ def run(llm, workload: Workload, threads: int) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
 
 
+def _seconds_waiting(engine) -> float:
+    return engine.runner.group.seconds_waiting_for_previous_stage
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(parser)
@@ -77,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pp-layer-partition", default=None, help="e.g. 17,13 (engine's option)")
     return parse_workload_args(parser, argv)
 
 
@@ -86,19 +99,30 @@ def main(argv: list[str] | None = None) -> int:
 
     workload = make_workload(args, ModelConfig(model=args.model).vocab_size)
     share = max(1, args.threads // args.stages)
-    configs = {
-        f"1 process, {args.threads} threads": (args.threads, 1),
-        f"1 process, {share} thread(s)": (share, 1),
-        f"{args.stages} stages, {share} thread(s) each": (share, args.stages),
+    one_share = f"1 process, {share} thread(s)"
+    staged_name = f"{args.stages} stages, {share} thread(s) each, {args.stages} steps in flight"
+    configs = {  # name: (threads, stages, steps in flight)
+        f"1 process, {args.threads} threads": (args.threads, 1, 1),
+        one_share: (share, 1, 1),
+        staged_name: (share, args.stages, args.stages),
+        f"{args.stages} stages, {share} thread(s) each, 1 step in flight": (share, args.stages, 1),
     }
-    engines = {name: build(args, workload, *config) for name, config in configs.items()}
+    engines = {}  # one distributed engine per process: both staged rows share one
+    for name, (threads, stages, _) in configs.items():
+        engines[name] = engines.get(staged_name) if stages > 1 else None
+        engines[name] = engines[name] or build(args, workload, threads, stages)
     times: dict[str, list[float]] = {name: [] for name in configs}
+    idle = dict.fromkeys(configs, 0.0)  # rank 0's seconds waiting for the previous stage
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
-        for name, (threads, _) in configs.items():
+        for name, (threads, stages, in_flight) in configs.items():
+            engine = engines[name].engine
+            engine.max_steps_in_flight = in_flight
+            waited = _seconds_waiting(engine) if stages > 1 else 0.0
             seconds, outputs[name] = run(engines[name], workload, threads)
             times[name].append(seconds)
-    staged = engines[f"{args.stages} stages, {share} thread(s) each"].engine.runner
+            idle[name] += (_seconds_waiting(engine) - waited) if stages > 1 else 0.0
+    staged = engines[staged_name].engine.runner
     print("| rank | stage | layers | weights MiB | KV cache MiB |\n|---|---|---|---|---|")
     for m in staged.rank_memory:  # what each rank holds, as the executor gathered it
         layers = f"{m.layers.start}-{m.layers.stop - 1}"
@@ -112,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_num_seqs} streams, seed {args.seed}, {args.rounds} rounds; "
         f"{platform.processor() or platform.machine()}"
     )
-    print("| configuration | median s | output tok/s | ratio | outputs equal |")
-    print("|---|---|---|---|---|")
+    print("| configuration | median s | output tok/s | ratio | last stage idle | outputs equal |")
+    print("|---|---|---|---|---|---|")
     base = statistics.median(times[baseline])
-    for name in configs:
+    for name, (_, stages, _) in configs.items():
         median = statistics.median(times[name])
         equal = outputs[name] == outputs[baseline]
         rate = workload.num_output_tokens / median
-        print(f"| {name} | {median:.1f} | {rate:.1f} | {base / median:.2f} | {equal} |")
+        use = f"{idle[name] / sum(times[name]):.0%}" if stages > 1 else ""
+        print(f"| {name} | {median:.1f} | {rate:.1f} | {base / median:.2f} | {use} | {equal} |")
     staged.shutdown()
     return 0
 
