@@ -112,6 +112,7 @@ def test_two_steps_in_flight_give_every_request_the_same_tokens_as_one():
 def run_workload(seed: int, depth: int) -> dict[str, tuple[str, list[int]]]:
     rng = random.Random(seed)
     s = make_scheduler(num_blocks=24, prefix=True, max_num_batched_tokens=16, max_num_seqs=6)
+    s.pipeline_depth = depth
     plan = [
         (f"r{i}", [rng.randrange(1, 9) for _ in range(rng.randrange(2, 20))]) for i in range(14)
     ]
@@ -125,7 +126,7 @@ def run_workload(seed: int, depth: int) -> dict[str, tuple[str, list[int]]]:
             requests[request_id] = Request(request_id, prompt, max_tokens=rng.randrange(1, 8))
             s.add_request(requests[request_id])
         while len(queue) < depth:
-            out = s.schedule(pipeline_depth=depth)
+            out = s.schedule()
             in_flight = {id(r) for q in queue for r in q.requests}
             assert not in_flight & {id(r) for r in out.requests}
             assert not in_flight & {id(r) for r in out.preempted}
@@ -155,8 +156,8 @@ def test_a_pipelines_steps_share_the_requests():
     s = make_scheduler()
     for i in range(5):
         s.add_request(Request(f"r{i}", [1 + i, 2, 3], max_tokens=4))
-    first = s.schedule(pipeline_depth=2)
-    second = s.schedule(pipeline_depth=2)
+    s.pipeline_depth = 2
+    first, second = s.schedule(), s.schedule()
     assert (ids(first), ids(second)) == (["r0", "r1", "r2"], ["r3", "r4"])
     s.update(first, sampled(first))
-    assert ids(s.schedule(pipeline_depth=2)) == ["r0", "r1", "r2"]  # r3, r4 are in flight
+    assert ids(s.schedule()) == ["r0", "r1", "r2"]  # r3, r4 are in flight

@@ -137,6 +137,19 @@ class LLMEngine:
         self.max_steps_in_flight = 1 if self.speculator else self.runner.max_steps_in_flight
 
     @property
+    def max_steps_in_flight(self) -> int:
+        """How many steps the engine hands over before it takes the oldest one's result back:
+        one per pipeline stage, one for one process (module docstring). Settable: 1 runs a
+        pipeline one step at a time."""
+        return self.scheduler.pipeline_depth
+
+    @max_steps_in_flight.setter
+    def max_steps_in_flight(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"max_steps_in_flight must be >= 1, got {value}")
+        self.scheduler.pipeline_depth = value  # a step's share of the requests follows it
+
+    @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt (None: the model takes no images)."""
         return self.image_processor.placeholder if self.image_processor else None
@@ -403,7 +416,7 @@ class LLMEngine:
         once when another is in flight, and ends the filling."""
         queue, runner = self._in_flight, self.runner
         while len(queue) < self.max_steps_in_flight:
-            scheduled = self.scheduler.schedule(self.max_steps_in_flight)
+            scheduled = self.scheduler.schedule()
             if self._never_scheduled and not scheduled.is_empty:  # only then can one be new
                 self._stamp_first_scheduled(scheduled)
             if scheduled.is_empty and queue:

@@ -85,6 +85,7 @@ class Scheduler:
         self._last_step = (0, 0)  # scheduled tokens, scheduled sequences
         self._finished: list[Request] = []  # since the last step: reported in its output
         self.steps_in_flight = StepsInFlight()  # scheduled, not yet updated (in_flight.py)
+        self.pipeline_depth = 1  # the steps the engine keeps in flight (LLMEngine sets it)
         self._in_flight: frozenset[int] | None = None  # during schedule(): ids() to skip
         self._seqs_per_step = config.max_num_seqs  # during schedule(): its sequence cap
 
@@ -215,7 +216,7 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self, pipeline_depth: int = 1) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:
         """Decide one step: running requests first, then admissions, under one token budget.
 
         No request is admitted in a step whose running requests had to preempt one: the cache
@@ -228,7 +229,8 @@ class Scheduler:
         """
         output = SchedulerOutput()
         live = len(self.running) + len(self.waiting)
-        self._seqs_per_step = min(self.config.max_num_seqs, max(1, -(-live // pipeline_depth)))
+        share = max(1, -(-live // self.pipeline_depth))
+        self._seqs_per_step = min(self.config.max_num_seqs, share)
         self._in_flight = in_flight = self.steps_in_flight.request_ids()
         output.finished, self._finished = StepsInFlight.split_finished(self._finished, in_flight)
         self.encoder.begin_step()
