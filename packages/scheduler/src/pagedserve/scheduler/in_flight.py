@@ -38,15 +38,9 @@ class StepsInFlight:
             self._steps.append(output)
 
     def returned(self, output: SchedulerOutput) -> None:
-        """``output``'s results are back (steps return oldest first; any order is accepted)."""
-        steps = self._steps
-        if steps and steps[0] is output:
-            steps.popleft()
-            return
-        for index, step in enumerate(steps):
-            if step is output:
-                del steps[index]
-                return
+        """``output``'s results are back (a step never added, such as an empty one, is none)."""
+        if output in self._steps:  # by identity: a step is no value
+            self._steps.remove(output)
 
     def request_ids(self) -> frozenset[int] | None:
         """The ``id()`` of every request in a step in flight; None when none is (one process,
@@ -63,5 +57,8 @@ class StepsInFlight:
         flight (reported in a later step's output)."""
         if in_flight is None:
             return finished, []
-        now = [r for r in finished if id(r) not in in_flight]
-        return now, [r for r in finished if id(r) in in_flight]
+        now: list[Request] = []
+        later: list[Request] = []
+        for request in finished:
+            (later if id(request) in in_flight else now).append(request)
+        return now, later

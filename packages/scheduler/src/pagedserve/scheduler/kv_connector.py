@@ -24,8 +24,9 @@ it can supply, and moves the data (in the model runner, around the forward):
 
 Keys are the prefix cache's chained block hashes (``KVCacheManager.hash_prefix``), so the
 connector and the prefix cache name a block alike. The implementations live in the engine
-(``pagedserve.engine.kv_connector``); this module only states the contract, so the scheduler
-depends on no engine code.
+(``pagedserve.engine.kv_connector``); this module only states the contract, and what the
+scheduler does with a load's end (``release_loaded_blocks``, step 4), so the scheduler depends
+on no engine code.
 """
 
 from __future__ import annotations

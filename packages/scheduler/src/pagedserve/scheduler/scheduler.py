@@ -339,10 +339,8 @@ class Scheduler:
             num_decodes = self._schedule_decodes(
                 output, index, index + min(budget, max_seqs - len(requests), end - index)
             )
-            index, budget = index + num_decodes, budget - num_decodes
-            if index >= end or budget <= 0 or len(requests) >= max_seqs:
-                break
-            if in_flight is not None and id(running[index]) in in_flight:
+            if num_decodes:  # then the request after them, back at the loop's checks
+                index, budget = index + num_decodes, budget - num_decodes
                 continue
             num_new = self._schedule_chunk(running[index], budget, output)
             if num_new == 0:
