@@ -12,6 +12,16 @@ Unset (and no ``OMP_NUM_THREADS``), the count is at most what the process may us
 (``available_cpus``): torch counts the machine's cores, not a container's CPU quota, so under
 ``docker --cpus 2`` on a 64-core host its 64 threads would share two cores' time, each step
 waiting on the descheduled ones.
+
+Unset, the count also follows the load the engine sees (``AdaptiveCpuThreads``). A parallel
+region ends when its slowest thread does: on a 2-core machine with one busy process of the
+same priority beside the engine, each region's second thread waits for the core the neighbour
+holds, and a two-thread decode step took 2.4x as long as a one-thread step beside the same
+neighbour (docs/benchmarks.md, "GGUF served in its blocks"). So between steps the engine
+reads how much of its CPUs' time other processes took lately (``/proc/stat`` less its own
+time) and runs on the cores they leave free. A process at a lower priority (``nice``) is not
+counted: the kernel gives it only the time the engine leaves idle. A count the user gave
+(``--num-cpu-threads``, ``OMP_NUM_THREADS``) is kept as given.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,3 +113,97 @@ def _quota(cgroup: Path) -> float | None:
         return None if quota <= 0 else quota / period
     except (OSError, ValueError):
         return None
+
+
+# /proc/stat's per-CPU columns: user nice system idle iowait irq softirq steal (guest time is
+# inside user). Busy at the engine's priority or above: all but nice, idle and iowait.
+_BUSY_COLUMNS = (0, 2, 5, 6, 7)
+
+
+def busy_ticks(stat_text: str, cpus: set[int]) -> int:
+    """Clock ticks spent on ``cpus`` by every process not at a lower priority (``nice`` time
+    excluded), the hypervisor's steal included: what keeps those cores from the engine."""
+    total = 0
+    for line in stat_text.splitlines():
+        name, *columns = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            total += sum(int(columns[i]) for i in _BUSY_COLUMNS if i < len(columns))
+    return total
+
+
+class AdaptiveCpuThreads:
+    """Picks the engine's thread count between steps from what other processes leave free.
+
+    Every ``interval`` seconds (checked at each step: a clock read otherwise) it compares the
+    busy time of the CPUs the process may use (``busy_ticks``) with the process's own CPU
+    time: the rest is the neighbours', in cores. The engine then runs on the cores left,
+    rounded up from 0.7 of one (a neighbour busy a third of the time still makes every region
+    wait now and then; one busy half the time costs a two-thread step more than a thread), at
+    least one and at most ``ceiling``. A new count is taken when two readings in a row agree,
+    so one burst of a neighbour does not flap the pools.
+    """
+
+    def __init__(
+        self,
+        ceiling: int,
+        cpus: set[int] | None = None,
+        interval: float = 0.5,
+        read_stat: Callable[[], str] = lambda: Path("/proc/stat").read_text(),
+        own_seconds: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ceiling, self.interval = ceiling, interval
+        self.cpus = cpus if cpus is not None else set(os.sched_getaffinity(0))
+        self.read_stat, self.clock = read_stat, clock
+        self.own_seconds = own_seconds or _own_busy_seconds
+        self.ticks_per_second = os.sysconf("SC_CLK_TCK")
+        self.threads = self.pending = ceiling
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, float]:
+        return self.clock(), busy_ticks(self.read_stat(), self.cpus), self.own_seconds()
+
+    def neighbours_cores(self) -> float | None:
+        """Cores' worth of time others took since the last reading (None: too soon)."""
+        now = self.clock()
+        if now - self._last[0] < self.interval:
+            return None
+        sample = self._sample()
+        (then, ticks, own), self._last = self._last, sample
+        others = (sample[1] - ticks) / self.ticks_per_second - (sample[2] - own)
+        return max(0.0, others) / (sample[0] - then)
+
+    def before_step(self) -> int:
+        """The thread count for the next step, set on torch's pool (which numba's follows)."""
+        others = self.neighbours_cores()
+        if others is not None:
+            free = len(self.cpus) - others
+            wanted = max(1, min(self.ceiling, math.floor(free + 0.3)))
+            if wanted == self.pending and wanted != self.threads:
+                logger.info("CPU threads: %d -> %d (others use %.1f cores)", self.threads,
+                            wanted, others)  # fmt: skip
+                self.threads = wanted
+            self.pending = wanted
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        return self.threads
+
+
+def _own_busy_seconds() -> float:
+    """This process's CPU time that ``busy_ticks`` counts: user and system time, or system
+    time alone when the process itself runs at a lower priority (its user time is then in the
+    nice column)."""
+    times = os.times()
+    niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
+    return times.system if niced else times.user + times.system
+
+
+def adaptive_cpu_threads(num_threads: int | None) -> AdaptiveCpuThreads | None:
+    """The governor for an engine whose thread count was not given (``--num-cpu-threads``,
+    ``OMP_NUM_THREADS``) on a system with ``/proc/stat``; None where the count stays fixed."""
+    if num_threads is not None or "OMP_NUM_THREADS" in os.environ:
+        return None
+    if not hasattr(os, "sched_getaffinity") or not Path("/proc/stat").is_file():
+        return None
+    ceiling = torch.get_num_threads()
+    return AdaptiveCpuThreads(ceiling) if ceiling > 1 else None

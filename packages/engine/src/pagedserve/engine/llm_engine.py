@@ -38,7 +38,7 @@ import torch
 
 from pagedserve.engine.beam_search import BeamSearchGroup
 from pagedserve.engine.config import EngineArgs
-from pagedserve.engine.cpu_threads import set_cpu_threads
+from pagedserve.engine.cpu_threads import adaptive_cpu_threads, set_cpu_threads
 from pagedserve.engine.errors import EngineError, InvalidRequestError, RequestRejectedError
 from pagedserve.engine.executor import create_runner
 from pagedserve.engine.gc_tuning import raise_gc_threshold
@@ -81,6 +81,8 @@ class LLMEngine:
         self.args = args
         self.model_config, self.cache_config, self.scheduler_config = args.create_configs()
         set_cpu_threads(args.num_cpu_threads)
+        on_cpu = self.model_config.torch_device.type == "cpu"
+        self.cpu_threads = adaptive_cpu_threads(args.num_cpu_threads) if on_cpu else None
         raise_gc_threshold(self.scheduler_config.max_num_seqs)  # gc_tuning.py says why
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         spec_config = args.create_speculative_config()  # checked before the model is loaded
@@ -389,6 +391,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> update -> outputs (module docstring)."""
+        if self.cpu_threads is not None:  # as many threads as other processes leave cores
+            self.cpu_threads.before_step()
         if self.structured_output.num_held:
             self._release_grammars()
         scheduled, output = self._next_result()
