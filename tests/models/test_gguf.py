@@ -155,6 +155,25 @@ def test_weights_stay_in_their_blocks(served):
     assert model.model.layers[0].self_attn.o_proj.weight.numel() == 256 * 256 // 256 * 18 * 8
 
 
+def test_a_loaded_model_lets_go_of_the_file(gguf_file):
+    """The reader (its records, and the map that holds every page the load read) is dropped
+    once the weights are copied out: the loaded model's memory is its blocks, not the file
+    twice over. The engine still serves after."""
+    import gc
+    import weakref
+
+    from pagedserve.models.gguf_config import open_gguf
+
+    _, path = gguf_file("qwen2-float-types-q8_0")
+    reader = weakref.ref(open_gguf(path))
+    llm = LLM(model=path, block_size=8)
+    gc.collect()
+    assert reader() is None
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
 def test_tokenizer_and_chat_template_come_from_the_file(served):
     from pagedserve.models import load_tokenizer
 

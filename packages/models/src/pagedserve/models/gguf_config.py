@@ -51,6 +51,12 @@ def open_gguf(path: str | Path):
     return _read_gguf(path, stat.st_size, stat.st_mtime_ns)
 
 
+def forget_gguf_readers() -> None:
+    """Drop the kept readers (once a model is loaded): a real vocabulary's records are ~150 MB
+    of Python objects, and the map they hold keeps every page read in the process's memory."""
+    _read_gguf.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _read_gguf(path: Path, size: int, mtime_ns: int):
     import gguf
