@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.dispatch import kernel_path
 
 WeightFormat = Literal["int8", "fp8"]
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -144,10 +144,15 @@ def weight_only_linear_ref(
 def weight_only_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x (scale * qweight)^T + bias``; Triton on a GPU, the reference on a CPU (where the
-    8-bit weight saves memory, not time: see docs/quantization.md)."""
-    if use_triton(x):
+    """``x (scale * qweight)^T + bias``; Triton on a GPU; on a CPU the numba GEMM from the
+    8-bit bytes for fp32 activations (cpu/weight_only_linear.py), else the reference."""
+    path = kernel_path(x, has_numba=True)
+    if path == "triton":
         return weight_only_linear_triton(x, qweight, scale, bias)
+    if path == "numba" and x.dtype is torch.float32:
+        from pagedserve.kernels.cpu.weight_only_linear import weight_only_linear_numba
+
+        return weight_only_linear_numba(x, qweight, scale, bias)
     return weight_only_linear_ref(x, qweight, scale, bias)
 
 

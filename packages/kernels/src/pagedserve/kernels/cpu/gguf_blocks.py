@@ -39,6 +39,20 @@ Q5_0, Q5_1, IQ4_NL = GGUF_TYPE_IDS["Q5_0"], GGUF_TYPE_IDS["Q5_1"], GGUF_TYPE_IDS
 Q2_K, Q3_K, Q4_K = GGUF_TYPE_IDS["Q2_K"], GGUF_TYPE_IDS["Q3_K"], GGUF_TYPE_IDS["Q4_K"]
 Q5_K, Q6_K, IQ4_XS = GGUF_TYPE_IDS["Q5_K"], GGUF_TYPE_IDS["Q6_K"], GGUF_TYPE_IDS["IQ4_XS"]
 _LEVELS = np.array(IQ4_LEVELS, dtype=np.float32)
+# Not ggml types (theirs are >= 0): rows of one byte a weight, the 8-bit weights pagedserve
+# quantizes at load (kernels/weight_only_linear.py; their per-channel scale is applied after
+# the dot, cpu/weight_only_linear.py), decoded by the same GEMM as the file's blocks.
+INT8_ROWS, E4M3_ROWS = -1, -2
+
+
+def _e4m3_values() -> np.ndarray:
+    """Every fp8 e4m3fn byte's fp32 value, by torch's own conversion (exact: fp32 holds them)."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+_E4M3 = _e4m3_values()
 
 
 @intrinsic
@@ -106,6 +120,17 @@ def _halves(raw, qtype, out, lanes):  # pragma: no cover - compiled
         halves, bits = raw.view(np.uint16), out.view(np.uint32)
         for k in range(out.shape[0]):
             bits[k] = np.uint32(halves[k]) << np.uint32(16)
+
+
+@numba.njit(cache=True)
+def _bytes(raw, qtype, out, lanes):  # pragma: no cover - compiled
+    """``INT8_ROWS`` (a signed byte a weight) and ``E4M3_ROWS`` (an fp8 e4m3fn byte, looked up)."""
+    if qtype == INT8_ROWS:
+        for k in range(out.shape[0]):
+            out[k] = np.float32(np.int8(raw[k]))
+    else:
+        for k in range(out.shape[0]):
+            out[k] = _E4M3[raw[k]]
 
 
 @numba.njit(cache=True)
@@ -315,8 +340,8 @@ def _iq4_xs(raw, out, lanes):  # pragma: no cover - compiled
 @numba.njit(cache=True)
 def decode_row(raw, qtype, out, lanes):  # pragma: no cover - compiled
     """``out[:] =`` the fp32 weights of one row of GGUF blocks ``raw`` of type ``qtype``
-    (``len(out)`` weights; every type but F32, which the GEMM reads as it is). ``lanes``: 16
-    (module doc)."""
+    (``len(out)`` weights; every type but F32, which the GEMM reads as it is; or one of the
+    one-byte rows above). ``lanes``: 16 (module doc)."""
     if qtype == Q8_0:
         _q8_0(raw, out, lanes)
     elif qtype == Q4_0 or qtype == Q4_1:
@@ -335,5 +360,7 @@ def decode_row(raw, qtype, out, lanes):  # pragma: no cover - compiled
         _q6_k(raw, out, lanes)
     elif qtype == IQ4_XS:
         _iq4_xs(raw, out, lanes)
+    elif qtype < 0:
+        _bytes(raw, qtype, out, lanes)
     else:
         _halves(raw, qtype, out, lanes)

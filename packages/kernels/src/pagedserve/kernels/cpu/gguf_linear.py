@@ -173,6 +173,18 @@ def _prefill(x: torch.Tensor, qweight: np.ndarray, qtype: int, threads: int) -> 
     return out
 
 
+def multiply_rows(x2: torch.Tensor, rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """``x2 @ W.T`` for contiguous fp32 ``x2 [M, K]`` and ``W``'s contiguous ``uint8`` rows of
+    ``qtype`` (any decoder of cpu/gguf_blocks.py): the decode GEMM up to ``MAX_ROWS`` rows,
+    decoded tiles and MKL above."""
+    threads = follow_torch_threads()
+    if x2.shape[0] <= MAX_ROWS:
+        return torch.from_numpy(
+            gguf_linear_compiled(x2.numpy(), rows.numpy(), qtype, LANES, threads)
+        )
+    return _prefill(x2, rows.numpy(), qtype, threads)
+
+
 def gguf_linear_numba(
     x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -188,15 +200,10 @@ def gguf_linear_numba(
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     rows = qweight if qweight.is_contiguous() else qweight.contiguous()
-    threads = follow_torch_threads()
     if qtype == F32:
         out = linear(x2, rows.view(torch.float32))
-    elif x2.shape[0] <= MAX_ROWS:
-        out = torch.from_numpy(
-            gguf_linear_compiled(x2.numpy(), rows.numpy(), qtype, LANES, threads)
-        )
     else:
-        out = _prefill(x2, rows.numpy(), qtype, threads)
+        out = multiply_rows(x2, rows, qtype)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

@@ -1,0 +1,81 @@
+"""The CPU's 8-bit weight GEMM (cpu/weight_only_linear.py: int8 and fp8 e4m3 rows through the
+GGUF GEMM's decoders) against the reference: every byte decoded to the reference's value,
+``x (scale * Q)^T + bias`` within the GEMM tolerance for a decode step's rows and a prefill's,
+on one thread and two, and a row's result the same bits alone or among fifteen others."""
+
+import numpy as np
+import pytest
+import torch
+from tolerances import assert_close
+
+from pagedserve.kernels.cpu import gguf_linear as cpu
+from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS, decode_row
+from pagedserve.kernels.cpu.weight_only_linear import weight_only_linear_numba
+from pagedserve.kernels.weight_only_linear import quantize_per_channel, weight_only_linear_ref
+
+ROWS = [1, 3, cpu.MAX_ROWS, cpu.MAX_ROWS + 1, 40]  # decode rows, then prefill tiles
+
+
+def _operands(fmt: str, rows: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scale = quantize_per_channel(torch.randn(n, k, generator=gen), fmt)
+    x = torch.randn(rows, k, generator=gen) * k**-0.5
+    return x, qweight, scale
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_every_byte_decodes_to_the_references_value():
+    """All 256 bytes of a row: int8 as a signed byte, e4m3 as torch widens it (NaN bytes too)."""
+    raw = np.arange(256, dtype=np.uint8)
+    for kind, dtype in ((INT8_ROWS, torch.int8), (E4M3_ROWS, torch.float8_e4m3fn)):
+        decoded = np.full(256, 7.0, np.float32)
+        decode_row(raw, kind, decoded, cpu.LANES)
+        want = torch.from_numpy(raw).view(dtype).float().numpy()
+        assert np.array_equal(decoded, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_matches_the_reference(fmt, rows, threads):
+    """70 output features: four blocks of 16 shared out, a partial group of four at the end."""
+    x, qweight, scale = _operands(fmt, rows, 70, 200, seed=rows)
+    bias = torch.randn(70)
+    out = weight_only_linear_numba(x, qweight, scale, bias)
+    assert out.shape == (rows, 70)
+    assert_close(out, weight_only_linear_ref(x, qweight, scale, bias), gemm=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_threads(fmt):
+    x, qweight, scale = _operands(fmt, cpu.MAX_ROWS, 263, 768, seed=5)
+    results, before = [], torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            together = weight_only_linear_numba(x, qweight, scale)
+            for start in range(cpu.MAX_ROWS):
+                alone = weight_only_linear_numba(x[start : start + 1].clone(), qweight, scale)
+                assert torch.equal(alone, together[start : start + 1]), start
+            results.append(together)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+
+
+def test_leading_dims_strided_input_and_refusals():
+    x, qweight, scale = _operands("int8", 6, 20, 64, seed=3)
+    wide = torch.zeros(6, 128)
+    wide[:, ::2] = x
+    out = weight_only_linear_numba(wide[:, ::2].view(2, 3, 64), qweight, scale)
+    assert_close(out.view(6, 20), weight_only_linear_ref(x, qweight, scale), gemm=True)
+    with pytest.raises(ValueError, match="fp32 x and int8"):
+        weight_only_linear_numba(x.half(), qweight, scale)
+    with pytest.raises(ValueError, match="fp32 x and int8"):
+        weight_only_linear_numba(x, qweight.float(), scale)
