@@ -77,16 +77,24 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads(name, threads):
 
 def test_a_fused_projection_of_parts_of_several_types(threads):
     """What the fused decoder layer multiplies a Q4_K_M-like qkv by: parts of their own types
-    (F32 among them), each product in its columns, as the modules concatenate them."""
+    (F32 among them), each product in its columns, as the modules concatenate them; a part
+    with scales (8-bit weights) scaled after its product."""
     parts = [
         _operands(name, 5, n, 512, seed=n) for name, n in (("Q4_K", 40), ("F32", 8), ("Q6_K", 24))
     ]
     x = parts[0][0]
     rows = tuple(q.numpy() for _, q, _ in parts) + (np.empty((0, 0), np.uint8),)
     qtypes = tuple(t for _, _, t in parts) + (-1,)
-    got = cpu.gguf_parts_compiled(x.numpy(), rows, qtypes, cpu.LANES, threads)
-    want = torch.cat([gguf_linear_ref(x, q, t) for _, q, t in parts], dim=-1)
-    assert_close(torch.from_numpy(got), want, gemm=True)
+    scales = (
+        np.empty(0, np.float32),
+        np.empty(0, np.float32),
+        np.linspace(0.5, 2, 24, dtype=np.float32),
+        np.empty(0, np.float32),
+    )
+    got = cpu.gguf_parts_compiled(x.numpy(), rows, qtypes, scales, cpu.LANES, threads)
+    want = [gguf_linear_ref(x, q, t) for _, q, t in parts]
+    want[2] = want[2] * torch.from_numpy(scales[2])  # a part's own scales, after its product
+    assert_close(torch.from_numpy(got), torch.cat(want, dim=-1), gemm=True)
 
 
 def test_bias_leading_dims_and_strided_rows():

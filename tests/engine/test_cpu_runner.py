@@ -50,6 +50,9 @@ CASES = {
     "qwen2, bf16 cache": ("qwen2", {}, [17, 3], "bfloat16"),
     # a GGUF file's layers read their blocks: every GEMM shared over the threads
     "llama gguf, mixed block types": ("llama", WIDE, [17, 3, 9], "auto", _gguf_mixture),
+    # 8-bit weights quantized at load: one-byte rows, each feature scaled after its dot
+    "llama int8, wide": ("llama", WIDE, [17, 3, 9], "auto", None, "int8"),
+    "qwen2 fp8 (qkv bias)": ("qwen2", {}, [17, 3], "auto", None, "fp8"),
 }
 
 
@@ -66,13 +69,15 @@ def _decoding_engine(
     prompt_lens: list[int],
     kv_cache_dtype: str = "auto",
     gguf_recipe=None,
+    quantization: str | None = None,
 ):
     path = make_tiny_checkpoint(arch, tmp_path / arch, **overrides)
     if gguf_recipe is not None:
         path = write_gguf(path, tmp_path / f"{arch}.gguf", gguf_recipe)
     llm = LLM(
-        model=str(path), block_size=8, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype
-    )
+        model=str(path), block_size=8, enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+    )  # fmt: skip
     engine = llm.engine
     torch.manual_seed(0)
     for name, param in engine.runner.model.named_parameters():

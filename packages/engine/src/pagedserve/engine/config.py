@@ -70,7 +70,8 @@ class EngineArgs:
         None,
         "threads of the CPU work (torch's pool; numba's attention follows it, up to "
         "NUMBA_NUM_THREADS); default: OMP_NUM_THREADS, else every core the process may use "
-        "(its CPU affinity, capped by its cgroup's CPU quota)",
+        "(its CPU affinity, capped by its cgroup's CPU quota), lowered between steps to the "
+        "cores other processes leave free",
     )
     seed: int = option(0, "seed of the engine's random source (per-request seeds override it)")
     max_model_len: int | None = option(

@@ -12,8 +12,9 @@ layer, and every other step, runs the model's own modules.
 What it can stand in for is decided once, here, at load (the model is final by then: loaded,
 quantized and LoRA-wrapped), for the architectures whose registry entry declares
 ``cpu_fused`` (pagedserve.models.registry; the README's table says which): a layer whose
-linear layers hold one fp32 weight each, or a GGUF file's rows of blocks each (no other
-quantization, no LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
+linear layers hold one fp32 weight each, or a GGUF file's rows of blocks each, or 8-bit
+weights (``--quantization int8|fp8`` at load, an fp8 checkpoint; no other quantization, no
+LoRA, one rank), with no per-head q/k norms (Qwen3), a dense MLP, biases on
 the qkv projection only (Qwen2) and no score soft cap. The fused kernel reads numpy views of
 the layer's own tensors, so a weight changed in place is seen; a parameter replaced by
 another object is not (nothing in pagedserve does that after load).
@@ -34,10 +35,14 @@ from pagedserve.engine.model_runner import ModelInput, ModelRunner
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.models.layers.linear_method import UnquantizedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pagedserve.models.quantization import WeightOnly8BitLinearMethod
+from pagedserve.models.quantization_fp8 import Fp8CheckpointLinearMethod
 from pagedserve.models.quantization_gguf import GGUFLinearMethod
 from pagedserve.models.registry import ARCHITECTURES
 
 MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
+# Linear layers holding 8-bit ``qweight`` rows and fp32 per-feature ``weight_scale``
+EIGHT_BIT_METHODS = (WeightOnly8BitLinearMethod, Fp8CheckpointLinearMethod)
 
 
 class CPUModelRunner(ModelRunner):
@@ -132,8 +137,8 @@ def _layer_weights(layer: nn.Module):
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     linears = tuple(_dense_weight(p, bias_allowed=p is attn.qkv_proj) for p in projections)
-    if any(w is None for w in linears):  # a GGUF file's layer: all four in their blocks
-        linears = tuple(_gguf_weight(p, bias_allowed=p is attn.qkv_proj) for p in projections)
+    if any(w is None for w in linears):  # a GGUF file's layer or an 8-bit one: byte rows
+        linears = tuple(_byte_rows(p, bias_allowed=p is attn.qkv_proj) for p in projections)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     cos_sin = attn.rotary_emb.cos_sin_cache
     tensors = (*(n.weight for n in norms), cos_sin, attn.qkv_proj.bias)
@@ -154,13 +159,21 @@ def _layer_weights(layer: nn.Module):
     )
 
 
-def _gguf_weight(linear: nn.Module, bias_allowed: bool = False) -> list | None:
-    """The layer's GGUF parts, ``[(uint8 rows, type id), ...]``, when it is a single-rank GGUF
-    linear layer (quantization_gguf.py), else None."""
-    if type(linear.linear_method) is not GGUFLinearMethod or linear.tp_size != 1:
+def _byte_rows(linear: nn.Module, bias_allowed: bool = False) -> list | None:
+    """The layer's parts of byte rows when it is a single-rank GGUF linear layer
+    (quantization_gguf.py: ``[(uint8 rows, type id), ...]``) or an 8-bit one quantized at load
+    or stored as fp8 (quantization.py, quantization_fp8.py: ``[(uint8 rows, INT8_ROWS or
+    E4M3_ROWS, per-feature scales)]``), else None."""
+    method = type(linear.linear_method)
+    if method not in (GGUFLinearMethod, *EIGHT_BIT_METHODS) or linear.tp_size != 1:
         return None
     if linear.bias is not None and not bias_allowed:
         return None
+    if method in EIGHT_BIT_METHODS:
+        from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS
+
+        kind = INT8_ROWS if linear.qweight.dtype is torch.int8 else E4M3_ROWS
+        return [(linear.qweight.view(torch.uint8), kind, linear.weight_scale)]
     if linear.weight_parts is None:
         return [(linear.weight, linear.weight_type)]
     return list(zip(linear.weight_parts, linear.weight_part_types, strict=True))

@@ -24,11 +24,13 @@ step between the two paths (a batch of 17 rows goes module by module, a batch of
 changes no output; tests/engine/test_cpu_runner.py holds them equal bit for bit.
 
 The projections are fp32 matrices, or a GGUF file's rows of blocks (each projection as up to
-three parts of their own types, as ``GGUFLinearMethod`` holds them): ``project`` picks the
+three parts of their own types, as ``GGUFLinearMethod`` holds them), or 8-bit weights
+quantized at load (int8, fp8: one-byte rows and their per-feature scales, as
+``WeightOnly8BitLinearMethod`` holds them): ``project`` picks the
 GEMM by the weights' numba type when the layer compiles, so each kind is its own signature and
 a dense model's code is as it was. Only the layer :func:`supports` takes this path: the caller
-(the model) checks the rest (fp32 or GGUF weights without other quantization or LoRA, one
-rank, no per-head norms). The compiled function
+(the model) checks the rest (fp32, GGUF or 8-bit weights without other quantization or
+LoRA, one rank, no per-head norms). The compiled function
 carries the code of every kernel it calls: numba_cache.py stamps the disk cache with all the
 package's numba files, so an edit to any of them recompiles this one too.
 """
@@ -62,8 +64,8 @@ from pagedserve.kernels.cpu.threads import follow_torch_threads
 
 def project(x, weight, threads, batch_invariant):  # pragma: no cover - compiled
     """``x @ W.T``: ``weight`` an fp32 ``[out, in]`` matrix (``batch_invariant``: the loop of
-    the batch-invariant mode, as the modules' ``linear`` runs it), or a GGUF projection
-    ``(parts, types, lanes)`` (``DecoderLayerWeights.of``)."""
+    the batch-invariant mode, as the modules' ``linear`` runs it), or a projection of byte rows
+    ``(parts, types, scales, lanes)`` (``DecoderLayerWeights.of``)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -74,7 +76,7 @@ def _project_impl(x, weight, threads, batch_invariant):
             x, weight, threads, batch_invariant
         )
     return lambda x, weight, threads, batch_invariant: gguf_parts_compiled(
-        x, weight[0], weight[1], weight[2], threads
+        x, weight[0], weight[1], weight[2], weight[3], threads
     )
 
 
@@ -137,9 +139,10 @@ class DecoderLayerWeights:
     ``norms``: the input and post-attention RMSNorm weights, ``eps`` theirs; ``linears``: the
     (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
     ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
-    sliding window or 0; ``cap``: the scores' soft cap or 0. A GGUF projection is ``(rows,
-    types, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their ggml type ids, and
-    the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why). ``batch_invariant``:
+    sliding window or 0; ``cap``: the scores' soft cap or 0. A quantized projection is
+    ``(rows, types, scales, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their
+    type ids (ggml's, or the one-byte rows' of cpu/gguf_blocks.py), their per-feature scales
+    (empty: none), and the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why). ``batch_invariant``:
     the fp32 projections run the batch-invariant mode's GEMM loop, as the modules' do."""
 
     norms: tuple[np.ndarray, np.ndarray]
@@ -156,7 +159,8 @@ class DecoderLayerWeights:
 
     @property
     def reads_blocks(self) -> bool:
-        """Whether the projections are a GGUF file's rows of blocks (not fp32 matrices)."""
+        """Whether the projections are rows of bytes (a GGUF file's blocks, 8-bit weights), not
+        fp32 matrices."""
         return isinstance(self.linears[0], tuple)
 
     @classmethod
@@ -170,8 +174,8 @@ class DecoderLayerWeights:
         attention: tuple[float, int | None, float | None],
         batch_invariant: bool = False,
     ) -> DecoderLayerWeights:
-        """From the modules' tensors: ``linears`` fp32 weights, or GGUF projections as lists of
-        ``(uint8 rows, type id)`` parts; ``rotary`` (cos/sin cache, neox?), ``attention``
+        """From the modules' tensors: ``linears`` fp32 weights, or quantized projections as
+        lists of ``(uint8 rows, type id[, scales])`` parts (``_projection``); ``rotary`` (cos/sin cache, neox?), ``attention``
         (scale, sliding window or None, soft cap or None)."""
         (norm_in, eps_in), (norm_post, eps_post) = norms
         scale, window, cap = attention
@@ -234,14 +238,18 @@ _NO_BIAS = np.empty(0, np.float32)
 _NO_ROWS = np.empty((0, 0), np.uint8)
 
 
-def _projection(weight: torch.Tensor | list[tuple[torch.Tensor, int]]):
-    """A projection as ``project`` reads it: an fp32 matrix, or GGUF parts padded to ``PARTS``
-    (one compiled signature for every layer of a GGUF model)."""
+def _projection(weight: torch.Tensor | list[tuple]):
+    """A projection as ``project`` reads it: an fp32 matrix, or parts of byte rows padded to
+    ``PARTS`` (one compiled signature for every layer of a quantized model). A part is
+    ``(uint8 rows, type id)`` (a GGUF file's blocks) or ``(uint8 rows, type id, fp32 scales)``
+    (8-bit weights quantized at load, cpu/weight_only_linear.py)."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     pad = PARTS - len(weight)
-    rows = tuple(r.detach().numpy() for r, _ in weight) + (_NO_ROWS,) * pad
-    return rows, tuple(int(t) for _, t in weight) + (-1,) * pad, LANES
+    rows = tuple(part[0].detach().numpy() for part in weight) + (_NO_ROWS,) * pad
+    types_ = tuple(int(part[1]) for part in weight) + (-1,) * pad
+    scales = tuple(part[2].detach().numpy() if len(part) > 2 else _NO_BIAS for part in weight)
+    return rows, types_, scales + (_NO_BIAS,) * pad, LANES
 
 
 def _int64(t: torch.Tensor) -> np.ndarray:

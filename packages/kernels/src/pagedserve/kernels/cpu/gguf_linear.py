@@ -120,11 +120,13 @@ def gguf_linear_compiled(x, qweight, qtype, lanes, threads):  # pragma: no cover
 
 
 @numba.njit(cache=True)
-def gguf_parts_compiled(x, parts, qtypes, lanes, threads):  # pragma: no cover - compiled
+def gguf_parts_compiled(x, parts, qtypes, scales, lanes, threads):  # pragma: no cover - compiled
     """``x @ W.T`` for a fused projection whose row blocks ``parts`` (``PARTS`` of them, empty
     ones unused) have their own types ``qtypes``: each part's product in its columns, side by
     side, as the modules concatenate them; F32 parts through the fp32 decode GEMM, as
-    :func:`gguf_linear_numba` sends them. For the fused decoder layer (cpu/decoder_layer.py).
+    :func:`gguf_linear_numba` sends them; a part with a non-empty ``scales`` entry (8-bit
+    weights quantized at load: one scale per output feature) has its columns scaled after, as
+    cpu/weight_only_linear.py scales them. For the fused decoder layer (cpu/decoder_layer.py).
     ``lanes`` (``LANES``) comes in as an argument, never as the global: a compiled caller
     would fold the constant into the decoders, and LLVM would unroll their loops to scalar
     code (three times slower, measured)."""
@@ -141,6 +143,9 @@ def gguf_parts_compiled(x, parts, qtypes, lanes, threads):  # pragma: no cover -
             part = dense_linear_compiled(x, rows.view(np.float32), threads, False)
         else:
             part = gguf_linear_compiled(x, rows, qtypes[i], lanes, threads)
+        if scales[i].shape[0]:
+            for r in range(part.shape[0]):
+                part[r] *= scales[i]
         out[:, first : first + rows.shape[0]] = part
         first += rows.shape[0]
     return out
