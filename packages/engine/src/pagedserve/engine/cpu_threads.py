@@ -137,9 +137,9 @@ class AdaptiveCpuThreads:
     Every ``interval`` seconds (checked at each step: a clock read otherwise) it compares the
     busy time of the CPUs the process may use (``busy_ticks``) with the process's own CPU
     time: the rest is the neighbours', in cores. The engine then runs on the cores left,
-    rounded up from 0.7 of one (a neighbour busy a third of the time still makes every region
-    wait now and then; one busy half the time costs a two-thread step more than a thread), at
-    least one and at most ``ceiling``. A new count is taken when two readings in a row agree,
+    rounded up from 0.7 of one, at least one and at most ``ceiling``: a core busy a third of
+    the time or more is given up. (That threshold is set by reasoning, not tuned: the
+    measurements are of no neighbour and of one busy core, docs/benchmarks.md.) A new count is taken when two readings in a row agree,
     so one burst of a neighbour does not flap the pools.
     """
 
