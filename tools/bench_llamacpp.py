@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"model {args.model} (GGUF {gguf.name}, served by "
-        f"{'both' if args.gguf or args.quantize else 'llama.cpp'}); {args.threads} threads per server; "
+        f"{'both' if args.gguf or args.quantize else 'llama.cpp'}); "
+        f"{args.threads} threads per server; "
         f"prompts {args.min_prompt}..{args.max_prompt} random token ids, outputs exactly "
         f"{args.min_output}..{args.max_output} tokens (ignore_eos); levels "
         f"{dict(zip(args.concurrency, args.num_requests))} (concurrency: requests), seed "

@@ -5,8 +5,9 @@ The peer benchmark (tools/bench_llamacpp.py) needs a llama.cpp it can trust to b
 built on this machine for this CPU (``GGML_NATIVE``), with no network beyond PyPI: the
 ``llama-cpp-python`` sdist vendors the whole llama.cpp tree (``vendor/llama.cpp``), its
 ``convert_hf_to_gguf.py`` and its ``gguf-py``. Only the ``llama-server`` and ``llama-quantize``
-targets are built (the whole tree takes several times longer), at ``nice 19`` so the machine's other users keep their
-cores, and the result is cached under ``$PAGEDSERVE_HOME/llamacpp``: a second run reuses it.
+targets are built (the whole tree takes several times longer), at ``nice 19`` so the machine's
+other users keep their cores, and the result is cached under ``$PAGEDSERVE_HOME/llamacpp``: a
+second run reuses it.
 
     .venv/bin/python tools/llamacpp_build.py            # build (about 10 minutes on 2 cores)
     .venv/bin/python tools/llamacpp_build.py --convert FOLDER --quantize Q4_K_M Q8_0

@@ -139,7 +139,8 @@ class AdaptiveCpuThreads:
     time: the rest is the neighbours', in cores. The engine then runs on the cores left,
     rounded up from 0.7 of one, at least one and at most ``ceiling``: a core busy a third of
     the time or more is given up. (That threshold is set by reasoning, not tuned: the
-    measurements are of no neighbour and of one busy core, docs/benchmarks.md.) A new count is taken when two readings in a row agree,
+    measurements are of no neighbour and of one busy core, docs/benchmarks.md.) A new count
+    is taken when two readings in a row agree,
     so one burst of a neighbour does not flap the pools.
     """
 

@@ -142,8 +142,9 @@ class DecoderLayerWeights:
     sliding window or 0; ``cap``: the scores' soft cap or 0. A quantized projection is
     ``(rows, types, scales, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their
     type ids (ggml's, or the one-byte rows' of cpu/gguf_blocks.py), their per-feature scales
-    (empty: none), and the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why). ``batch_invariant``:
-    the fp32 projections run the batch-invariant mode's GEMM loop, as the modules' do."""
+    (empty: none), and the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why).
+    ``batch_invariant``: the fp32 projections run the batch-invariant mode's GEMM loop, as the
+    modules' do."""
 
     norms: tuple[np.ndarray, np.ndarray]
     eps: tuple[np.float32, np.float32]
@@ -175,8 +176,9 @@ class DecoderLayerWeights:
         batch_invariant: bool = False,
     ) -> DecoderLayerWeights:
         """From the modules' tensors: ``linears`` fp32 weights, or quantized projections as
-        lists of ``(uint8 rows, type id[, scales])`` parts (``_projection``); ``rotary`` (cos/sin cache, neox?), ``attention``
-        (scale, sliding window or None, soft cap or None)."""
+        lists of ``(uint8 rows, type id[, scales])`` parts (``_projection``); ``rotary``
+        (cos/sin cache, neox?), ``attention`` (scale, sliding window or None, soft cap or
+        None)."""
         (norm_in, eps_in), (norm_post, eps_post) = norms
         scale, window, cap = attention
         return cls(
