@@ -170,9 +170,9 @@ def _byte_rows(linear: nn.Module, bias_allowed: bool = False) -> list | None:
     if linear.bias is not None and not bias_allowed:
         return None
     if method in EIGHT_BIT_METHODS:
-        from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS
+        from pagedserve.kernels.cpu.weight_only_linear import ROW_TYPES
 
-        kind = INT8_ROWS if linear.qweight.dtype is torch.int8 else E4M3_ROWS
+        kind = ROW_TYPES[linear.qweight.dtype]
         return [(linear.qweight.view(torch.uint8), kind, linear.weight_scale)]
     if linear.weight_parts is None:
         return [(linear.weight, linear.weight_type)]

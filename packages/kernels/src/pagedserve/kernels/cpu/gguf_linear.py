@@ -179,9 +179,11 @@ def _prefill(x: torch.Tensor, qweight: np.ndarray, qtype: int, threads: int) -> 
 
 
 def multiply_rows(x2: torch.Tensor, rows: torch.Tensor, qtype: int) -> torch.Tensor:
-    """``x2 @ W.T`` for contiguous fp32 ``x2 [M, K]`` and ``W``'s contiguous ``uint8`` rows of
-    ``qtype`` (any decoder of cpu/gguf_blocks.py): the decode GEMM up to ``MAX_ROWS`` rows,
+    """``x2 @ W.T`` for fp32 ``x2 [M, K]`` and ``W``'s ``uint8`` rows of ``qtype`` (any decoder
+    of cpu/gguf_blocks.py), both made contiguous here: the decode GEMM up to ``MAX_ROWS`` rows,
     decoded tiles and MKL above."""
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    rows = rows if rows.is_contiguous() else rows.contiguous()
     threads = follow_torch_threads()
     if x2.shape[0] <= MAX_ROWS:
         return torch.from_numpy(
@@ -202,13 +204,11 @@ def gguf_linear_numba(
     if x.dtype is not torch.float32 or qweight.dtype is not torch.uint8:
         raise ValueError(f"gguf_linear on CPU: fp32 inputs and uint8 rows, not {x.dtype}")
     x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    rows = qweight if qweight.is_contiguous() else qweight.contiguous()
     if qtype == F32:
+        rows = qweight if qweight.is_contiguous() else qweight.contiguous()
         out = linear(x2, rows.view(torch.float32))
     else:
-        out = multiply_rows(x2, rows, qtype)
+        out = multiply_rows(x2, qweight, qtype)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

@@ -9,7 +9,7 @@ no faster than fp32 (docs/benchmarks.md, "Every weight format"). Here the rows g
 GGUF GEMM (cpu/gguf_linear.py ``multiply_rows``: four rows decoded at a time into an fp32
 buffer in L1 and dotted against each row of ``x``; decoded tiles and MKL for a prefill) with
 the one-byte decoders of cpu/gguf_blocks.py (``INT8_ROWS``: the signed byte; ``E4M3_ROWS``:
-torch's own value of each fp8 byte, looked up). The scale factors out of each output
+the fp8 byte's bits moved into fp32's places, exact). The scale factors out of each output
 channel's sum, so it is applied once per output, as the reference applies it: the result is
 the reference's up to summation order, and a row's result depends neither on the batch nor on
 the thread count (the GGUF GEMM's batch invariance).
@@ -22,7 +22,8 @@ import torch
 from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS
 from pagedserve.kernels.cpu.gguf_linear import multiply_rows
 
-_ROW_TYPES = {torch.int8: INT8_ROWS, torch.float8_e4m3fn: E4M3_ROWS}
+# The row type each 8-bit weight dtype is decoded as (the CPU runner's fused layer reads it too)
+ROW_TYPES = {torch.int8: INT8_ROWS, torch.float8_e4m3fn: E4M3_ROWS}
 
 
 def weight_only_linear_numba(
@@ -30,19 +31,13 @@ def weight_only_linear_numba(
 ) -> torch.Tensor:
     """``x (scale * qweight)^T + bias`` for fp32 ``x [..., K]``, ``qweight`` int8 or
     float8_e4m3fn ``[N, K]``, ``scale`` fp32 ``[N]``."""
-    if qweight.dtype not in _ROW_TYPES or x.dtype is not torch.float32:
+    if qweight.dtype not in ROW_TYPES or x.dtype is not torch.float32:
         raise ValueError(
             f"weight-only linear on CPU: fp32 x and int8 / fp8 e4m3 weights, not {x.dtype} "
             f"and {qweight.dtype}"
         )
     n, k = qweight.shape
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    rows = qweight.view(torch.uint8)
-    out = multiply_rows(
-        x2, rows if rows.is_contiguous() else rows.contiguous(), _ROW_TYPES[qweight.dtype]
-    )
+    out = multiply_rows(x.reshape(-1, k), qweight.view(torch.uint8), ROW_TYPES[qweight.dtype])
     out *= scale
     if bias is not None:
         out += bias
