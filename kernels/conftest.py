@@ -78,6 +78,16 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The CPU's numba GEMMs follow torch's thread count (cpu/threads.py): a test that takes
+    this fixture runs under one thread and under two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def summary_lines(pytestconfig) -> list[str]:
     """Lines a test wants printed in the run's final summary (the compile check's table)."""

@@ -29,15 +29,6 @@ def _operands(name: str, rows: int, n: int, k: int, seed: int = 0):
     return x * spread, qweight, qtype
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """The GEMM follows torch's thread count (cpu/threads.py): run under each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("name", [t for t in TYPES if t != "F32"])
 def test_every_decoded_row_is_the_references_bits(name):
     qtype = GGUF_TYPE_IDS[name]

@@ -23,14 +23,6 @@ def _operands(fmt: str, rows: int, n: int, k: int, seed: int = 0):
     return x, qweight, scale
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def test_every_byte_decodes_to_the_references_value():
     """Every byte of a row: int8 as a signed byte, e4m3 as torch widens it (every finite byte,
     subnormals and both zeros included: the NaN bytes 0x7f and 0xff are never written)."""
