@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quantize", nargs="*", default=[], help="and quantize it to these types (Q4_K_M ...)"
     )
     args = parser.parse_args(argv)
+    if args.quantize and not args.convert:
+        parser.error("--quantize quantizes the --convert folder: give --convert FOLDER too")
     print(build_llama_server(jobs=args.jobs))
     if args.convert:
         print(convert_to_gguf(Path(args.convert)))

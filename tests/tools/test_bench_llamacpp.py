@@ -157,6 +157,8 @@ def test_a_quantized_file_is_served_by_both_engines(tmp_path):
         tmp_path / "llama-quantize", tmp_path / "f32.gguf", tmp_path / "q.gguf", "Q4_K_M", 2
     )
     assert quantize[1:] == [str(tmp_path / "f32.gguf"), str(tmp_path / "q.gguf"), "Q4_K_M", "2"]
+    with pytest.raises(SystemExit):  # nothing to quantize: refused, not ignored
+        llamacpp_build.main(["--quantize", "Q8_0"])
 
 
 def test_the_1b_maker_writes_a_llama_transformers_loads(tmp_path, default_model_path):
