@@ -207,12 +207,10 @@ def return_freed_memory() -> None:
     transients (records, decoded vectors, the parts of fused weights) leave ~100 MB it would
     otherwise keep for later allocations the engine never makes."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own C library
+    if trim is not None:  # glibc's; other C libraries have none
+        trim(0)
 
 
 def load_gguf_model(config: ModelConfig, model_cls, par: ParallelContext | None = None):
