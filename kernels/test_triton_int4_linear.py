@@ -80,17 +80,3 @@ def test_dequantize_reads_the_layout_element_by_element(act_order):
     dequantize_int4(torch.zeros_like(qweight), scales, zeros, gs, g_idx, workspace)  # dirty it
     got = dequantize_int4(qweight, scales, zeros, gs, g_idx, workspace)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("shape", [(1, 24, 64, 32), (5, 70, 104, 32), (16, 40, 72, -1)], ids=str)
-def test_the_numba_decode_path_matches_the_reference(shape):
-    """The CPU's loop for a few fp32 rows: the same values as dequantize-then-GEMM, summed in
-    another order (groups folded in one at a time), so within the GEMM tolerance."""
-    numba_path = pytest.importorskip("pagedserve.kernels.cpu.int4_linear")
-    m, n, k, group_size = shape
-    (qweight, scales, zeros, gs, _), _ = random_layer(n, k, group_size, seed=8)
-    qweight, scales, zeros = qweight.cpu(), scales.cpu(), zeros.cpu()
-    x = torch.randn(m, k, generator=gen(11))
-    b = torch.randn(n, generator=gen(12))
-    out = numba_path.int4_linear_numba(x, qweight, scales, zeros, gs, b)
-    assert_close(out, int4_linear_ref(x, qweight, scales, zeros, gs, None, b), gemm=True)

@@ -6,7 +6,7 @@ on one thread and two, and a row's result the same bits alone or among fifteen o
 import numpy as np
 import pytest
 import torch
-from tolerances import assert_close
+from tolerances import assert_close, assert_rows_invariant
 
 from pagedserve.kernels.cpu import gguf_linear as cpu
 from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS, decode_row
@@ -49,18 +49,7 @@ def test_matches_the_reference(fmt, rows, threads):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_a_rows_result_does_not_depend_on_its_batch_or_threads(fmt):
     x, qweight, scale = _operands(fmt, cpu.MAX_ROWS, 263, 768, seed=5)
-    results, before = [], torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            together = weight_only_linear_numba(x, qweight, scale)
-            for start in range(cpu.MAX_ROWS):
-                alone = weight_only_linear_numba(x[start : start + 1].clone(), qweight, scale)
-                assert torch.equal(alone, together[start : start + 1]), start
-            results.append(together)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1])
+    assert_rows_invariant(lambda some: weight_only_linear_numba(some, qweight, scale), x)
 
 
 def test_leading_dims_strided_input_and_refusals():

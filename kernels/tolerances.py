@@ -45,3 +45,21 @@ def table_lines() -> list[str]:
         extra = f"; attention and GEMM atol {ATTENTION_FP32_ATOL}" if dtype == torch.float32 else ""
         lines.append(f"  {str(dtype).removeprefix('torch.'):>8}: {atol:g}, {rtol:g}{extra}")
     return lines
+
+
+def assert_rows_invariant(multiply, x: torch.Tensor) -> None:
+    """``multiply(x)`` (a CPU GEMM of ``x``'s rows) gives each row the same bits whether the row
+    comes alone or among the others, on one thread or on two: the batch invariance the CPU's
+    decode GEMMs promise (cpu/gguf_linear.py)."""
+    results, before = [], torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            together = multiply(x)
+            for start in range(x.shape[0]):
+                alone = multiply(x[start : start + 1].clone())
+                assert torch.equal(alone, together[start : start + 1]), (count, start)
+            results.append(together)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])

@@ -5,10 +5,11 @@ gate_up 3072x576, down 576x1536; group size 64), fp32 activations of 1 row (a de
 and 64 rows (a prefill chunk), best thread CPU time of ``--repeat`` runs after a warm-up, seed 0. Options:
 
 - ``fp32 weight``: the unquantized layer, ``F.linear`` (the baseline; 4 bytes a weight);
-- ``int4, workspace``: pagedserve's path, dequantize each layer into one reused fp32 buffer
-  and one fp32 GEMM (half a byte a weight, plus one layer's fp32 buffer for the model);
-- ``int4, numba loop``: no fp32 weight: per group, sum ``x[k] * q[k, n]`` over the words in
-  place, then scale and subtract the zero point's share (what the CPU runs for <= 16 rows);
+- ``int4, workspace``: the reference (what a CPU runs for act-order layers whose groups are
+  not contiguous), dequantize each layer into one reused fp32 buffer and one fp32 GEMM (half a byte a weight, plus one layer's fp32 buffer for the model);
+- ``int4 rows``: pagedserve's CPU path, the weight rewritten once into rows of 4-bit groups
+  (one output feature a row) and multiplied by the GGUF GEMM, which decodes four rows at a
+  time into an L1 buffer (decode) or tiles for MKL (prefill); no fp32 weight held;
 - ``int4, fresh buffer``: the same as the workspace, allocating the fp32 weight on every call;
 - ``uint8 values``: the 4-bit values kept one per byte (1 byte a weight), dequantized the same
   way without the shifts;
@@ -27,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu.int4_linear import int4_linear_numba
+from pagedserve.kernels.cpu.int4_linear import int4_group_rows, int4_rows_linear
 from pagedserve.kernels.int4_linear import (
     Int4Workspace,
     dequantize_int4,
@@ -51,7 +52,8 @@ def make_layers(seed: int = 0) -> dict:
         qweight = pack_int4_rows(q)
         weight = dequantize_int4(qweight, scales, zeros, GROUP).t().contiguous()
         layers[name] = {"qweight": qweight, "scales": scales, "zeros": zeros,
-                        "weight": weight, "values": q.to(torch.uint8)}  # fmt: skip
+                        "weight": weight, "values": q.to(torch.uint8),
+                        "rows": int4_group_rows(qweight, scales, zeros, GROUP)}  # fmt: skip
     return layers
 
 
@@ -80,12 +82,7 @@ def options(workspace: Int4Workspace) -> dict:
     return {
         "fp32 weight": (lambda layer: lambda x: F.linear(x, layer["weight"]), ("weight",)),
         "int4, workspace": (lambda layer: int4(layer, workspace), ("qweight", "scales", "zeros")),
-        "int4, numba loop": (
-            lambda layer: lambda x: int4_linear_numba(
-                x, layer["qweight"], layer["scales"], layer["zeros"], GROUP
-            ),
-            ("qweight", "scales", "zeros"),
-        ),
+        "int4 rows": (lambda layer: lambda x: int4_rows_linear(x, layer["rows"]), ("rows",)),
         "int4, fresh buffer": (lambda layer: int4(layer, None), ("qweight", "scales", "zeros")),
         "uint8 values": (lambda layer: lambda x: uint8_values(x, layer), ("values", "scales", "zeros")),
         "grouped GEMM": (lambda layer: lambda x: grouped_gemm(x, layer), ("qweight", "scales", "zeros")),

@@ -20,6 +20,7 @@ from pagedserve.kernels.cpu import decoder_layer, dense_linear
 from pagedserve.models.gguf_testing import write_gguf
 from pagedserve.models.registry import ARCHITECTURES
 from pagedserve.models.testing import TINY_ARCHS, make_tiny_checkpoint
+from pagedserve.models.testing_quantized import Int4Layout, quantize_int4_checkpoint
 
 
 def _gguf_mixture(name: str) -> str:
@@ -53,6 +54,16 @@ CASES = {
     # 8-bit weights quantized at load: one-byte rows, each feature scaled after its dot
     "llama int8, wide": ("llama", WIDE, [17, 3, 9], "auto", None, "int8"),
     "qwen2 fp8 (qkv bias)": ("qwen2", {}, [17, 3], "auto", None, "fp8"),
+    # AWQ / GPTQ checkpoints: each layer held as rows of 4-bit groups
+    "llama awq, wide": ("llama", WIDE, [17, 3, 9], "auto", None, Int4Layout("awq", 128)),
+    "qwen2 gptq act-order (qkv bias)": (
+        "qwen2",
+        {},
+        [17, 3],
+        "auto",
+        None,
+        Int4Layout("gptq", 32, act_order=True),
+    ),
 }
 
 
@@ -74,6 +85,8 @@ def _decoding_engine(
     path = make_tiny_checkpoint(arch, tmp_path / arch, **overrides)
     if gguf_recipe is not None:
         path = write_gguf(path, tmp_path / f"{arch}.gguf", gguf_recipe)
+    if isinstance(quantization, Int4Layout):  # a checkpoint stored quantized
+        path, quantization = quantize_int4_checkpoint(path, tmp_path / "q", quantization), None
     llm = LLM(
         model=str(path), block_size=8, enable_prefix_caching=False,
         kv_cache_dtype=kv_cache_dtype, quantization=quantization,

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedserve.kernels.cpu.int4_linear import dequantize_int4_group_rows
 from pagedserve.kernels.int4_linear import dequantize_int4
 from pagedserve.models import ModelLoadError
 from pagedserve.models.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -114,9 +115,14 @@ def test_what_the_quantizer_wrote_decodes_to_what_it_encoded(layout):
 
 
 def _loaded_weight(layer) -> torch.Tensor:
-    """A loaded layer's ``[out, in]`` weight, in the checkpoint's input order."""
+    """A loaded layer's ``[out, in]`` weight, in the checkpoint's input order: decoded from the
+    rows a CPU holds (kernels/cpu/int4_linear.py), or from the words the reference reads."""
     m = layer.linear_method
-    w_t = dequantize_int4(layer.qweight, layer.scales, layer.zeros, m.group_size, layer.g_idx)
+    if hasattr(layer, "qrows"):
+        k = layer.input_size // (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
+        w_t = dequantize_int4_group_rows(layer.qrows.data, k).t()
+    else:
+        w_t = dequantize_int4(layer.qweight, layer.scales, layer.zeros, m.group_size, layer.g_idx)
     if layer.input_perm is not None:
         w_t = w_t[torch.argsort(layer.input_perm)]
     return w_t.t()

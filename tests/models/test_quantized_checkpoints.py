@@ -92,15 +92,23 @@ def test_a_quantized_checkpoint_serves_the_model_it_encodes(quantized, unquantiz
     assert out.outputs[0].token_ids == transformers_greedy(hf, PROMPT, 16)
 
 
-def test_projections_hold_4_bit_words_and_an_eighth_of_the_fp32_bytes(quantized):
+@pytest.mark.parametrize("kernels", ["numba", "ref"])
+def test_projections_hold_4_bits_a_weight_and_an_eighth_of_the_fp32_bytes(
+    quantized, monkeypatch, kernels
+):
+    """A CPU engine holds each layer as rows of 4-bit groups (kernels/cpu/int4_linear.py), the
+    reference as int32 words: half a byte a weight either way, and no fp32 weight."""
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = LLM(
         model=quantized("gptq-sym-g64-act-order")[0], block_size=8, kv_cache_memory=KV
     ).engine.runner.model
-    layers = [m for m in model.modules() if hasattr(m, "linear_method") and hasattr(m, "zeros")]
+    layers = [m for m in model.modules() if hasattr(m, "linear_method") and hasattr(m, "g_idx")]
     assert len(layers) == 2 * 4
-    weights = sum(m.qweight.numel() * 8 for m in layers)
+    weights = sum(m.input_size * m.output_size for m in layers)
     held = sum(t.nbytes for m in layers for t in (*m.parameters(), *m.buffers()))
-    assert all(m.qweight.dtype == torch.int32 and not hasattr(m, "weight") for m in layers)
+    packed = "qrows" if kernels == "numba" else "qweight"
+    assert all(hasattr(m, packed) and not hasattr(m, "weight") for m in layers)
     assert held < 0.20 * 4 * weights  # 4 bits a weight plus per-group scales, zeros, order
 
 
@@ -193,7 +201,8 @@ def test_moe_experts_are_held_dequantized_and_the_rest_runs_4_bit(quantized, tmp
     experts = [m.experts for m in model.modules() if hasattr(m, "experts")]
     assert experts and all(e.w13_weight.dtype == torch.float32 for e in experts)
     attention = [m for name, m in model.named_modules() if name.endswith("qkv_proj")]
-    assert attention and all(m.qweight.dtype == torch.int32 for m in attention)
+    four_bit = [m for m in attention if hasattr(m, "qrows") or hasattr(m, "qweight")]
+    assert attention and four_bit == attention and not any(hasattr(m, "weight") for m in attention)
 
 
 @pytest.mark.slow

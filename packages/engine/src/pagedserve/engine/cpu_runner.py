@@ -38,6 +38,7 @@ from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP,
 from pagedserve.models.quantization import WeightOnly8BitLinearMethod
 from pagedserve.models.quantization_fp8 import Fp8CheckpointLinearMethod
 from pagedserve.models.quantization_gguf import GGUFLinearMethod
+from pagedserve.models.quantization_int4 import Int4LinearMethod
 from pagedserve.models.registry import ARCHITECTURES
 
 MAX_FUSED_ROWS = 16  # the decode GEMM's row limit (kernels/cpu/dense_linear.py MAX_ROWS)
@@ -137,7 +138,7 @@ def _layer_weights(layer: nn.Module):
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     linears = tuple(_dense_weight(p, bias_allowed=p is attn.qkv_proj) for p in projections)
-    if any(w is None for w in linears):  # a GGUF file's layer or an 8-bit one: byte rows
+    if any(w is None for w in linears):  # GGUF, 8-bit or 4-bit group layers: byte rows
         linears = tuple(_byte_rows(p, bias_allowed=p is attn.qkv_proj) for p in projections)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     cos_sin = attn.rotary_emb.cos_sin_cache
@@ -161,14 +162,22 @@ def _layer_weights(layer: nn.Module):
 
 def _byte_rows(linear: nn.Module, bias_allowed: bool = False) -> list | None:
     """The layer's parts of byte rows when it is a single-rank GGUF linear layer
-    (quantization_gguf.py: ``[(uint8 rows, type id), ...]``) or an 8-bit one quantized at load
+    (quantization_gguf.py: ``[(uint8 rows, type id), ...]``), an 8-bit one quantized at load
     or stored as fp8 (quantization.py, quantization_fp8.py: ``[(uint8 rows, INT8_ROWS or
-    E4M3_ROWS, per-feature scales)]``), else None."""
+    E4M3_ROWS, per-feature scales)]``) or an AWQ / GPTQ one held as rows of 4-bit groups
+    (quantization_int4.py: ``[(uint8 rows, INT4_GROUPS, None, input order or None)]``), else
+    None."""
     method = type(linear.linear_method)
-    if method not in (GGUFLinearMethod, *EIGHT_BIT_METHODS) or linear.tp_size != 1:
+    if method not in (GGUFLinearMethod, Int4LinearMethod, *EIGHT_BIT_METHODS):
         return None
-    if linear.bias is not None and not bias_allowed:
+    if linear.tp_size != 1 or (linear.bias is not None and not bias_allowed):
         return None
+    if method is Int4LinearMethod:
+        if not linear.linear_method.cpu_rows:
+            return None
+        from pagedserve.kernels.cpu.gguf_blocks import INT4_GROUPS
+
+        return [(linear.qrows, INT4_GROUPS, None, linear.input_perm)]
     if method in EIGHT_BIT_METHODS:
         from pagedserve.kernels.cpu.weight_only_linear import ROW_TYPES
 

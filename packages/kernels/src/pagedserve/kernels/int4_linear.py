@@ -14,11 +14,12 @@ One internal layout serves both checkpoint formats (the models' loaders repack i
 ``W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]``. The Triton kernel unpacks and
 dequantizes a ``[BLOCK_K, BLOCK_N]`` tile in registers and accumulates ``x W^T`` in fp32, so
 only the 4-bit words (an eighth of fp32's bytes) are read from memory: that is what a
-memory-bound decode step wants. The reference (the CPU engine's path) dequantizes the whole
-layer into a reusable fp32 buffer (:class:`Int4Workspace`) and calls one fp32 GEMM; for a
-decode step's few rows the CPU runs a numba loop over the words instead
-(cpu/int4_linear.py). On a CPU the 4-bit weight saves memory, not time
-(docs/quantization.md has the measurements).
+memory-bound decode step wants. The reference dequantizes the whole layer into a reusable
+fp32 buffer (:class:`Int4Workspace`) and calls one fp32 GEMM. A CPU engine holds its layers
+in another layout, rows of 4-bit groups one output feature a row, which the CPU's GGUF GEMM
+decodes in place (cpu/int4_linear.py; the model's method picks it at load): what a CPU runs
+here is the reference, for a layer whose groups are not contiguous runs (act-order on a
+tensor-parallel shard) or when the reference is forced.
 """
 
 from __future__ import annotations
@@ -213,17 +214,10 @@ def int4_linear(
     bias: torch.Tensor | None = None,
     workspace: Int4Workspace | None = None,
 ) -> torch.Tensor:
-    """``x W^T + bias`` for a 4-bit group-quantized ``W``; Triton on a GPU; on a CPU the numba
-    loop for a few fp32 rows in contiguous groups (decode), else the reference
-    (``workspace``: the reference's reusable buffer)."""
-    path = kernel_path(x, has_numba=True)
-    if path == "triton":
+    """``x W^T + bias`` for a 4-bit group-quantized ``W`` in the internal layout; Triton on a
+    GPU, else the reference (``workspace``: its reusable buffer; module doc for the CPU)."""
+    if kernel_path(x) == "triton":
         return int4_linear_triton(x, qweight, scales, zeros, group_size, g_idx, bias)
-    if path == "numba" and g_idx is None and x.dtype == torch.float32:
-        from pagedserve.kernels.cpu import int4_linear as numba_path
-
-        if x.numel() <= numba_path.MAX_ROWS * x.shape[-1]:
-            return numba_path.int4_linear_numba(x, qweight, scales, zeros, group_size, bias)
     return int4_linear_ref(x, qweight, scales, zeros, group_size, g_idx, bias, workspace)
 
 

@@ -22,7 +22,9 @@ g_idx      (none: groups are contiguous)           ``[in]``, act-order (``desc_a
 Loading reads each rank's shard of those tensors as stored (``load_weight``: output shards
 along the packed channel axis in words, input shards on group boundaries), then
 ``process_weights_after_loading`` repacks both formats into the one layout the 4-bit kernel
-reads (pagedserve.kernels.int4_linear). Act-order's permutation is undone there: input
+reads (pagedserve.kernels.int4_linear); on a CPU (the numba path) a layer whose groups are
+contiguous rewrites that once more into rows of 4-bit groups, one output feature a row, which
+the CPU's GEMM decodes in place (pagedserve.kernels.cpu.int4_linear). Act-order's permutation is undone there: input
 features are sorted by group so that groups are contiguous again, and ``apply`` permutes the
 activations to match (what vLLM's exllama and Marlin paths do).
 
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.int4_linear import PACK, Int4Workspace, int4_linear, pack_int4_rows
 from pagedserve.models.config import ModelLoadError
 from pagedserve.models.layers.linear_method import (
@@ -147,6 +150,7 @@ class Int4LinearMethod(LinearMethodBase):
         self.workspace = workspace
         self.layout: dict[str, _Packed] = {}
         self.whole_loaded: set[str] = set()
+        self.cpu_rows = False  # held as INT4_GROUPS rows (kernels/cpu/int4_linear.py)
 
     def create_weights(
         self,
@@ -236,9 +240,17 @@ class Int4LinearMethod(LinearMethodBase):
         perm, g_idx = self._sort_groups(g_idx, q.shape[0], scales.shape[0])
         if perm is not None:
             q = q.index_select(0, perm)
-        layer.qweight = nn.Parameter(pack_int4_rows(q), requires_grad=False)
-        layer.scales = nn.Parameter(scales, requires_grad=False)
-        layer.zeros = nn.Parameter(zeros.to(torch.uint8), requires_grad=False)
+        qweight, zeros = pack_int4_rows(q), zeros.to(torch.uint8)
+        self.cpu_rows = g_idx is None and kernel_path(qweight, has_numba=True) == "numba"
+        if self.cpu_rows:  # a CPU's GEMM reads one output feature's groups per row of bytes
+            from pagedserve.kernels.cpu.int4_linear import int4_group_rows
+
+            rows = int4_group_rows(qweight, scales, zeros, self.group_size)
+            layer.qrows = nn.Parameter(rows, requires_grad=False)
+        else:
+            layer.qweight = nn.Parameter(qweight, requires_grad=False)
+            layer.scales = nn.Parameter(scales, requires_grad=False)
+            layer.zeros = nn.Parameter(zeros, requires_grad=False)
         layer.register_buffer("g_idx", g_idx, persistent=False)
         layer.register_buffer("input_perm", perm, persistent=False)
 
@@ -275,6 +287,10 @@ class Int4LinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
+        if self.cpu_rows:
+            from pagedserve.kernels.cpu.int4_linear import int4_rows_linear
+
+            return int4_rows_linear(x, layer.qrows, bias)
         return int4_linear(
             x, layer.qweight, layer.scales, layer.zeros, self.group_size, layer.g_idx, bias,
             self.workspace,

@@ -76,8 +76,17 @@ def _project_impl(x, weight, threads, batch_invariant):
             x, weight, threads, batch_invariant
         )
     return lambda x, weight, threads, batch_invariant: gguf_parts_compiled(
-        x, weight[0], weight[1], weight[2], weight[3], threads
+        _in_order(x, weight[4]), weight[0], weight[1], weight[2], weight[3], threads
     )
+
+
+@numba.njit(cache=True, inline="always")
+def _in_order(x, order):  # pragma: no cover - compiled
+    """``x``'s features in the weights' ``order`` (a GPTQ act-order layer's columns sorted by
+    group, quantization_int4.py), or ``x`` itself for an empty order."""
+    if order.shape[0] == 0:
+        return x
+    return x[:, order]
 
 
 @numba.njit(cache=True)
@@ -140,9 +149,10 @@ class DecoderLayerWeights:
     (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
     ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
     sliding window or 0; ``cap``: the scores' soft cap or 0. A quantized projection is
-    ``(rows, types, scales, lanes)``: ``PARTS`` uint8 row blocks (empty ones padding), their
-    type ids (ggml's, or the one-byte rows' of cpu/gguf_blocks.py), their per-feature scales
-    (empty: none), and the decoders' ``LANES`` as data (``gguf_parts_compiled`` says why).
+    ``(rows, types, scales, lanes, order)``: ``PARTS`` uint8 row blocks (empty ones padding),
+    their type ids (ggml's, or the rows' pagedserve writes of cpu/gguf_blocks.py), their
+    per-feature scales (empty: none), the decoders' ``LANES`` as data (``gguf_parts_compiled``
+    says why), and the order the weights take the input features in (empty: as they come).
     ``batch_invariant``: the fp32 projections run the batch-invariant mode's GEMM loop, as the
     modules' do."""
 
@@ -238,20 +248,27 @@ def decoder_layer_numba(
 
 _NO_BIAS = np.empty(0, np.float32)
 _NO_ROWS = np.empty((0, 0), np.uint8)
+_NO_ORDER = np.empty(0, np.int64)
 
 
 def _projection(weight: torch.Tensor | list[tuple]):
     """A projection as ``project`` reads it: an fp32 matrix, or parts of byte rows padded to
     ``PARTS`` (one compiled signature for every layer of a quantized model). A part is
-    ``(uint8 rows, type id)`` (a GGUF file's blocks) or ``(uint8 rows, type id, fp32 scales)``
-    (8-bit weights quantized at load, cpu/weight_only_linear.py)."""
+    ``(uint8 rows, type id)`` (a GGUF file's blocks), ``(uint8 rows, type id, fp32 scales)``
+    (8-bit weights quantized at load, cpu/weight_only_linear.py), or ``(uint8 rows, type id,
+    None, input order)`` (a GPTQ act-order layer of one part, its features sorted by group)."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().numpy()
     pad = PARTS - len(weight)
     rows = tuple(part[0].detach().numpy() for part in weight) + (_NO_ROWS,) * pad
     types_ = tuple(int(part[1]) for part in weight) + (-1,) * pad
-    scales = tuple(part[2].detach().numpy() if len(part) > 2 else _NO_BIAS for part in weight)
-    return rows, types_, scales + (_NO_BIAS,) * pad, LANES
+    scales = tuple(_numpy_or(part[2] if len(part) > 2 else None, _NO_BIAS) for part in weight)
+    order = _numpy_or(weight[0][3] if len(weight[0]) > 3 else None, _NO_ORDER)
+    return rows, types_, scales + (_NO_BIAS,) * pad, LANES, order
+
+
+def _numpy_or(t: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:
+    return empty if t is None else t.detach().numpy()
 
 
 def _int64(t: torch.Tensor) -> np.ndarray:

@@ -20,6 +20,10 @@ these functions are compiled without fast-math: no ``contract`` that would fuse 
 and a subtract into one FMA, whose single rounding differs. So a decoded row equals
 ``gguf_dequantize_ref``'s row exactly, and gguf's own ``dequantize`` (the kernel suite checks
 every type: kernels/test_gguf_linear_numba.py).
+
+Why one file: ``decode_row`` picks a decoder by type id inside compiled code, so every
+decoder it can pick (the file's types and the rows pagedserve writes at load for 8-bit and
+4-bit group weights) is compiled beside it, with the bit-field helpers they share.
 """
 
 from __future__ import annotations
@@ -43,20 +47,51 @@ _LEVELS = np.array(IQ4_LEVELS, dtype=np.float32)
 # quantizes at load (kernels/weight_only_linear.py; their per-channel scale is applied after
 # the dot, cpu/weight_only_linear.py), decoded by the same GEMM as the file's blocks.
 INT8_ROWS, E4M3_ROWS = -1, -2
+# Not a ggml type either: a row of 4-bit groups, AWQ / GPTQ weights as a CPU holds them
+# (cpu/int4_linear.py writes the rows at load; ``_int4_groups`` has the layout).
+INT4_GROUPS = -3
 _E4M3_BIAS = np.float32(2.0**120)  # fp32's exponent bias (127) less e4m3's (7)
+
+
+def _load(context, builder, signature, args, kind):
+    """The little-endian ``kind`` (an LLVM type) at byte ``args[1]`` of the array ``args[0]``,
+    wherever it is aligned."""
+    data = context.make_array(signature.args[0])(context, builder, args[0]).data
+    at = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(kind))
+    return builder.load(at, align=1)
 
 
 @intrinsic
 def _fp16(typingctx, raw, i):
-    """The little-endian fp16 at byte ``i`` of ``raw``, widened to fp32 (exact; one or two
-    instructions where the CPU converts halves)."""
+    """The fp16 at byte ``i`` of ``raw``, widened to fp32 (exact; one or two instructions
+    where the CPU converts halves)."""
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        at = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.HalfType()))
-        return builder.fpext(builder.load(at, align=1), ir.FloatType())
+        return builder.fpext(
+            _load(context, builder, signature, args, ir.HalfType()), ir.FloatType()
+        )
 
     return types.float32(raw, i), codegen
+
+
+@intrinsic
+def _fp32(typingctx, raw, i):
+    """The fp32 at byte ``i`` of ``raw``."""
+
+    def codegen(context, builder, signature, args):
+        return _load(context, builder, signature, args, ir.FloatType())
+
+    return types.float32(raw, i), codegen
+
+
+@intrinsic
+def _int32(typingctx, raw, i):
+    """The int32 at byte ``i`` of ``raw``."""
+
+    def codegen(context, builder, signature, args):
+        return _load(context, builder, signature, args, ir.IntType(32))
+
+    return types.int32(raw, i), codegen
 
 
 @intrinsic
@@ -131,6 +166,34 @@ def _bytes(raw, qtype, out, lanes):  # pragma: no cover - compiled
             bits[k] = (_bits(raw[k], 0, 127) << 20) | (_bits(raw[k], 7, 1) << 31)
         for k in range(out.shape[0]):
             out[k] *= _E4M3_BIAS
+
+
+@numba.njit(cache=True)
+def _int4_groups(raw, out, lanes):  # pragma: no cover - compiled
+    """``INT4_GROUPS``: the group size ``S`` (int32), the ``G = ceil(K / S)`` groups' fp32
+    scales, their zero points (a byte each, 0..16), then each group's weights two to a byte:
+    byte ``j`` of a group of ``n`` weights holds weight ``j`` in its low nibble and ``j + n / 2``
+    in its high one (as Q4_0 holds its 32), so one loop over the group's bytes writes both
+    halves under one scale. ``(q - zero) * scale``, in that order: the reference's
+    (kernels/int4_linear.py ``dequantize_int4``), bit for bit. The loop runs over slices, not
+    offsets into the row: indexed from offsets it was not vectorized (8x slower, measured)."""
+    k = out.shape[0]
+    size = np.int64(_int32(raw, 0))
+    groups = (k + size - 1) // size
+    zeros_at, nibbles_at = 4 + 4 * groups, 4 + 5 * groups
+    for g in range(groups):
+        first = g * size
+        half = min(size, k - first) // 2
+        scale, zero = _fp32(raw, 4 + 4 * g), np.float32(raw[zeros_at + g])
+        at = nibbles_at + first // 2
+        low, high, src = (
+            out[first : first + half],
+            out[first + half : first + 2 * half],
+            raw[at : at + half],
+        )
+        for j in range(half):
+            low[j] = (_f(src[j], 0, 15) - zero) * scale
+            high[j] = (_f(src[j], 4, 15) - zero) * scale
 
 
 @numba.njit(cache=True)
@@ -341,7 +404,8 @@ def _iq4_xs(raw, out, lanes):  # pragma: no cover - compiled
 def decode_row(raw, qtype, out, lanes):  # pragma: no cover - compiled
     """``out[:] =`` the fp32 weights of one row of GGUF blocks ``raw`` of type ``qtype``
     (``len(out)`` weights; every type but F32, which the GEMM reads as it is; or one of the
-    one-byte rows above). ``lanes``: 16 (module doc)."""
+    rows pagedserve writes at load: ``INT8_ROWS``, ``E4M3_ROWS``, ``INT4_GROUPS``). ``lanes``:
+    16 (module doc)."""
     if qtype == Q8_0:
         _q8_0(raw, out, lanes)
     elif qtype == Q4_0 or qtype == Q4_1:
@@ -360,6 +424,8 @@ def decode_row(raw, qtype, out, lanes):  # pragma: no cover - compiled
         _q6_k(raw, out, lanes)
     elif qtype == IQ4_XS:
         _iq4_xs(raw, out, lanes)
+    elif qtype == INT4_GROUPS:
+        _int4_groups(raw, out, lanes)
     elif qtype < 0:
         _bytes(raw, qtype, out, lanes)
     else:

@@ -1,72 +1,77 @@
-"""4-bit group linear layers on CPU for decode rows, compiled with numba: no fp32 weight.
+"""4-bit group linear layers (AWQ, GPTQ) on CPU: the weights held as rows of 4-bit groups and
+multiplied by the GGUF GEMM, which decodes them in L1 and never makes an fp32 matrix.
 
-Same contract as :func:`pagedserve.kernels.int4_linear.int4_linear` (internal layout, see that
-module). The reference rewrites a layer's whole fp32 weight on every call, which for a decode
-step (a few rows) costs ten times the GEMM itself. This loop reads the 4-bit words in place
-instead, as the Triton kernel does: per group ``g`` it sums ``x[k] * q[k, n]`` over the
-group's features into one row of partial sums, then folds the group in as
-``scale[g, n] * (partial[n] - zero[g, n] * sum_k x[k])``: the same value as
-``sum_k x[k] * (q - zero) * scale``, in a different order (fp32 throughout).
+The internal layout (kernels/int4_linear.py: ``[K / 8, N]`` int32 words, per-group scales and
+zero points) runs along the input features, as a GPU tile reads it. A CPU's decode GEMM wants
+the other way round: one output feature's weights in a row of bytes, so four rows can be
+decoded into a buffer and dotted against the activations (cpu/gguf_linear.py). So at load a
+CPU layer rewrites its words once into ``INT4_GROUPS`` rows (cpu/gguf_blocks.py has the row
+layout: the group size, the groups' scales and zero points, the nibbles), the same half byte a
+weight; the words are not kept. Every call then reads the 4-bit rows in place: a decode step's
+bytes are an eighth of fp32's, and a prefill decodes tiles for MKL
+(``multiply_rows``). Groups must be contiguous runs (no ``g_idx``: an act-order layer whose
+groups are not ``group_size`` long after sorting keeps the words and the reference).
 
-Used for fp32 activations, contiguous groups (no ``g_idx``) and at most ``MAX_ROWS`` rows,
-where it wins (docs/quantization.md has the measurements); beyond that the reference's one
-dequantization per call is shared by enough rows to pay. Compiled on first use (``cache=True``
-keeps the machine code on disk for the next process).
+The decoded weights are the reference's bit for bit (``(q - zero) * scale`` in fp32), so the
+result is the reference's up to summation order, and a row's result depends neither on the
+batch nor on the thread count (the GGUF GEMM's batch invariance).
 """
 
 from __future__ import annotations
 
-import numba
-import numpy as np
 import torch
 
-from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
-
-MAX_ROWS = 16  # at 1 row 25x faster than the reference on SmolLM2 shapes; even near 24 rows
-
-
-@numba.njit(cache=True, fastmath=True)
-def _int4_rows(x, qweight, scales, zeros, group_size, out):  # pragma: no cover - compiled
-    rows, _ = x.shape
-    words, n = qweight.shape
-    partial = np.zeros(n, dtype=np.float32)
-    for m in range(rows):
-        out[m, :] = 0.0
-        for g in range(scales.shape[0]):
-            partial[:] = 0.0
-            x_sum = np.float32(0.0)
-            for p in range(g * group_size // 8, min(words, (g + 1) * group_size // 8)):
-                for j in range(8):
-                    xv = x[m, 8 * p + j]
-                    x_sum += xv
-                    shift = 4 * j
-                    for c in range(n):
-                        partial[c] += xv * np.float32((qweight[p, c] >> shift) & 15)
-            for c in range(n):
-                out[m, c] += scales[g, c] * (partial[c] - x_sum * np.float32(zeros[g, c]))
+from pagedserve.kernels.cpu.gguf_blocks import INT4_GROUPS
+from pagedserve.kernels.cpu.gguf_linear import LANES, decode_rows_serial, multiply_rows
+from pagedserve.kernels.int4_linear import check_int4_layout, unpack_int4_rows
 
 
-def int4_linear_numba(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
+def int4_group_rows(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x W^T + bias`` for fp32 ``x`` of at most ``MAX_ROWS`` rows (leading dims allowed)."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
-    x2 = x.reshape(-1, k).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _int4_rows(x2.numpy(), qweight.numpy(), scales.numpy(), zeros.numpy(), group_size, out.numpy())
+    """A layer in the internal layout (contiguous groups) -> its ``uint8 [N, 4 + 5 G + K / 2]``
+    ``INT4_GROUPS`` rows: per output feature, the group size, ``G`` fp32 scales, ``G`` zero
+    points, then each group's nibbles, weight ``j`` and ``j + n / 2`` of a group of ``n`` in
+    one byte."""
+    k, n = check_int4_layout(qweight, scales, zeros, group_size, None)
+    q = unpack_int4_rows(qweight).t().to(torch.uint8)  # [N, K]
+    full, rest = divmod(k, group_size)
+    nibbles = torch.empty(n, k // 2, dtype=torch.uint8)
+    if full:
+        halves = q[:, : full * group_size].reshape(n, full, 2, group_size // 2)
+        nibbles[:, : full * group_size // 2] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(
+            n, -1
+        )
+    if rest:
+        tail = q[:, full * group_size :]
+        nibbles[:, full * group_size // 2 :] = tail[:, : rest // 2] | (tail[:, rest // 2 :] << 4)
+    size = torch.tensor([group_size], dtype=torch.int32).view(torch.uint8).expand(n, 4)
+    scale_bytes = scales.t().contiguous().view(-1).view(torch.uint8).view(n, -1)
+    columns = (size, scale_bytes, zeros.t(), nibbles)
+    return torch.cat(columns, dim=1).contiguous()
+
+
+def int4_rows_linear(
+    x: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + bias`` for ``x [..., K]`` and ``W``'s ``INT4_GROUPS`` rows; fp32 arithmetic
+    (other dtypes are widened and the result narrowed back, as the reference does)."""
+    k = x.shape[-1]
+    out = multiply_rows(x.reshape(-1, k).float(), rows, INT4_GROUPS)
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], n)
+    return out.to(x.dtype).view(*x.shape[:-1], rows.shape[0])
+
+
+def dequantize_int4_group_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 ``[N, K]`` weight the rows hold (what the GEMM decodes, for checks)."""
+    out = torch.empty(rows.shape[0], k)
+    decode_rows_serial(rows.numpy(), INT4_GROUPS, LANES, 0, out.numpy())
+    return out
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the loop now, at model load, not mid-request: it
-    has one signature (fp32 rows, int32 words, fp32 scales, uint8 zeros)."""
-    words = torch.zeros(1, 8, dtype=torch.int32)
-    groups = (torch.ones(1, 8), torch.zeros(1, 8, dtype=torch.uint8))
-    int4_linear_numba(torch.zeros(1, 8), words, *groups, 8)
+    """Compile (or load from numba's cache) the GEMM for these rows now, at model load."""
+    from pagedserve.kernels.cpu import gguf_linear
+
+    gguf_linear.warm_up()
