@@ -377,7 +377,7 @@ def test_a_replica_waiting_for_resources_is_reported_within_seconds(cluster, pat
     config = load_config(cluster_config(port, paths["smollm2"], paths["tiny"], extra=[greedy]))
     started = time.monotonic()
     with pytest.raises(DeployTimeoutError, match="model-greedy: 1 replica"):
-        deploy(config, timeout_s=40, report=lambda line: lines.append((time.monotonic(), line)))
+        deploy(config, timeout_s=30, report=lambda line: lines.append((time.monotonic(), line)))
     (at, line), *_ = lines
     # seconds on a quiet machine (~4 s); the margin is for a loaded one, where Serve's
     # controller itself is slow to create the replica it then reports waiting
