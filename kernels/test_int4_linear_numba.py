@@ -23,15 +23,16 @@ LAYERS = [(24, 64, 32), (70, 104, 32), (40, 72, -1), (33, 200, 64), (16, 48, 8)]
 
 
 def _layer(n: int, k: int, group_size: int, seed: int = 0):
-    (qweight, scales, zeros, gs, _), _ = random_layer(n, k, group_size, seed=seed)
-    return qweight.cpu(), scales.cpu(), zeros.cpu(), gs
+    """``(words, values, scales, zeros, group size)`` of a random layer, on the CPU."""
+    (qweight, scales, zeros, gs, _), q = random_layer(n, k, group_size, seed=seed)
+    return qweight.cpu(), q, scales.cpu(), zeros.cpu(), gs
 
 
 @pytest.mark.parametrize(("n", "k", "group_size"), LAYERS, ids=str)
 def test_rows_decode_to_the_references_weight(n, k, group_size):
-    qweight, scales, zeros, gs = _layer(n, k, group_size, seed=n)
+    qweight, q, scales, zeros, gs = _layer(n, k, group_size, seed=n)
     zeros[0, 0], zeros[-1, -1] = 16, 0  # the extremes a zero point takes (GPTQ's 0 - 1 + 1)
-    rows = int4_group_rows(qweight, scales, zeros, gs)
+    rows = int4_group_rows(q, scales, zeros, gs)
     groups = -(-k // gs)
     assert rows.shape == (n, 4 + 5 * groups + k // 2) and rows.dtype == torch.uint8
     want = dequantize_int4(qweight, scales, zeros, gs).t()
@@ -42,23 +43,23 @@ def test_rows_decode_to_the_references_weight(n, k, group_size):
 def test_matches_the_reference(rows, threads):
     """70 output features: four blocks of 16 shared out, a partial group of four at the end;
     104 input features in groups of 32: three whole groups and a short one of 8."""
-    qweight, scales, zeros, gs = _layer(70, 104, 32, seed=rows)
+    qweight, q, scales, zeros, gs = _layer(70, 104, 32, seed=rows)
     x, bias = torch.randn(rows, 104, generator=gen(rows)), torch.randn(70, generator=gen(1))
-    out = int4_rows_linear(x, int4_group_rows(qweight, scales, zeros, gs), bias)
+    out = int4_rows_linear(x, int4_group_rows(q, scales, zeros, gs), bias)
     assert out.shape == (rows, 70)
     assert_close(out, int4_linear_ref(x, qweight, scales, zeros, gs, None, bias), gemm=True)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_threads():
-    qweight, scales, zeros, gs = _layer(263, 768, 128, seed=5)
-    rows = int4_group_rows(qweight, scales, zeros, gs)
+    qweight, q, scales, zeros, gs = _layer(263, 768, 128, seed=5)
+    rows = int4_group_rows(q, scales, zeros, gs)
     x = torch.randn(cpu.MAX_ROWS, 768, generator=gen(6))
     assert_rows_invariant(lambda some: int4_rows_linear(some, rows), x)
 
 
 def test_leading_dims_strided_and_half_precision_input():
-    qweight, scales, zeros, gs = _layer(20, 64, 16, seed=3)
-    rows = int4_group_rows(qweight, scales, zeros, gs)
+    qweight, q, scales, zeros, gs = _layer(20, 64, 16, seed=3)
+    rows = int4_group_rows(q, scales, zeros, gs)
     x = torch.randn(6, 64, generator=gen(4))
     wide = torch.zeros(6, 128)
     wide[:, ::2] = x

@@ -53,7 +53,7 @@ def make_layers(seed: int = 0) -> dict:
         weight = dequantize_int4(qweight, scales, zeros, GROUP).t().contiguous()
         layers[name] = {"qweight": qweight, "scales": scales, "zeros": zeros,
                         "weight": weight, "values": q.to(torch.uint8),
-                        "rows": int4_group_rows(qweight, scales, zeros, GROUP)}  # fmt: skip
+                        "rows": int4_group_rows(q, scales, zeros, GROUP)}  # fmt: skip
     return layers
 
 

@@ -112,9 +112,9 @@ def process_weights_after_loading(model: nn.Module) -> None:
             methods.add(type(module.linear_method))
     cpu = all(p.device.type == "cpu" for p in model.parameters())
     if Int4LinearMethod in methods and cpu and kernel_path(torch.empty(0), True) == "numba":
-        from pagedserve.kernels.cpu.int4_linear import warm_up
+        from pagedserve.kernels.cpu.gguf_linear import warm_up
 
-        warm_up()  # numba compiles its decode loop now, not in the first request
+        warm_up()  # numba compiles the GEMM of the 4-bit rows now, not in the first request
 
 
 __all__ = [

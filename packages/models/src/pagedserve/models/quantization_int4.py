@@ -240,15 +240,15 @@ class Int4LinearMethod(LinearMethodBase):
         perm, g_idx = self._sort_groups(g_idx, q.shape[0], scales.shape[0])
         if perm is not None:
             q = q.index_select(0, perm)
-        qweight, zeros = pack_int4_rows(q), zeros.to(torch.uint8)
-        self.cpu_rows = g_idx is None and kernel_path(qweight, has_numba=True) == "numba"
+        zeros = zeros.to(torch.uint8)
+        self.cpu_rows = g_idx is None and kernel_path(q, has_numba=True) == "numba"
         if self.cpu_rows:  # a CPU's GEMM reads one output feature's groups per row of bytes
             from pagedserve.kernels.cpu.int4_linear import int4_group_rows
 
-            rows = int4_group_rows(qweight, scales, zeros, self.group_size)
+            rows = int4_group_rows(q, scales, zeros, self.group_size)
             layer.qrows = nn.Parameter(rows, requires_grad=False)
         else:
-            layer.qweight = nn.Parameter(qweight, requires_grad=False)
+            layer.qweight = nn.Parameter(pack_int4_rows(q), requires_grad=False)
             layer.scales = nn.Parameter(scales, requires_grad=False)
             layer.zeros = nn.Parameter(zeros, requires_grad=False)
         layer.register_buffer("g_idx", g_idx, persistent=False)

@@ -171,7 +171,7 @@ def _bytes(raw, qtype, out, lanes):  # pragma: no cover - compiled
     is a gather per weight: with it SmolLM2's fp8 decode step took 2.4x int8's (29.7 against
     12.4 ms, 2-core AMD EPYC VM, quiet; not measured on the Intel VM); one pass, the bits built
     and scaled in a register (``_fp32_of_bits``), takes 12.0 against int8's 12.1 ms where two
-    passes over the buffer took 15.2 against 12.4. Finite bytes only:
+    passes over the buffer took 15.2 against 12.4 (the same VM, quiet; no busy neighbour). Finite bytes only:
     0x7f / 0xff (NaN) are never written (weight_only_linear.py)."""
     if qtype == INT8_ROWS:
         for k in range(out.shape[0]):
@@ -190,7 +190,8 @@ def _int4_groups(raw, out, lanes):  # pragma: no cover - compiled
     in its high one (as Q4_0 holds its 32), so one loop over the group's bytes writes both
     halves under one scale. ``(q - zero) * scale``, in that order: the reference's
     (kernels/int4_linear.py ``dequantize_int4``), bit for bit. The loop runs over slices, not
-    offsets into the row: indexed from offsets it was not vectorized (8x slower, measured)."""
+    offsets into the row: indexed from offsets it was not vectorized (8x slower on the AMD
+    VM, one thread, quiet; not measured on the Intel VM)."""
     k = out.shape[0]
     size = np.int64(_int32(raw, 0))
     groups = (k + size - 1) // size

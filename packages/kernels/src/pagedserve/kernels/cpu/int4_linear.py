@@ -5,7 +5,7 @@ The internal layout (kernels/int4_linear.py: ``[K / 8, N]`` int32 words, per-gro
 zero points) runs along the input features, as a GPU tile reads it. A CPU's decode GEMM wants
 the other way round: one output feature's weights in a row of bytes, so four rows can be
 decoded into a buffer and dotted against the activations (cpu/gguf_linear.py). So at load a
-CPU layer rewrites its words once into ``INT4_GROUPS`` rows (cpu/gguf_blocks.py has the row
+CPU layer writes its unpacked 4-bit values once into ``INT4_GROUPS`` rows (cpu/gguf_blocks.py has the row
 layout: the group size, the groups' scales and zero points, the nibbles), the same half byte a
 weight; the words are not kept. Every call then reads the 4-bit rows in place: a decode step's
 bytes are an eighth of fp32's, and a prefill decodes tiles for MKL
@@ -23,18 +23,24 @@ import torch
 
 from pagedserve.kernels.cpu.gguf_blocks import INT4_GROUPS
 from pagedserve.kernels.cpu.gguf_linear import LANES, decode_rows_serial, multiply_rows
-from pagedserve.kernels.int4_linear import check_int4_layout, unpack_int4_rows
 
 
 def int4_group_rows(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """A layer in the internal layout (contiguous groups) -> its ``uint8 [N, 4 + 5 G + K / 2]``
-    ``INT4_GROUPS`` rows: per output feature, the group size, ``G`` fp32 scales, ``G`` zero
-    points, then each group's nibbles, weight ``j`` and ``j + n / 2`` of a group of ``n`` in
-    one byte."""
-    k, n = check_int4_layout(qweight, scales, zeros, group_size, None)
-    q = unpack_int4_rows(qweight).t().to(torch.uint8)  # [N, K]
+    """A layer's 4-bit values ``[K, N]`` (0..15, contiguous groups of ``group_size`` input
+    features; the words of the internal layout unpacked) and its ``[G, N]`` scales and zero
+    points -> its ``uint8 [N, 4 + 5 G + K / 2]`` ``INT4_GROUPS`` rows: per output feature, the
+    group size, ``G`` fp32 scales, ``G`` zero points, then each group's nibbles, weight ``j``
+    and ``j + n / 2`` of a group of ``n`` in one byte."""
+    k, n = values.shape
+    groups = -(-k // group_size)
+    if k % 8 or scales.shape != (groups, n) or zeros.shape != (groups, n):
+        raise ValueError(
+            f"int4 rows: {k} x {n} values (k a multiple of 8) need [{groups}, {n}] scales and "
+            f"zeros for groups of {group_size}, got {tuple(scales.shape)}, {tuple(zeros.shape)}"
+        )
+    q = values.t().to(torch.uint8)  # [N, K]
     full, rest = divmod(k, group_size)
     nibbles = torch.empty(n, k // 2, dtype=torch.uint8)
     if full:
@@ -68,10 +74,3 @@ def dequantize_int4_group_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(rows.shape[0], k)
     decode_rows_serial(rows.numpy(), INT4_GROUPS, LANES, 0, out.numpy())
     return out
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the GEMM for these rows now, at model load."""
-    from pagedserve.kernels.cpu import gguf_linear
-
-    gguf_linear.warm_up()
