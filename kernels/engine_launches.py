@@ -52,8 +52,9 @@ MODELS = [
 ]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BLOCK_SIZES = [16, 32]
-# Models whose fp32 attention is also launched over 16-bit caches (--kv-cache-dtype float16 /
-# bfloat16 under an fp32 model): SmolLM2's head_dim 64 and llama's 128 cover the tile shapes.
+# Models whose attention is also launched over narrower caches (--kv-cache-dtype float16 /
+# bfloat16 under an fp32 model, fp8 under any): SmolLM2's head_dim 64 and llama's 128 cover
+# the tile shapes.
 HALF_CACHE_MODELS = ("smollm2", "llama3-8b")
 
 _MODULES = (
@@ -412,6 +413,20 @@ def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: s
     record(f"{name} {label} bs{block_size} layer")
 
 
+def narrow_cache_launches(m: ModelShape, block_sizes: dict[str, list[int]], record) -> None:
+    """``--kv-cache-dtype``: an fp32 model over 16-bit caches, and every model dtype over an
+    fp8 cache (read and written as bytes: kv_fp8.py)."""
+    caches = {dtype_name: ["fp8"] for dtype_name in block_sizes}
+    if "fp32" in block_sizes:
+        caches["fp32"] += ["fp16", "bf16"]
+    for dtype_name, names in caches.items():
+        block_size = block_sizes[dtype_name][0]
+        for name in names:
+            label = f"{m.name} {dtype_name} kv-{name} bs{block_size}"
+            cache_dtype = torch.float8_e4m3fn if name == "fp8" else DTYPES[name]
+            attention_launches(m, DTYPES[dtype_name], block_size, record, label, cache_dtype)
+
+
 def engine_launches(
     models: list[ModelShape], block_sizes: dict[str, list[int]], record: Callable
 ) -> None:
@@ -430,12 +445,8 @@ def engine_launches(
             gguf_linear_launches(m, DTYPES[dtype_name], record, f"{m.name} {dtype_name}")
         sampler_launches(m)
         record(f"{m.name} fp32 logits")
-        if "fp32" in block_sizes and m.name in HALF_CACHE_MODELS:  # --kv-cache-dtype 16-bit
-            for name in ("fp16", "bf16"):
-                label = f"{m.name} fp32 kv-{name} bs{block_sizes['fp32'][0]}"
-                attention_launches(
-                    m, torch.float32, block_sizes["fp32"][0], record, label, DTYPES[name]
-                )
+        if m.name in HALF_CACHE_MODELS:
+            narrow_cache_launches(m, block_sizes, record)
     for dtype_name, sizes in block_sizes.items():
         moe_launches(DTYPES[dtype_name], record, dtype_name)
         encoder_launches(DTYPES[dtype_name], record, dtype_name)

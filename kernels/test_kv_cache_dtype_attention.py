@@ -1,7 +1,7 @@
 """Paged attention over a KV cache of another dtype than the query (``--kv-cache-dtype``).
 
-A 16-bit cache under an fp32 model: the kernel widens what it reads to fp32 and computes in
-fp32, so against the specification (which widens the same stored values) it is held to the
+A 16-bit or fp8 e4m3 cache under an fp32 model: the kernel widens what it reads to fp32 and
+computes in fp32, so against the specification (which widens the same stored values) it is held to the
 fp32 attention tolerance, not the 16-bit one. And the tensor-core branch a GPU takes for a
 16-bit query over a cache of another width, taken through the wrapper as a GPU would take it.
 The batches are make_paged_batch's: shuffled block tables, NaN in every slot no one owns.
@@ -19,8 +19,11 @@ from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
 contract = pytest.mark.contract("paged_attention")
-# bf16 has no numpy arithmetic under the interpreter: a bf16 cache runs on CUDA only.
-HALF_CACHES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# bf16 has no numpy arithmetic under the interpreter: a bf16 cache runs on CUDA only. An fp8
+# cache is read as its bytes, decoded with integer arithmetic (kv_fp8.py): on both.
+NARROW_CACHES = [torch.float16, torch.float8_e4m3fn] + (
+    [torch.bfloat16] if DEVICE == "cuda" else []
+)
 STEPS = {
     "decode": [(33, 1), (1, 1), (17, 1)],
     "mixed": [(18, 1), (40, 23), (35, 6), (1, 1)],
@@ -28,10 +31,10 @@ STEPS = {
 
 
 @contract
-@pytest.mark.parametrize("cache_dtype", HALF_CACHES, ids=str)
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES, ids=str)
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["smollm2-gqa3", "mqa"])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_fp32_query_over_a_16bit_cache(step, heads, cache_dtype):
+def test_fp32_query_over_a_narrower_cache(step, heads, cache_dtype):
     batch = make_paged_batch(
         STEPS[step], *heads, 32, 16, torch.float32, DEVICE, seed=7, cache_dtype=cache_dtype
     )
@@ -41,13 +44,15 @@ def test_fp32_query_over_a_16bit_cache(step, heads, cache_dtype):
 
 
 @contract
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("step", list(STEPS))
-def test_tensor_core_branch_over_a_cache_of_another_dtype(step):
-    """fp16 query, fp32 cache, as a GPU takes it (tl.dot on fp16 operands): the cache tile is
-    taken as the query's type, so the kernel compiles and stays within fp16 tolerance."""
+def test_tensor_core_branch_over_a_cache_of_another_dtype(step, cache_dtype):
+    """fp16 query, fp32 or fp8 cache, as a GPU takes it (tl.dot on fp16 operands): the cache
+    tile is taken as the query's type (exact for fp8's values), so the kernel compiles and
+    stays within fp16 tolerance."""
     contracts.own_wrapper_only("paged_attention")
     batch = make_paged_batch(
-        STEPS[step], 9, 3, 64, 16, torch.float16, DEVICE, seed=8, cache_dtype=torch.float32
+        STEPS[step], 9, 3, 64, 16, torch.float16, DEVICE, seed=8, cache_dtype=cache_dtype
     )
     with taken_as_cuda(multi_processor_count=16):
         out = paged_attention_triton(*batch.args())

@@ -46,20 +46,27 @@ def test_rotary_matches_reference_on_views_of_a_fused_qkv(is_neox, rot_dim, posi
     assert torch.equal(fused[:, (hq + hkv) * d :], qkv[:, (hq + hkv) * d :])  # v untouched
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+)
 def test_store_kv_matches_reference_and_skips_padding_slots(cache_dtype):
     """Exact for every cache dtype: a 16-bit cache gets the reference's rounding (``.to()``),
-    keys wide enough to reach fp16's subnormals and its overflow included."""
+    an fp8 one its saturation at ±448, keys wide enough to reach fp16's subnormals and its
+    overflow included."""
     g = torch.Generator().manual_seed(0)
     key, value = (torch.randn(5, 3, 64, generator=g) for _ in range(2))
     key[0, 0, :8] = torch.tensor([1e-6, -3e-8, 6e-5, 65519.0, 65520.0, -1e6, 0.0, -0.0])
     slots = torch.tensor([17, -1, 0, 40, -1], dtype=torch.int64)
-    caches = [torch.full((4, 16, 3, 64), float("nan"), dtype=cache_dtype) for _ in range(4)]
+    caches = [torch.full((4, 16, 3, 64), float("nan")).to(cache_dtype) for _ in range(4)]
     ops.store_kv_numba(key, value, caches[0], caches[1], slots)
     store_kv_ref(key, value, caches[2], caches[3], slots)
     for got, expected in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))  # exact, NaN kept
-    assert torch.equal(caches[0].view(-1, 3, 64)[17], key[0].to(cache_dtype))
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # exact, NaN kept
+    stored = caches[0].view(-1, 3, 64)[17].float()
+    if cache_dtype == torch.float8_e4m3fn:  # saturated, not NaN
+        assert stored[0, 3] == 448.0 and stored[0, 5] == -448.0 and stored[0, 1] == 0.0
+    else:
+        assert torch.equal(stored, key[0].to(cache_dtype).float())
 
 
 def test_supports_only_what_the_kernels_compute():

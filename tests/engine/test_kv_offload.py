@@ -74,6 +74,18 @@ def test_multi_turn_outputs_equal_with_and_without_offloading(model, baseline, t
     llm.engine.shutdown()
 
 
+def test_an_fp8_cache_offloads_and_reloads_its_bytes(model, tmp_path):
+    """fp8 blocks move as their bytes (a record's dtype is ``fp8e4m3``), through the disk tier
+    and back: the same answers as an fp8 engine that recomputes."""
+    want = multi_turn(_llm(model, kv_cache_dtype="fp8"), num_conversations=12, num_turns=3)
+    llm = _llm(model, kv_cache_dtype="fp8", kv_offload_dir=tmp_path)
+    answers, _ = multi_turn(llm, num_conversations=12, num_turns=3)
+    assert answers == want[0]
+    stats = llm.engine.get_stats().kv_connector
+    assert stats.hit_tokens["disk"] > 0 and stats.failed_loads == 0
+    llm.engine.shutdown()
+
+
 def _block_file(folder, prompt: list[int], index: int):
     """The file of block ``index`` of ``prompt``: named by the prefix hash chain rooted at the
     folder's own hash root, under the engine's layout folder."""

@@ -1,6 +1,7 @@
 """A KV cache of another dtype than the model's (``--kv-cache-dtype``) on the CPU paths.
 
-store_kv rounds fp32 keys and values to the cache's 16-bit type on write; the two CPU
+store_kv rounds fp32 keys and values to the cache's 16-bit or fp8 type on write (fp8
+saturated at ±448); the two CPU
 attention paths (the vectorised reference and the numba kernel) widen the stored values to
 fp32 and compute in fp32, so each is held to the specification at the fp32 attention
 tolerance (the specification widens the same stored values), NaN-filled unused slots included.
@@ -21,26 +22,41 @@ STEPS = {  # (seq_len, q_len): decodes, chunks over a cached prefix, a prompt pa
 }
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+NARROW = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["smollm2", "mqa"])
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("path", list(PATHS))
-def test_fp32_query_over_a_16bit_cache_matches_the_specification(path, step, heads, cache_dtype):
+def test_fp32_query_over_a_narrower_cache_matches_the_specification(path, step, heads, cache_dtype):
     batch = make_paged_batch(STEPS[step], *heads, 64, 16, seed=9, cache_dtype=cache_dtype)
     out = PATHS[path](*batch.args())
     assert out.dtype == torch.float32 and not out.isnan().any()
     torch.testing.assert_close(out, paged_attention_literal(*batch.args()), atol=1e-4, rtol=1.3e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def _rounded(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache holds it, as bytes: fp8 saturated at ±448 first."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.clamp(-448, 448).to(cache_dtype).view(torch.uint8)
+    return x.to(cache_dtype).view(torch.uint8)
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
 def test_store_kv_rounds_to_the_cache_dtype_on_write(cache_dtype):
-    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    k_cache = torch.full((3, 4, 2, 8), float("nan"), dtype=cache_dtype)
+    key, value = torch.randn(5, 2, 8) * 300, torch.randn(5, 2, 8)  # some keys past fp8's 448
+    k_cache = torch.full((3, 4, 2, 8), float("nan")).to(cache_dtype)
     v_cache = k_cache.clone()
     slots = torch.tensor([0, 5, -1, 11, 2])
     store_kv_ref(key, value, k_cache, v_cache, slots)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            assert torch.equal(k_cache[s // 4, s % 4], key[t].to(cache_dtype))
-            assert torch.equal(v_cache[s // 4, s % 4], value[t].to(cache_dtype))
-    assert k_cache.view(-1, 2, 8)[1].isnan().all()  # slot 1 was never written
+            assert torch.equal(
+                k_cache[s // 4, s % 4].view(torch.uint8), _rounded(key[t], cache_dtype)
+            )
+            assert torch.equal(
+                v_cache[s // 4, s % 4].view(torch.uint8), _rounded(value[t], cache_dtype)
+            )
+    assert k_cache.view(-1, 2, 8)[1].float().isnan().all()  # slot 1 was never written
+    assert k_cache.float().isfinite().sum() == 4 * 16  # every stored key finite, saturated

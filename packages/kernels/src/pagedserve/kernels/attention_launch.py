@@ -15,18 +15,20 @@ from pagedserve.kernels.dispatch import is_cuda, multi_processor_count
 
 
 def tile_shape(
-    group: int, head_dim: int, decode_like: bool, dot_fp32: bool
+    group: int, head_dim: int, decode_like: bool, dot_fp32: bool, fp8_cache: bool = False
 ) -> tuple[int, int, int]:
     """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step, warps).
 
     The fp32 dot runs on FMA units with its operands in registers: half the prefill rows and
     twice the warps keep it spill-free (at head_dim 128, prefill went from 255 registers and
     2.4 KB of spill stores per thread on sm90, 16 KB on sm80, to ~110 registers and none;
-    docs/kernel-suite.md has the table)."""
+    docs/kernel-suite.md has the table). A 16-bit query over an fp8 cache widens each tile
+    in registers first: 8 warps (with 4, SmolLM2's prefill spilled 4-8 bytes on sm80)."""
     if dot_fp32:
         rows, warps = (16 if decode_like else 32), 8
     else:
-        rows, warps = (16 if decode_like else (64 if head_dim <= 128 else 32)), 4
+        rows = 16 if decode_like else (64 if head_dim <= 128 else 32)
+        warps = 8 if fp8_cache else 4
     return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
 
 
@@ -71,6 +73,7 @@ def launch_shape(
     windowed: bool,
     num_kv_splits: int | None,
     batch_invariant: bool,
+    fp8_cache: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, warps, KV splits, positions per split) of a launch. Splits: the
     caller's ``num_kv_splits``, else ``decode_kv_splits`` for a decode-shaped batch without a
@@ -84,7 +87,7 @@ def launch_shape(
         block_m, tile_n, warps = batch_invariant_tile_shape(group, head_dim, dot_fp32)
         splits = triton.cdiv(max_context, BATCH_INVARIANT_SPLIT) if splits > 1 else 1
         return block_m, tile_n, warps, splits, BATCH_INVARIANT_SPLIT
-    block_m, tile_n, warps = tile_shape(group, head_dim, decode_like, dot_fp32)
+    block_m, tile_n, warps = tile_shape(group, head_dim, decode_like, dot_fp32, fp8_cache)
     per_split = triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
     return block_m, tile_n, warps, splits, per_split
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import use_triton
+from pagedserve.kernels.kv_fp8 import cache_bits
 
 
 @triton.jit
@@ -45,6 +46,7 @@ def copy_blocks_triton(
     pairs = src_to_dst.to(device=k_caches[0].device, dtype=torch.int64).contiguous()
     has_v = bool(v_caches)
     for k_cache, v_cache in zip(k_caches, v_caches if has_v else k_caches):
+        k_cache, v_cache = cache_bits(k_cache), cache_bits(v_cache)  # a copy moves bytes
         block_numel = k_cache[0].numel()
         block = min(4096, triton.next_power_of_2(block_numel))
         grid = (pairs.shape[0], triton.cdiv(block_numel, block))
@@ -77,6 +79,7 @@ def copy_blocks_ref(
     pairs = src_to_dst.to(device=k_caches[0].device, dtype=torch.int64)
     src, dst = pairs[:, 0], pairs[:, 1]
     for cache in (*k_caches, *v_caches):
+        cache = cache_bits(cache)  # fp8 as bytes: torch has no fp8 index_copy_ on a CPU
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 

@@ -31,8 +31,9 @@ Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
 ``seq_len`` may hold anything, NaN included, and never reach an output; softmax runs in
 fp32; the output has the query's dtype. The cache may hold another dtype than the query
-(``--kv-cache-dtype``: a 16-bit cache under an fp32 model): what is read is widened to fp32
-(or, for a 16-bit query on a GPU, taken as the query's type for the tensor-core dots).
+(``--kv-cache-dtype``: a 16-bit cache under an fp32 model, or fp8 e4m3 under any): what is
+read is widened to fp32 (or, for a 16-bit query on a GPU, taken as the query's type for the
+tensor-core dots; e4m3 values are exact in either 16-bit type).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import triton.language as tl
 
 from pagedserve.kernels.attention_launch import launch_shape, score_scales
 from pagedserve.kernels.dispatch import is_cuda, kernel_path
+from pagedserve.kernels.kv_fp8 import cache_bits, e4m3_to_float16, e4m3_to_float32, is_fp8
 from pagedserve.kernels.kv_splits import _fold_split, _normalised, merge_kv_splits
 from pagedserve.kernels.paged_attention_ref import _check, paged_attention_ref
 
@@ -67,12 +69,31 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _dot_operand(tile, q, FP8_CACHE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A K or V tile as the dots take it: fp32, or the query's 16-bit type on a GPU (a cache of
+    another 16-bit type is read as the query's). An fp8 cache's bytes are widened exactly
+    (kv_fp8.py): to fp32, or to fp16 first for a 16-bit query (e4m3 values are exact in
+    either 16-bit type)."""
+    if FP8_CACHE:
+        if DOT_FP32:
+            tile = e4m3_to_float32(tile)
+        else:
+            tile = e4m3_to_float16(tile)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    else:
+        tile = tile.to(q.dtype)
+    return tile
+
+
+@triton.jit
 def _attend_range(
     q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi,
     read_lo, m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
     cache_slot_stride, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr, KEY_LIMITS: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of the tile's rows over KV positions ``kv_lo .. kv_hi - 1``, TILE_N
     at a time from ``kv_lo``, from the state ``(m_i, l_i)`` (-inf and 0, or a sink's) and a zero
@@ -91,12 +112,13 @@ def _attend_range(
         kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
         kv_off = kv_off[:, None] + head_off
         kv_mask = pos_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0)
+        k = _dot_operand(k, q, FP8_CACHE, DOT_FP32)
         if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:  # a cache of another 16-bit type than the query's is read as the query's
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
         if KEY_LIMITS:
             visible = (pos[None, :] < key_end[:, None]) & pos_valid[None, :]
         else:
@@ -114,10 +136,11 @@ def _attend_range(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _dot_operand(v, q, FP8_CACHE, DOT_FP32)  # widened late: fewer live registers
         if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p, v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            pv = tl.dot(p.to(q.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return m_i, l_i, acc
@@ -146,6 +169,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
     SINKS: tl.constexpr, FIXED_SPLITS: tl.constexpr, KEY_LIMITS: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
@@ -210,7 +234,7 @@ def _paged_attention_kernel(
                     tl.maximum(split * per, walk_lo), tl.minimum(kv_end, split * per + per),
                     read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                     cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
-                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS,
+                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS, FP8_CACHE,
                 )  # fmt: skip
                 out, lse = _normalised(m_i, l_i, acc)
             else:  # every split in order, each folded as it ends
@@ -225,7 +249,7 @@ def _paged_attention_kernel(
                         tl.maximum(part * per, walk_lo), tl.minimum(kv_end, part * per + per),
                         read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                         cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N,
-                        BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS,
+                        BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS, FP8_CACHE,
                     )  # fmt: skip
                     out_s, lse_s = _normalised(m_i, l_i, acc)
                     m_run, w_run, acc_run = _fold_split(m_run, w_run, acc_run, out_s, lse_s)
@@ -242,7 +266,7 @@ def _paged_attention_kernel(
                 q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
                 kv_start, kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                 cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
-                DOT_FP32, SLIDING, SOFT_CAP, False, KEY_LIMITS,
+                DOT_FP32, SLIDING, SOFT_CAP, False, KEY_LIMITS, FP8_CACHE,
             )  # fmt: skip
             out, lse = _normalised(m_i, l_i, acc)
         out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
@@ -274,8 +298,8 @@ def paged_attention_triton(
     shapes alone (T // BLOCK_Q + B): no device-to-host sync, and tiles past a sequence's
     last token exit at once. ``num_kv_splits`` > 1 takes the flash-decoding path (partials +
     merge); by default chosen from shapes (1 under a window: splits cut absolute positions).
-    A windowed, capped, sinks or key-limited layer is a variant of its own (constexpr flags;
-    the window's width is a runtime scalar). ``batch_invariant``: fixed splits (kv_splits.py)."""
+    A windowed, capped, sinks, key-limited or fp8-cache layer is a variant of its own (constexpr
+    flags; a window's width is a runtime scalar). ``batch_invariant``: fixed splits."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
     limits = None if key_limits is None else key_limits.contiguous()  # None: a constexpr
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -287,7 +311,7 @@ def paged_attention_triton(
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
     block_m, tile_n, num_warps, splits, per_split = launch_shape(
         query, n_kv_heads, block_tables.shape[1] * block_size, n_tokens == n_seqs,
-        sliding_window is not None, num_kv_splits, batch_invariant,
+        sliding_window is not None, num_kv_splits, batch_invariant, is_fp8(k_cache),
     )  # fmt: skip
     block_q = block_m // group
     out = torch.zeros_like(query)
@@ -299,17 +323,17 @@ def paged_attention_triton(
         lse = torch.full((n_tokens, n_q_heads, splits), float("-inf"), device=query.device)
     grid = (n_tokens // block_q + n_seqs, n_kv_heads, splits)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        out if sinks is None else sinks, limits, *score_scales(scale, logits_soft_cap), n_seqs,
-        head_dim, per_split, sliding_window or 0, query.stride(0), query.stride(1),
+        query, cache_bits(k_cache), cache_bits(v_cache), block_tables, seq_lens, query_start_loc,
+        target, lse, out if sinks is None else sinks, limits, *score_scales(scale, logits_soft_cap),
+        n_seqs, head_dim, per_split, sliding_window or 0, query.stride(0), query.stride(1),
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_D=triton.next_power_of_2(head_dim), TILE_N=tile_n, BLOCK_SIZE=block_size,
-        DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1, SLIDING=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
-        FIXED_SPLITS=batch_invariant, KEY_LIMITS=key_limits is not None, num_warps=num_warps,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim),
+        TILE_N=tile_n, BLOCK_SIZE=block_size, DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1,
+        SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
+        SINKS=sinks is not None, FIXED_SPLITS=batch_invariant, KEY_LIMITS=key_limits is not None,
+        FP8_CACHE=is_fp8(k_cache), num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         merge_kv_splits(target, lse, out, in_order=batch_invariant, sinks=sinks)

@@ -2,7 +2,8 @@
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token t goes to slot
 ``s = slot_mapping[t] = block_id * block_size + offset``, i.e. row ``s`` of the cache viewed
-as ``[num_blocks * block_size, Hkv, D]``. A slot of -1 is padding and is skipped.
+as ``[num_blocks * block_size, Hkv, D]``. A slot of -1 is padding and is skipped. A cache of another dtype than the keys' takes them
+rounded to its own (an fp8 cache: saturated at ±448, kv_fp8.py).
 Invariant: the valid slots of one call are distinct (the block manager never maps two new
 tokens to one slot), so the order of the writes does not matter.
 """
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import kernel_path
+from pagedserve.kernels.kv_fp8 import cache_bits, float32_to_e4m3, is_fp8, to_e4m3_bits
 
 
 @triton.jit
@@ -21,7 +23,7 @@ def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     key_token_stride, key_head_stride, value_token_stride, value_head_stride,
     cache_slot_stride, cache_head_stride, n_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -36,6 +38,8 @@ def _store_kv_kernel(
     v = tl.load(
         value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask
     )
+    if FP8:  # the caches' bytes (kv_fp8.py)
+        k, v = float32_to_e4m3(k), float32_to_e4m3(v)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -57,10 +61,11 @@ def store_kv_triton(
     if n_tokens == 0:
         return
     _store_kv_kernel[(n_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        key, value, cache_bits(k_cache), cache_bits(v_cache), slot_mapping.contiguous(),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2), n_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=is_fp8(k_cache),
     )  # fmt: skip
 
 
@@ -92,8 +97,9 @@ def store_kv_ref(
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
     n_heads, head_dim = key.shape[1:]
-    k_cache.view(-1, n_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, n_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        new = to_e4m3_bits(new) if is_fp8(cache) else new.to(cache.dtype)
+        cache_bits(cache).view(-1, n_heads, head_dim).index_copy_(0, slots, new)
 
 
 def store_kv(

@@ -158,3 +158,20 @@ def dense_attention(batch: PagedBatch, limits: torch.Tensor, window: int | None)
         probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
         out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(batch.query.dtype)
+
+
+def e4m3_rounding_inputs(n_random: int = 1 << 20, seed: int = 0) -> torch.Tensor:
+    """fp32 values that test a conversion to fp8 e4m3: every finite e4m3 value, every halfway
+    point between two neighbours (ties to even) and the fp32 values either side of it, both
+    signs; values past 448 (saturated), inf, NaN, zeros; and random fp32 bit patterns."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    positive = values[(values >= 0) & values.isfinite()].unique()  # sorted
+    halfway = (positive[:-1] + positive[1:]) / 2
+    near = torch.cat([halfway, halfway.nextafter(torch.tensor(0.0)), halfway.nextafter(
+        torch.tensor(float("inf"))), positive])  # fmt: skip
+    edges = torch.tensor([448.0, 449.0, 464.0, 465.0, 480.0, 1e6, float("inf"), float("nan"),
+                          2.0**-10, 2.0**-10 * 1.0001, 2.0**-11, 1e-30, 0.0])  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    random = torch.randint(-(2**31), 2**31, (n_random,), generator=gen, dtype=torch.int64)
+    random = random.to(torch.int32).view(torch.float32)
+    return torch.cat([near, -near, edges, -edges, random])

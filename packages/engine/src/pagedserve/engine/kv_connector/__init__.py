@@ -15,7 +15,11 @@ what it is (block_record.py). docs/kv_connectors.md tells the story.
 from __future__ import annotations
 
 from pagedserve.engine.kv_connector.base import KVConnectorBase
-from pagedserve.engine.kv_connector.block_record import BlockLayout, model_fingerprint
+from pagedserve.engine.kv_connector.block_record import (
+    BlockLayout,
+    model_fingerprint,
+    record_dtype_name,
+)
 from pagedserve.engine.kv_connector.config import (
     DEFAULT_DISK_BYTES,
     KVTransferConfig,
@@ -46,7 +50,7 @@ def create_kv_connector(args, model_config, runner) -> KVConnectorBase | None:
         )
     layout = BlockLayout(
         model_fingerprint(model_config.model, args.dtype, model_config.quantization),
-        str(runner.kv_cache_dtype).removeprefix("torch."),
+        record_dtype_name(runner.kv_cache_dtype),
         args.block_size,
         model_config.num_layers,
         runner.kv_caches[0][0].shape[2],

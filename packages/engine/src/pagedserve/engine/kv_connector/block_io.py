@@ -13,13 +13,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.kernels.kv_fp8 import cache_bits
+
 
 class KVBlockIO:
     """Copies blocks between the KV cache tensors (one ``(k_cache, v_cache)`` per layer, each
     ``[num_blocks, block_size, Hkv, D]``) and host byte arrays."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv_caches = kv_caches
+        # fp8 caches as their bytes (views): torch copies no fp8 rows by index on a CPU
+        self.kv_caches = [(cache_bits(k), cache_bits(v)) for k, v in kv_caches]
+        kv_caches = self.kv_caches
         k_cache = kv_caches[0][0]
         self.device = k_cache.device
         self.dtype = k_cache.dtype

@@ -24,12 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 MAGIC = b"PSKV"
 VERSION = 1
 HEADER = struct.Struct("<4sH16s8s4I32sQ16s")
 KEY_BYTES = 32
-_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8e4m3": 1}
+
+
+def record_dtype_name(dtype: torch.dtype) -> str:
+    """The cache dtype's name in a record's header (8 bytes at most: fp8 is ``fp8e4m3``)."""
+    name = "fp8e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
+    if name not in _ELEMENT_BYTES:
+        raise ValueError(f"KV blocks of dtype {dtype} cannot be saved or sent")
+    return name
+
+
 _SAMPLES_PER_FILE = 8
 _SAMPLE_BYTES = 64 * 1024
 

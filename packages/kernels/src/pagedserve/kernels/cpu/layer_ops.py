@@ -85,8 +85,9 @@ def _rotary_kernel(positions, query, key, cos_sin, is_neox):
 
 @numba.njit(cache=True)
 def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping):
-    """fp32 ``key``/``value`` rows into the caches' slots, rounded to a 16-bit cache's element
-    (uint16: fp16 bits, int16: bf16 bits) as torch's ``.to()`` rounds."""
+    """fp32 ``key``/``value`` rows into the caches' slots, rounded to a narrower cache's element
+    (uint16: fp16 bits, int16: bf16 bits, as torch's ``.to()`` rounds; uint8: fp8 e4m3 bits,
+    saturated as kv_fp8.py says)."""
     block_size = k_cache.shape[1]
     for t in range(key.shape[0]):
         slot = slot_mapping[t]
@@ -120,7 +121,8 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the KV store writes
+# what the KV store writes
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def supports_caches(*caches: torch.Tensor) -> bool:
