@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.kv_q8 import zeros_cache
 from pagedserve.kernels.testing import make_paged_batch
 
 
@@ -56,6 +57,7 @@ BLOCK_SIZES = [16, 32]
 # bfloat16 under an fp32 model, fp8 under any): SmolLM2's head_dim 64 and llama's 128 cover
 # the tile shapes.
 HALF_CACHE_MODELS = ("smollm2", "llama3-8b")
+BYTE_CACHES = {"fp8": torch.float8_e4m3fn, "q8_0": torch.int8}
 
 _MODULES = (
     "paged_attention", "store_kv", "rms_norm", "layer_norm", "rotary_embedding",
@@ -161,7 +163,7 @@ def store_launches(
     key = qkv[:, m.n_q_heads * m.head_dim :][:, : m.n_kv_heads * m.head_dim]
     key = key.reshape(n_tokens, m.n_kv_heads, m.head_dim)
     value = torch.randn(n_tokens, m.n_kv_heads, m.head_dim).to(dtype)
-    cache = torch.empty(4, block_size, m.n_kv_heads, m.head_dim, dtype=cache_dtype or dtype)
+    cache = zeros_cache((4, block_size, m.n_kv_heads, m.head_dim), cache_dtype or dtype)
     slots = torch.randint(-1, 4 * block_size, (n_tokens,))
     mods = launch_wrappers()
     mods["store_kv"].store_kv_triton(key, value, cache, cache.clone(), slots)
@@ -415,15 +417,15 @@ def mla_launches(dtype: torch.dtype, block_size: int, record: Callable, label: s
 
 def narrow_cache_launches(m: ModelShape, block_sizes: dict[str, list[int]], record) -> None:
     """``--kv-cache-dtype``: an fp32 model over 16-bit caches, and every model dtype over an
-    fp8 cache (read and written as bytes: kv_fp8.py)."""
-    caches = {dtype_name: ["fp8"] for dtype_name in block_sizes}
+    fp8 cache (read and written as bytes: kv_fp8.py) and a q8_0 one (kv_q8.py)."""
+    caches = {dtype_name: ["fp8", "q8_0"] for dtype_name in block_sizes}
     if "fp32" in block_sizes:
         caches["fp32"] += ["fp16", "bf16"]
     for dtype_name, names in caches.items():
         block_size = block_sizes[dtype_name][0]
         for name in names:
             label = f"{m.name} {dtype_name} kv-{name} bs{block_size}"
-            cache_dtype = torch.float8_e4m3fn if name == "fp8" else DTYPES[name]
+            cache_dtype = BYTE_CACHES.get(name) or DTYPES[name]
             attention_launches(m, DTYPES[dtype_name], block_size, record, label, cache_dtype)
 
 

@@ -1,6 +1,6 @@
 """Paged attention over a KV cache of another dtype than the query (``--kv-cache-dtype``).
 
-A 16-bit or fp8 e4m3 cache under an fp32 model: the kernel widens what it reads to fp32 and
+A 16-bit, fp8 e4m3 or q8_0 cache under an fp32 model: the kernel widens what it reads to fp32 and
 computes in fp32, so against the specification (which widens the same stored values) it is held to the
 fp32 attention tolerance, not the 16-bit one. And the tensor-core branch a GPU takes for a
 16-bit query over a cache of another width, taken through the wrapper as a GPU would take it.
@@ -20,8 +20,9 @@ from pagedserve.kernels.testing import make_paged_batch
 
 contract = pytest.mark.contract("paged_attention")
 # bf16 has no numpy arithmetic under the interpreter: a bf16 cache runs on CUDA only. An fp8
-# cache is read as its bytes, decoded with integer arithmetic (kv_fp8.py): on both.
-NARROW_CACHES = [torch.float16, torch.float8_e4m3fn] + (
+# cache is read as its bytes, decoded with integer arithmetic (kv_fp8.py), a q8_0 cache as int8
+# rows with their groups' scales (kv_q8.py, torch.int8): on both.
+NARROW_CACHES = [torch.float16, torch.float8_e4m3fn, torch.int8] + (
     [torch.bfloat16] if DEVICE == "cuda" else []
 )
 STEPS = {
@@ -44,12 +45,12 @@ def test_fp32_query_over_a_narrower_cache(step, heads, cache_dtype):
 
 
 @contract
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn, torch.int8], ids=str)
 @pytest.mark.parametrize("step", list(STEPS))
 def test_tensor_core_branch_over_a_cache_of_another_dtype(step, cache_dtype):
-    """fp16 query, fp32 or fp8 cache, as a GPU takes it (tl.dot on fp16 operands): the cache
-    tile is taken as the query's type (exact for fp8's values), so the kernel compiles and
-    stays within fp16 tolerance."""
+    """fp16 query, fp32, fp8 or q8_0 (int8) cache, as a GPU takes it (tl.dot on fp16
+    operands): the cache tile is taken as the query's type (exact for fp8's values), so the
+    kernel compiles and stays within fp16 tolerance."""
     contracts.own_wrapper_only("paged_attention")
     batch = make_paged_batch(
         STEPS[step], 9, 3, 64, 16, torch.float16, DEVICE, seed=8, cache_dtype=cache_dtype

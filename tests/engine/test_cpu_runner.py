@@ -49,6 +49,12 @@ CASES = {
     # 16-bit caches: the store rounds as torch does, the attention widens what it reads
     "llama, fp16 cache": ("llama", {}, [17, 3, 9], "float16"),
     "qwen2, bf16 cache": ("qwen2", {}, [17, 3], "bfloat16"),
+    # an fp8 cache: the store saturates and rounds to e4m3, the attention widens its bytes
+    "llama, fp8 cache": ("llama", {}, [17, 3, 9], "fp8"),
+    # a q8_0 cache: int8 rows and a scale per 32 (heads of 32: two per 64 features)
+    "llama, q8_0 cache": ("llama", {"num_attention_heads": 2}, [17, 3, 9], "q8_0"),
+    # Qwen3's per-head q/k RMSNorms, before the rotary
+    "qwen3 (q/k norms)": ("qwen3", {}, [17, 3]),
     # a GGUF file's layers read their blocks: every GEMM shared over the threads
     "llama gguf, mixed block types": ("llama", WIDE, [17, 3, 9], "auto", _gguf_mixture),
     # 8-bit weights quantized at load: one-byte rows, each feature scaled after its dot
@@ -171,9 +177,9 @@ def test_steps_and_layers_it_cannot_stand_in_for_run_the_modules(tmp_path, monke
     assert _forward(engine, decode, monkeypatch, fused=True)[2] == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("arch", ["mixtral"])
 def test_layers_of_other_shapes_are_left_to_their_modules(tmp_path, monkeypatch, arch):
-    """Qwen3's per-head norms, Mixtral's experts: the fused call stands in for neither."""
+    """Mixtral's experts: the fused call does not stand in for them."""
     engine = _decoding_engine(tmp_path, arch, {}, [9])
     assert engine.runner.fused_layers is None
     decode, _ = engine.runner.prepare_input(engine.scheduler.schedule())

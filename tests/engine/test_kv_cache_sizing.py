@@ -25,6 +25,12 @@ def test_bytes_per_block_counts_keys_and_values_of_every_layer():
     assert bytes_per_block(smollm2, 16, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
     assert bytes_per_block(smollm2, 16, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
     assert bytes_per_block(smollm2, 16, torch.float8_e4m3fn) == 2 * 30 * 16 * 3 * 64
+    # q8_0 (int8 tensors): 64 int8 elements and two 2-byte scales a head's row
+    assert bytes_per_block(smollm2, 16, torch.int8) == 2 * 30 * 16 * 3 * (64 + 4)
+    caches = allocate_kv_caches(
+        smollm2, num_blocks=2, block_size=16, dtype=torch.int8, device="cpu"
+    )
+    assert caches[0][0].shape == (2, 16, 3, 68) and caches[0][0].dtype == torch.int8
 
 
 def test_a_latent_cache_is_one_tensor_of_the_latent_per_layer():
@@ -34,8 +40,9 @@ def test_a_latent_cache_is_one_tensor_of_the_latent_per_layer():
     caches = allocate_kv_caches(v3, num_blocks=3, block_size=16, dtype=torch.bfloat16, device="cpu")
     assert len(caches) == 61 and all(len(layer) == 1 for layer in caches)
     assert caches[0][0].shape == (3, 16, 1, 576)
-    with pytest.raises(ValueError, match="latent attention's cache is not stored as fp8"):
-        allocate_kv_caches(v3, 3, 16, torch.float8_e4m3fn, "cpu")
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        with pytest.raises(ValueError, match="latent attention's cache is not stored in 8 bits"):
+            allocate_kv_caches(v3, 3, 16, dtype, "cpu")
 
 
 def test_num_blocks_for_memory_floors_and_refuses_zero():

@@ -74,11 +74,14 @@ def test_multi_turn_outputs_equal_with_and_without_offloading(model, baseline, t
     llm.engine.shutdown()
 
 
-def test_an_fp8_cache_offloads_and_reloads_its_bytes(model, tmp_path):
-    """fp8 blocks move as their bytes (a record's dtype is ``fp8e4m3``), through the disk tier
-    and back: the same answers as an fp8 engine that recomputes."""
-    want = multi_turn(_llm(model, kv_cache_dtype="fp8"), num_conversations=12, num_turns=3)
-    llm = _llm(model, kv_cache_dtype="fp8", kv_offload_dir=tmp_path)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "q8_0"])
+def test_an_8_bit_cache_offloads_and_reloads_its_bytes(tiny_checkpoint, kv_cache_dtype, tmp_path):
+    """fp8 blocks and q8_0 rows (their scales inside) move as their bytes (a record's dtype is
+    ``fp8e4m3`` or ``q8_0``), through the disk tier and back: the same answers as an engine
+    with that cache that recomputes."""
+    model = tiny_checkpoint("llama", num_attention_heads=2)  # heads of 32: q8_0's groups
+    want = multi_turn(_llm(model, kv_cache_dtype=kv_cache_dtype), num_conversations=12, num_turns=3)
+    llm = _llm(model, kv_cache_dtype=kv_cache_dtype, kv_offload_dir=tmp_path)
     answers, _ = multi_turn(llm, num_conversations=12, num_turns=3)
     assert answers == want[0]
     stats = llm.engine.get_stats().kv_connector

@@ -7,11 +7,14 @@ fp32 and compute in fp32, so each is held to the specification at the fp32 atten
 tolerance (the specification widens the same stored values), NaN-filled unused slots included.
 """
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 
 from pagedserve.kernels import paged_attention_ref, store_kv_ref
 from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_numba
+from pagedserve.kernels.kv_q8 import widened
 from pagedserve.kernels.paged_attention_literal import paged_attention_literal
 from pagedserve.kernels.testing import make_paged_batch
 
@@ -22,7 +25,7 @@ STEPS = {  # (seq_len, q_len): decodes, chunks over a cached prefix, a prompt pa
 }
 
 
-NARROW = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+NARROW = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]  # int8: q8_0 rows
 
 
 @pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
@@ -37,16 +40,24 @@ def test_fp32_query_over_a_narrower_cache_matches_the_specification(path, step, 
 
 
 def _rounded(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as the cache holds it, as bytes: fp8 saturated at ±448 first."""
+    """``x`` as the cache holds it, as bytes: fp8 saturated at ±448 first, q8_0 rows as
+    gguf's Q8_0 blocks hold them (each group's scale moved after the row's elements)."""
     if cache_dtype == torch.float8_e4m3fn:
         return x.clamp(-448, 448).to(cache_dtype).view(torch.uint8)
+    if cache_dtype == torch.int8:
+        blocks = quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(
+            *x.shape[:-1], -1, 34
+        )
+        elements, scales = blocks[..., 2:], blocks[..., :2]
+        flat = (*x.shape[:-1], -1)
+        return torch.from_numpy(np.concatenate([elements.reshape(flat), scales.reshape(flat)], -1))
     return x.to(cache_dtype).view(torch.uint8)
 
 
 @pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
 def test_store_kv_rounds_to_the_cache_dtype_on_write(cache_dtype):
-    key, value = torch.randn(5, 2, 8) * 300, torch.randn(5, 2, 8)  # some keys past fp8's 448
-    k_cache = torch.full((3, 4, 2, 8), float("nan")).to(cache_dtype)
+    key, value = torch.randn(5, 2, 32) * 300, torch.randn(5, 2, 32)  # some keys past fp8's 448
+    k_cache = _nan_cache(cache_dtype)
     v_cache = k_cache.clone()
     slots = torch.tensor([0, 5, -1, 11, 2])
     store_kv_ref(key, value, k_cache, v_cache, slots)
@@ -58,5 +69,10 @@ def test_store_kv_rounds_to_the_cache_dtype_on_write(cache_dtype):
             assert torch.equal(
                 v_cache[s // 4, s % 4].view(torch.uint8), _rounded(value[t], cache_dtype)
             )
-    assert k_cache.view(-1, 2, 8)[1].float().isnan().all()  # slot 1 was never written
-    assert k_cache.float().isfinite().sum() == 4 * 16  # every stored key finite, saturated
+    assert widened(k_cache.view(-1, *k_cache.shape[2:])[1]).isnan().all()  # slot 1: never written
+    assert widened(k_cache).isfinite().sum() == 4 * 2 * 32  # every stored key finite, saturated
+
+
+def _nan_cache(cache_dtype: torch.dtype) -> torch.Tensor:
+    """Three blocks of four slots, two heads of 32, every element NaN (q8_0: NaN scales)."""
+    return make_paged_batch([], 2, 2, 32, 4, spare_blocks=3, cache_dtype=cache_dtype).k_cache

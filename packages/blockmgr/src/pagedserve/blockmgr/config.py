@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The KV cache's element types, by vLLM's names; "auto" stores K/V in the model's dtype, "fp8"
-# (also "fp8_e4m3") one byte an element, e4m3.
-CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
+# (also "fp8_e4m3") one byte an element, e4m3; "q8_0" (llama.cpp's name) int8 in groups of 32,
+# each with its own scale.
+CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "q8_0")
 
 
 @dataclass
@@ -20,7 +21,8 @@ class CacheConfig:
     1 GiB. ``watermark``: the fraction of blocks a newly admitted request must leave free.
     ``cache_dtype``: what K and V are stored as (``auto``: the model's dtype); a 16-bit cache
     under an fp32 model halves the bytes per token while attention still computes in fp32, an
-    fp8 (e4m3) one quarters them (pagedserve.kernels.kv_fp8).
+    fp8 (e4m3) one quarters them (pagedserve.kernels.kv_fp8), a q8_0 one takes 17/64 of them
+    (int8 and a scale per 32: pagedserve.kernels.kv_q8).
     """
 
     block_size: int = 16
@@ -45,8 +47,8 @@ class CacheConfig:
             raise ValueError("watermark must be in [0, 1)")
         if self.cache_dtype in ("fp8_e5m2", "fp8_inc", "fp8_ds_mla"):
             raise ValueError(
-                f"cache_dtype {self.cache_dtype!r} is not implemented; fp8 (e4m3) is the 8-bit "
-                "KV cache pagedserve stores"
+                f"cache_dtype {self.cache_dtype!r} is not implemented; fp8 (e4m3) and q8_0 are "
+                "the 8-bit KV caches pagedserve stores"
             )
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")

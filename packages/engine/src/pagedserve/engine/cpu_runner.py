@@ -132,7 +132,6 @@ def _layer_weights(layer: nn.Module):
     if (
         type(attn) is not LlamaAttention
         or type(mlp) is not LlamaMLP
-        or attn.q_norm is not None
         or attn.attn.logits_soft_cap is not None
     ):
         return None
@@ -141,8 +140,9 @@ def _layer_weights(layer: nn.Module):
     if any(w is None for w in linears):  # GGUF, 8-bit or 4-bit group layers: byte rows
         linears = tuple(_byte_rows(p, bias_allowed=p is attn.qkv_proj) for p in projections)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)  # Qwen3's
     cos_sin = attn.rotary_emb.cos_sin_cache
-    tensors = (*(n.weight for n in norms), cos_sin, attn.qkv_proj.bias)
+    tensors = (*(n.weight for n in (*norms, *head_norms)), cos_sin, attn.qkv_proj.bias)
     if any(w is None for w in linears) or any(
         t is not None and (t.dtype is not torch.float32 or not t.is_cpu) for t in tensors
     ):
@@ -157,6 +157,7 @@ def _layer_weights(layer: nn.Module):
         (cos_sin, attn.rotary_emb.is_neox),
         (attn.attn.scale, attn.attn.sliding_window, None),
         getattr(attn.qkv_proj.linear_method, "batch_invariant", False),
+        tuple((n.weight, n.eps) for n in head_norms) or None,
     )
 
 

@@ -13,6 +13,7 @@ from pagedserve.blockmgr import KVCacheManager, NoKVCacheManager
 from pagedserve.engine.multimodal import reads_images_both_ways
 from pagedserve.kernels import copy_blocks, mla_decode_warmup, paged_attention_warmup
 from pagedserve.kernels.kv_fp8 import FP8_CACHE_DTYPE
+from pagedserve.kernels.kv_q8 import Q8_CACHE_DTYPE
 from pagedserve.models import KVCacheSpec, ModelConfig
 
 logger = logging.getLogger("pagedserve.engine")
@@ -22,15 +23,15 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in f
 
 _CACHE_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "fp8": FP8_CACHE_DTYPE, "fp8_e4m3": FP8_CACHE_DTYPE,
+    "fp8": FP8_CACHE_DTYPE, "fp8_e4m3": FP8_CACHE_DTYPE, "q8_0": Q8_CACHE_DTYPE,
 }  # fmt: skip
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the KV cache tensors: ``CacheConfig.cache_dtype``, or the model's
     dtype for ``auto``. Keys and values are cast to it as ``store_kv`` writes them (to fp8:
-    saturated at ±448, per-tensor scale 1), and every attention path widens what it reads to
-    fp32."""
+    saturated at ±448, per-tensor scale 1; q8_0: int8 rows, a scale per 32, as int8 tensors:
+    kernels/kv_q8.py), and every attention path widens what it reads to fp32."""
     return model_dtype if cache_dtype == "auto" else _CACHE_DTYPES[cache_dtype]
 
 
@@ -88,12 +89,12 @@ def allocate_kv_caches(
     The caches start as zeros: attention never reads a slot before the layer stored into it,
     and the tests that want to prove that fill unused slots with NaN themselves.
     """
-    if spec.is_latent and dtype == FP8_CACHE_DTYPE:
+    if spec.is_latent and dtype in (FP8_CACHE_DTYPE, Q8_CACHE_DTYPE):
         raise ValueError(
-            "kv_cache_dtype fp8: multi-head latent attention's cache is not stored as fp8; use "
-            "auto, float16 or bfloat16 with this model"
+            "kv_cache_dtype fp8 / q8_0: multi-head latent attention's cache is not stored in "
+            "8 bits; use auto, float16 or bfloat16 with this model"
         )
-    shape = spec.block_shape(num_blocks, block_size)
+    shape = spec.block_shape(num_blocks, block_size, dtype)
     return [
         tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.tensors_per_layer))
         for _ in range(spec.num_layers)

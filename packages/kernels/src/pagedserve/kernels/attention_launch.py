@@ -13,22 +13,27 @@ import triton
 
 from pagedserve.kernels.dispatch import is_cuda, multi_processor_count
 
+# Caches whose tiles are widened in registers before the dots: fp8 e4m3 (kv_fp8.py) and q8_0
+# rows (kv_q8.py, int8 tensors).
+BYTE_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
 
 def tile_shape(
-    group: int, head_dim: int, decode_like: bool, dot_fp32: bool, fp8_cache: bool = False
+    group: int, head_dim: int, decode_like: bool, dot_fp32: bool, byte_cache: bool = False
 ) -> tuple[int, int, int]:
     """(BLOCK_M rows = tokens x group heads, TILE_N kv positions per step, warps).
 
     The fp32 dot runs on FMA units with its operands in registers: half the prefill rows and
     twice the warps keep it spill-free (at head_dim 128, prefill went from 255 registers and
     2.4 KB of spill stores per thread on sm90, 16 KB on sm80, to ~110 registers and none;
-    docs/kernel-suite.md has the table). A 16-bit query over an fp8 cache widens each tile
-    in registers first: 8 warps (with 4, SmolLM2's prefill spilled 4-8 bytes on sm80)."""
+    docs/kernel-suite.md has the table). A 16-bit query over a cache of bytes (fp8, q8_0)
+    widens each tile in registers first: 8 warps (with 4, SmolLM2's prefill over fp8 spilled
+    4-8 bytes on sm80)."""
     if dot_fp32:
         rows, warps = (16 if decode_like else 32), 8
     else:
         rows = 16 if decode_like else (64 if head_dim <= 128 else 32)
-        warps = 8 if fp8_cache else 4
+        warps = 8 if byte_cache else 4
     return max(rows, triton.next_power_of_2(group)), 32 if head_dim <= 128 else 16, warps
 
 
@@ -73,12 +78,13 @@ def launch_shape(
     windowed: bool,
     num_kv_splits: int | None,
     batch_invariant: bool,
-    fp8_cache: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, warps, KV splits, positions per split) of a launch. Splits: the
     caller's ``num_kv_splits``, else ``decode_kv_splits`` for a decode-shaped batch without a
     window, else 1. Batch invariant: the one tile, and when the launch splits, one program per
-    fixed split of ``BATCH_INVARIANT_SPLIT`` positions (1: a program walks them all)."""
+    fixed split of ``BATCH_INVARIANT_SPLIT`` positions (1: a program walks them all).
+    ``cache_dtype``: the KV cache's (a cache of bytes takes more warps: ``tile_shape``)."""
     group, head_dim = query.shape[1] // n_kv_heads, query.shape[2]
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
     may_split = decode_like and not windowed
@@ -87,7 +93,8 @@ def launch_shape(
         block_m, tile_n, warps = batch_invariant_tile_shape(group, head_dim, dot_fp32)
         splits = triton.cdiv(max_context, BATCH_INVARIANT_SPLIT) if splits > 1 else 1
         return block_m, tile_n, warps, splits, BATCH_INVARIANT_SPLIT
-    block_m, tile_n, warps = tile_shape(group, head_dim, decode_like, dot_fp32, fp8_cache)
+    byte_cache = cache_dtype in BYTE_CACHE_DTYPES
+    block_m, tile_n, warps = tile_shape(group, head_dim, decode_like, dot_fp32, byte_cache)
     per_split = triton.cdiv(triton.cdiv(max_context, splits), tile_n) * tile_n
     return block_m, tile_n, warps, splits, per_split
 

@@ -45,6 +45,7 @@ import triton.language as tl
 from pagedserve.kernels.attention_launch import launch_shape, score_scales
 from pagedserve.kernels.dispatch import is_cuda, kernel_path
 from pagedserve.kernels.kv_fp8 import cache_bits, e4m3_to_float16, e4m3_to_float32, is_fp8
+from pagedserve.kernels.kv_q8 import is_q8, q8_scales
 from pagedserve.kernels.kv_splits import _fold_split, _normalised, merge_kv_splits
 from pagedserve.kernels.paged_attention_ref import _check, paged_attention_ref
 
@@ -69,16 +70,20 @@ def _find_sequence(query_start_loc_ptr, tile_id, n_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _dot_operand(tile, q, FP8_CACHE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _dot_operand(tile, scale_ptrs, mask, q, FP8_CACHE: tl.constexpr, Q8_CACHE: tl.constexpr,
+                 DOT_FP32: tl.constexpr):  # fmt: skip
     """A K or V tile as the dots take it: fp32, or the query's 16-bit type on a GPU (a cache of
     another 16-bit type is read as the query's). An fp8 cache's bytes are widened exactly
     (kv_fp8.py): to fp32, or to fp16 first for a 16-bit query (e4m3 values are exact in
-    either 16-bit type)."""
+    either 16-bit type). A q8_0 cache's int8 elements are scaled by their groups' scales, read
+    at ``scale_ptrs`` (kv_q8.py): exact in fp32, rounded to a 16-bit query's type."""
     if FP8_CACHE:
         if DOT_FP32:
             tile = e4m3_to_float32(tile)
         else:
             tile = e4m3_to_float16(tile)
+    if Q8_CACHE:
+        tile = tile.to(tl.float32) * q8_scales(scale_ptrs, mask)
     if DOT_FP32:
         tile = tile.to(tl.float32)
     else:
@@ -88,12 +93,12 @@ def _dot_operand(tile, q, FP8_CACHE: tl.constexpr, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _attend_range(
-    q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask, kv_lo, kv_hi,
-    read_lo, m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
+    q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, scale_off, d_mask,
+    kv_lo, kv_hi, read_lo, m_i, l_i, scale_log2, cap_inv, cap_log2, window, cache_block_stride,
     cache_slot_stride, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr, READ_FROM: tl.constexpr, KEY_LIMITS: tl.constexpr,
-    FP8_CACHE: tl.constexpr,
+    FP8_CACHE: tl.constexpr, Q8_CACHE: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of the tile's rows over KV positions ``kv_lo .. kv_hi - 1``, TILE_N
     at a time from ``kv_lo``, from the state ``(m_i, l_i)`` (-inf and 0, or a sink's) and a zero
@@ -109,12 +114,13 @@ def _attend_range(
             pos_valid = pos_valid & (pos >= read_lo)
         # Only this sequence's own block-table entries are read (padding never is).
         block = tl.load(block_row_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        kv_off = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
-        kv_off = kv_off[:, None] + head_off
+        row_off = (block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride)[:, None]
+        kv_off = row_off + head_off
         kv_mask = pos_valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0)
-        k = _dot_operand(k, q, FP8_CACHE, DOT_FP32)
+        scales_at = row_off + scale_off  # a q8_0 row's group scales (Q8_CACHE only)
+        k = _dot_operand(k, k_cache_ptr + scales_at, kv_mask, q, FP8_CACHE, Q8_CACHE, DOT_FP32)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -136,7 +142,8 @@ def _attend_range(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _dot_operand(v, q, FP8_CACHE, DOT_FP32)  # widened late: fewer live registers
+        # widened late: fewer live registers
+        v = _dot_operand(v, v_cache_ptr + scales_at, kv_mask, q, FP8_CACHE, Q8_CACHE, DOT_FP32)
         if DOT_FP32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -169,7 +176,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
     SINKS: tl.constexpr, FIXED_SPLITS: tl.constexpr, KEY_LIMITS: tl.constexpr,
-    FP8_CACHE: tl.constexpr,
+    FP8_CACHE: tl.constexpr, Q8_CACHE: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens x the GROUP query heads of one KV head, over one
     split of the KV positions (the whole sequence when there is one split). Rows of the
@@ -219,6 +226,7 @@ def _paged_attention_kernel(
         horizon = n_cached + q_tile * BLOCK_Q - window + 1  # the first row's (SLIDING)
         block_row_ptr = block_tables_ptr + seq * block_table_stride
         head_off = kv_head * cache_head_stride + dims[None, :]
+        scale_off = kv_head * cache_head_stride + head_dim + 2 * (dims[None, :] // 32)
         m_0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_0 = tl.zeros([BLOCK_M], tl.float32)
         sink = m_0
@@ -230,11 +238,12 @@ def _paged_attention_kernel(
             per = kv_positions_per_split
             if WRITE_PARTIAL:  # this program's split; _fold_kv_splits_kernel folds them
                 m_i, l_i, acc = _attend_range(
-                    q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
+                    q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off,
+                    scale_off, d_mask,
                     tl.maximum(split * per, walk_lo), tl.minimum(kv_end, split * per + per),
                     read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                     cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
-                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS, FP8_CACHE,
+                    DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS, FP8_CACHE, Q8_CACHE,
                 )  # fmt: skip
                 out, lse = _normalised(m_i, l_i, acc)
             else:  # every split in order, each folded as it ends
@@ -245,11 +254,12 @@ def _paged_attention_kernel(
                 for part in range(walk_lo // per, tl.cdiv(kv_end, per)):
                     m_i, l_i, acc = _attend_range(
                         q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off,
-                        d_mask,
+                        scale_off, d_mask,
                         tl.maximum(part * per, walk_lo), tl.minimum(kv_end, part * per + per),
                         read_lo, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
                         cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N,
                         BLOCK_SIZE, DOT_FP32, SLIDING, SOFT_CAP, SLIDING, KEY_LIMITS, FP8_CACHE,
+                        Q8_CACHE,
                     )  # fmt: skip
                     out_s, lse_s = _normalised(m_i, l_i, acc)
                     m_run, w_run, acc_run = _fold_split(m_run, w_run, acc_run, out_s, lse_s)
@@ -263,10 +273,11 @@ def _paged_attention_kernel(
                 m_0 = tl.where(split == 0, sink, m_0)
                 l_0 = tl.where(split == 0, 1.0, l_0)
             m_i, l_i, acc = _attend_range(
-                q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, d_mask,
-                kv_start, kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2, window,
+                q, q_pos, key_end, k_cache_ptr, v_cache_ptr, block_row_ptr, head_off, scale_off,
+                d_mask, kv_start, kv_stop, kv_start, m_0, l_0, scale_log2, cap_inv, cap_log2,
+                window,
                 cache_block_stride, cache_slot_stride, BLOCK_M, BLOCK_D, TILE_N, BLOCK_SIZE,
-                DOT_FP32, SLIDING, SOFT_CAP, False, KEY_LIMITS, FP8_CACHE,
+                DOT_FP32, SLIDING, SOFT_CAP, False, KEY_LIMITS, FP8_CACHE, Q8_CACHE,
             )  # fmt: skip
             out, lse = _normalised(m_i, l_i, acc)
         out_off = token[:, None] * out_token_stride + head[:, None] * out_head_stride
@@ -298,8 +309,8 @@ def paged_attention_triton(
     shapes alone (T // BLOCK_Q + B): no device-to-host sync, and tiles past a sequence's
     last token exit at once. ``num_kv_splits`` > 1 takes the flash-decoding path (partials +
     merge); by default chosen from shapes (1 under a window: splits cut absolute positions).
-    A windowed, capped, sinks, key-limited or fp8-cache layer is a variant of its own (constexpr
-    flags; a window's width is a runtime scalar). ``batch_invariant``: fixed splits."""
+    A windowed, capped, sinks, key-limited, fp8- or q8_0-cache layer is a variant of its own
+    (constexpr flags; a window's width is a runtime scalar). ``batch_invariant``: fixed splits."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks, key_limits)
     limits = None if key_limits is None else key_limits.contiguous()  # None: a constexpr
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -311,7 +322,7 @@ def paged_attention_triton(
     dot_fp32 = query.dtype == torch.float32 or not is_cuda(query)
     block_m, tile_n, num_warps, splits, per_split = launch_shape(
         query, n_kv_heads, block_tables.shape[1] * block_size, n_tokens == n_seqs,
-        sliding_window is not None, num_kv_splits, batch_invariant, is_fp8(k_cache),
+        sliding_window is not None, num_kv_splits, batch_invariant, k_cache.dtype,
     )  # fmt: skip
     block_q = block_m // group
     out = torch.zeros_like(query)
@@ -333,7 +344,7 @@ def paged_attention_triton(
         TILE_N=tile_n, BLOCK_SIZE=block_size, DOT_FP32=dot_fp32, WRITE_PARTIAL=splits > 1,
         SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
         SINKS=sinks is not None, FIXED_SPLITS=batch_invariant, KEY_LIMITS=key_limits is not None,
-        FP8_CACHE=is_fp8(k_cache), num_warps=num_warps,
+        FP8_CACHE=is_fp8(k_cache), Q8_CACHE=is_q8(k_cache), num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         merge_kv_splits(target, lse, out, in_order=batch_invariant, sinks=sinks)

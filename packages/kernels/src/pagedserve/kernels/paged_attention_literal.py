@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.kv_q8 import widened
+
 
 def paged_attention_literal(
     query: torch.Tensor,
@@ -43,8 +45,8 @@ def paged_attention_literal(
         # Key position p of sequence b lives in slot block_tables[b, p // bs] * bs + p % bs.
         pos = torch.arange(first, seq_len, device=query.device)
         blocks = block_tables[b, pos // block_size].long()
-        keys = k_cache[blocks, pos % block_size].float()  # [seq_len, Hkv, D]
-        values = v_cache[blocks, pos % block_size].float()
+        keys = widened(k_cache[blocks, pos % block_size])  # fp32 [seq_len, Hkv, D]
+        values = widened(v_cache[blocks, pos % block_size])
         keys = keys.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         # New token j sits at position seq_len - q_len + j and sees positions <= its own.

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.kv_q8 import dequantize_rows, head_dim_of, is_q8
+
 
 def _check(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks=None, key_limits=None
@@ -26,10 +28,10 @@ def _check(
         )
     n_q_heads, head_dim = query.shape[1:]
     n_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or n_q_heads % n_kv_heads:
+    if head_dim_of(k_cache) != head_dim or n_q_heads % n_kv_heads:
         raise ValueError(
             f"paged_attention: Hq={n_q_heads}, D={head_dim} incompatible with cache "
-            f"Hkv={n_kv_heads}, D={k_cache.shape[3]} (need same D and Hq % Hkv == 0)"
+            f"Hkv={n_kv_heads}, D={head_dim_of(k_cache)} (need same D and Hq % Hkv == 0)"
         )
     n_seqs = seq_lens.shape[0]
     if query_start_loc.shape != (n_seqs + 1,) or block_tables.dim() != 2:
@@ -77,7 +79,7 @@ def _gather_kv(
     copy the whole cache first), then one transposing copy into the layout the batched
     matmuls read.
     """
-    block_size, n_kv_heads, head_dim = cache.shape[1:]
+    block_size, n_kv_heads, width = cache.shape[1:]
     lens = seq_lens.long() if first is None else seq_lens.long() - first.long()
     n_seqs, max_len = seq_lens.shape[0], int(lens.max())
     pos = torch.arange(max_len, device=cache.device)
@@ -85,9 +87,12 @@ def _gather_kv(
     if first is not None:
         pos = pos + first.long()[:, None]
     slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-    rows = cache.view(-1, n_kv_heads * head_dim).index_select(0, slots.flatten())
-    kv = torch.empty(n_kv_heads, n_seqs, max_len, head_dim, device=cache.device)
-    return kv.copy_(rows.view(n_seqs, max_len, n_kv_heads, head_dim).permute(2, 0, 1, 3))
+    rows = cache.view(-1, n_kv_heads * width).index_select(0, slots.flatten())
+    rows = rows.view(n_seqs, max_len, n_kv_heads, width)
+    if is_q8(rows):  # q8_0 rows: their elements times their groups' scales (kv_q8.py)
+        rows = dequantize_rows(rows)
+    kv = torch.empty(n_kv_heads, n_seqs, max_len, rows.shape[-1], device=cache.device)
+    return kv.copy_(rows.permute(2, 0, 1, 3))
 
 
 def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:

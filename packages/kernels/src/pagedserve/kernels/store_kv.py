@@ -3,7 +3,8 @@
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token t goes to slot
 ``s = slot_mapping[t] = block_id * block_size + offset``, i.e. row ``s`` of the cache viewed
 as ``[num_blocks * block_size, Hkv, D]``. A slot of -1 is padding and is skipped. A cache of another dtype than the keys' takes them
-rounded to its own (an fp8 cache: saturated at ±448, kv_fp8.py).
+rounded to its own (an fp8 cache: saturated at ±448, kv_fp8.py; a q8_0 cache: rows of int8
+groups and their scales, kv_q8.py).
 Invariant: the valid slots of one call are distinct (the block manager never maps two new
 tokens to one slot), so the order of the writes does not matter.
 """
@@ -16,6 +17,7 @@ import triton.language as tl
 
 from pagedserve.kernels.dispatch import kernel_path
 from pagedserve.kernels.kv_fp8 import cache_bits, float32_to_e4m3, is_fp8, to_e4m3_bits
+from pagedserve.kernels.kv_q8 import head_dim_of, is_q8, quantize_q8, quantize_rows
 
 
 @triton.jit
@@ -23,7 +25,7 @@ def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     key_token_stride, key_head_stride, value_token_stride, value_head_stride,
     cache_slot_stride, cache_head_stride, n_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, Q8: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -40,6 +42,16 @@ def _store_kv_kernel(
     )
     if FP8:  # the caches' bytes (kv_fp8.py)
         k, v = float32_to_e4m3(k), float32_to_e4m3(v)
+    if Q8:  # int8 elements, then each group's fp16 scale after the row's (kv_q8.py)
+        k, k_scales = quantize_q8(k, BLOCK_H, BLOCK_D)
+        v, v_scales = quantize_q8(v, BLOCK_H, BLOCK_D)
+        groups = tl.arange(0, BLOCK_D // 32)[None, :]
+        at = safe_slot * cache_slot_stride + heads * cache_head_stride + head_dim + 2 * groups
+        in_row = (heads < n_heads) & (groups < head_dim // 32) & ((heads * 0 + slot) >= 0)
+        tl.store(k_cache_ptr + at, (k_scales & 0xFF).to(tl.int8), mask=in_row)
+        tl.store(k_cache_ptr + at + 1, (k_scales >> 8).to(tl.int8), mask=in_row)
+        tl.store(v_cache_ptr + at, (v_scales & 0xFF).to(tl.int8), mask=in_row)
+        tl.store(v_cache_ptr + at + 1, (v_scales >> 8).to(tl.int8), mask=in_row)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -65,14 +77,15 @@ def store_kv_triton(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2), n_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=is_fp8(k_cache),
+        FP8=is_fp8(k_cache), Q8=is_q8(k_cache),
     )  # fmt: skip
 
 
 def _check(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(f"store_kv: key {tuple(key.shape)} / value {tuple(value.shape)}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
+    held = (k_cache.shape[2], head_dim_of(k_cache))
+    if k_cache.shape != v_cache.shape or held != tuple(key.shape[1:]):
         raise ValueError(
             f"store_kv: caches {tuple(k_cache.shape)} do not hold [*, *, Hkv, D] = "
             f"[*, *, {key.shape[1]}, {key.shape[2]}]"
@@ -96,10 +109,14 @@ def store_kv_ref(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    n_heads, head_dim = key.shape[1:]
     for cache, new in ((k_cache, key), (v_cache, value)):
-        new = to_e4m3_bits(new) if is_fp8(cache) else new.to(cache.dtype)
-        cache_bits(cache).view(-1, n_heads, head_dim).index_copy_(0, slots, new)
+        if is_fp8(cache):
+            new = to_e4m3_bits(new)
+        elif is_q8(cache):
+            new = quantize_rows(new)
+        else:
+            new = new.to(cache.dtype)
+        cache_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
 
 
 def store_kv(

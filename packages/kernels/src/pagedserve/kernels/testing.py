@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.kv_q8 import Q8_CACHE_DTYPE, dequantize_rows, quantize_rows, row_width
+
 
 @dataclass
 class PagedBatch:
@@ -63,7 +65,7 @@ def make_paged_batch(
     blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
     order = torch.randperm(sum(blocks_per_seq) + spare_blocks, generator=gen)
     shape = (len(order), block_size, n_kv_heads, head_dim)
-    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=cache_dtype) for _ in range(2))
+    k_cache, v_cache = (_nan_cache(shape, cache_dtype) for _ in range(2))
     block_tables = torch.full((len(seqs), max(blocks_per_seq, default=0) + 1), pad_value)
     keys, values, queries, starts, next_block = [], [], [0], [], 0
     for b, (seq_len, q_len) in enumerate(seqs):
@@ -75,12 +77,12 @@ def make_paged_batch(
         if sliding_window is not None:  # positions < horizon are out of every window
             horizon = max(0, seq_len - q_len - sliding_window + 1)
             block_tables[b, : horizon // block_size] = order[-1]
-        k = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(cache_dtype)
-        v = torch.randn(seq_len, n_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        k = _as_stored(torch.randn(seq_len, n_kv_heads, head_dim, generator=gen), cache_dtype)
+        v = _as_stored(torch.randn(seq_len, n_kv_heads, head_dim, generator=gen), cache_dtype)
         pos = torch.arange(seq_len)
         k_cache[blocks[pos // block_size], pos % block_size] = k
         v_cache[blocks[pos // block_size], pos % block_size] = v
-        keys, values = keys + [k], values + [v]
+        keys, values = keys + [_held(k)], values + [_held(v)]
         starts.append(torch.randn(q_len, n_q_heads, head_dim, generator=gen).to(dtype))
         queries.append(queries[-1] + q_len)
     query = torch.cat(starts) if starts else torch.empty(0, n_q_heads, head_dim, dtype=dtype)
@@ -95,6 +97,24 @@ def make_paged_batch(
         keys=[k.to(device) for k in keys],
         values=[v.to(device) for v in values],
     )
+
+
+def _nan_cache(shape: tuple[int, ...], cache_dtype: torch.dtype) -> torch.Tensor:
+    """A cache whose every element reads as NaN: q8_0 rows with NaN scales (kv_q8.py)."""
+    if cache_dtype != Q8_CACHE_DTYPE:
+        return torch.full(shape, float("nan"), dtype=cache_dtype)
+    cache = torch.zeros(*shape[:-1], row_width(shape[-1]), dtype=Q8_CACHE_DTYPE)
+    cache[..., shape[-1] + 1 :: 2] = 0x7E  # each scale's high byte: fp16 NaN, 0x7e00
+    return cache
+
+
+def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    return quantize_rows(x) if cache_dtype == Q8_CACHE_DTYPE else x.to(cache_dtype)
+
+
+def _held(stored: torch.Tensor) -> torch.Tensor:
+    """The values stored rows hold: q8_0 rows dequantized, others as they are."""
+    return dequantize_rows(stored) if stored.dtype == Q8_CACHE_DTYPE else stored
 
 
 # Byte offsets of the fp16 fields (scales, mins) in one block of each GGUF block type.

@@ -45,6 +45,7 @@ import triton
 
 from pagedserve.kernels.attention_launch import kv_split_count
 from pagedserve.kernels.dispatch import is_cuda, multi_processor_count, use_triton
+from pagedserve.kernels.kv_q8 import zeros_cache
 from pagedserve.kernels.mla_decode import mla_paged_decode_triton, mla_tile_shape
 from pagedserve.kernels.paged_attention import paged_attention_triton
 
@@ -87,10 +88,8 @@ def paged_attention_warmup(
         return 0
     max_blocks = triton.cdiv(max_model_len, block_size)
     splits = reachable_kv_splits(n_kv_heads, max_blocks * block_size, multi_processor_count(probe))
-    caches = [
-        torch.zeros(2, block_size, n_kv_heads, head_dim, dtype=cache_dtype or dtype, device=device)
-        for _ in range(2)
-    ]
+    shape = (2, block_size, n_kv_heads, head_dim)
+    caches = [zeros_cache(shape, cache_dtype or dtype, device) for _ in range(2)]
     block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     seq_lens = torch.full((1,), 2, dtype=torch.int32, device=device)
     windows = {w for w in layer_windows if w is not None}

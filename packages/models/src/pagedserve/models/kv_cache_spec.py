@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.kv_q8 import Q8_CACHE_DTYPE, row_width
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.parallel import kv_heads_per_rank
 from pagedserve.models.pipeline import PipelineStage
@@ -37,13 +38,21 @@ class KVCacheSpec:
         """One tensor per layer: MLA's latent cache (``kv_caches[i] == (latent_cache,)``)."""
         return self.tensors_per_layer == 1
 
-    def block_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        return (num_blocks, block_size, self.num_kv_heads, self.head_size)
+    def block_shape(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
+    ) -> tuple[int, int, int, int]:
+        """A cache tensor's shape; its last dimension a head's row (q8_0: with its scales)."""
+        return (num_blocks, block_size, self.num_kv_heads, self.row_elements(dtype))
+
+    def row_elements(self, dtype: torch.dtype | None) -> int:
+        """Elements of one head's row: ``head_size``, or a q8_0 row's bytes (kernels/kv_q8.py:
+        int8 elements, then a 2-byte scale per 32)."""
+        return row_width(self.head_size) if dtype == Q8_CACHE_DTYPE else self.head_size
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes one token takes, across every layer and tensor."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        per_layer = self.tensors_per_layer * self.num_kv_heads * self.head_size
+        per_layer = self.tensors_per_layer * self.num_kv_heads * self.row_elements(dtype)
         return self.num_layers * per_layer * element_size
 
 

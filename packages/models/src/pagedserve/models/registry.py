@@ -80,7 +80,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         gguf="qwen2", cpu_fused=True, **_LLAMA_LIKE,
     ),
     "Qwen3ForCausalLM": Architecture(
-        "llama", "Qwen3 (dense)", "per-head q/k RMSNorm", gguf="qwen3", **_LLAMA_LIKE
+        "llama", "Qwen3 (dense)", "per-head q/k RMSNorm", gguf="qwen3", cpu_fused=True,
+        **_LLAMA_LIKE,
     ),
     "Gemma2ForCausalLM": Architecture(
         "gemma",
@@ -107,8 +108,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe",
         "Qwen3-30B-A3B, Qwen3-235B-A22B",
-        "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel" + _INT4_EXPERTS,
-        gguf="qwen3moe", quantized=INT4, pipeline_parallel=True,
+        "top-8 of 128 experts (norm_topk_prob), q/k RMSNorm; fused MoE kernel" + _INT4_EXPERTS
+        + "; CPU fused: its dense layers (mlp_only_layers) only",
+        gguf="qwen3moe", quantized=INT4, pipeline_parallel=True, cpu_fused=True,
     ),
     "Qwen2MoeForCausalLM": Architecture(
         "qwen2_moe",

@@ -26,16 +26,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.kernels.kv_q8 import row_width
+
 MAGIC = b"PSKV"
 VERSION = 1
 HEADER = struct.Struct("<4sH16s8s4I32sQ16s")
 KEY_BYTES = 32
-_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8e4m3": 1}
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8e4m3": 1, "q8_0": 1}
 
 
 def record_dtype_name(dtype: torch.dtype) -> str:
     """The cache dtype's name in a record's header (8 bytes at most: fp8 is ``fp8e4m3``)."""
-    name = "fp8e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
+    names = {torch.float8_e4m3fn: "fp8e4m3", torch.int8: "q8_0"}
+    name = names.get(dtype) or str(dtype).removeprefix("torch.")
     if name not in _ELEMENT_BYTES:
         raise ValueError(f"KV blocks of dtype {dtype} cannot be saved or sent")
     return name
@@ -69,7 +72,8 @@ class BlockLayout:
     @property
     def payload_bytes(self) -> int:
         """Bytes of one block: keys and values of every layer."""
-        elements = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+        row = row_width(self.head_dim) if self.cache_dtype == "q8_0" else self.head_dim
+        elements = 2 * self.num_layers * self.block_size * self.num_kv_heads * row
         return elements * _ELEMENT_BYTES[self.cache_dtype]
 
     def tag(self) -> str:

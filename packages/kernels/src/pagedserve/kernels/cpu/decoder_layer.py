@@ -10,6 +10,7 @@ same kernels run from one compiled function, so the layer costs one call's dispa
 
     h, r  = rms_norm(x + residual)                      (layer_ops_numba._rms_norm_kernel)
     q,k,v = split(h @ W_qkv.T + b_qkv)                  (dense_linear or gguf_linear kernels)
+    q, k  = rms_norm(q), rms_norm(k), per head          (Qwen3's q/k norms, where it has them)
     q, k  = rotary(q, k);  cache[slots] = k, v          (layer_ops_numba)
     a     = paged_attention(q, cache, the step's plan)  (paged_attention_numba kernels)
     h, r  = rms_norm(a @ W_o.T + r)
@@ -29,8 +30,8 @@ quantized at load (int8, fp8: one-byte rows and their per-feature scales, as
 ``WeightOnly8BitLinearMethod`` holds them): ``project`` picks the
 GEMM by the weights' numba type when the layer compiles, so each kind is its own signature and
 a dense model's code is as it was. Only the layer :func:`supports` takes this path: the caller
-(the model) checks the rest (fp32, GGUF or 8-bit weights without other quantization or
-LoRA, one rank, no per-head norms). The compiled function
+(the model) checks the rest (fp32, GGUF, 8-bit or 4-bit-group weights without other
+quantization or LoRA, one rank). The compiled function
 carries the code of every kernel it calls: numba_cache.py stamps the disk cache with all the
 package's numba files, so an edit to any of them recompiles this one too.
 """
@@ -60,6 +61,7 @@ from pagedserve.kernels.cpu.layer_ops import (
 from pagedserve.kernels.cpu.paged_attention import NO_SINKS, launch_attention
 from pagedserve.kernels.cpu.paged_attention_plan import StepPlan
 from pagedserve.kernels.cpu.threads import follow_torch_threads
+from pagedserve.kernels.kv_q8 import zeros_cache
 
 
 def project(x, weight, threads, batch_invariant):  # pragma: no cover - compiled
@@ -100,8 +102,18 @@ def _qkv_heads(qkv, n_heads, n_kv_heads, head_dim):
 
 
 @numba.njit(cache=True)
-def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias, heads,
-                   rotary, cache, attention, threads, batch_invariant):  # fmt: skip  # pragma: no cover
+def _head_norm(x, weight, eps):  # pragma: no cover - compiled
+    """Each head's row of ``x [T, H, D]`` RMS-normalised (Qwen3's q/k norms): the kernel the
+    modules' ``rms_norm`` runs, over the same rows."""
+    rows = x.reshape(-1, x.shape[2])
+    out = np.empty_like(rows)
+    _rms_norm_kernel(rows, rows, weight, eps, out, rows, False)
+    return out.reshape(x.shape)
+
+
+@numba.njit(cache=True)
+def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias, heads, rotary,
+                   cache, attention, threads, batch_invariant, head_norms):  # fmt: skip  # pragma: no cover
     """One layer (see the module docstring); returns (the MLP's output, the new residual).
 
     ``norms``: (input, post-attention) RMSNorm weights; ``eps``: theirs; ``weights``: (qkv,
@@ -111,7 +123,8 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     none, the fused layers are of models without them; the layout carries the step's key
     limits, where it has them, as the modules' attention reads them: ``StepPlan``);
     ``batch_invariant``: the GEMMs' loop
-    (``project``)."""
+    (``project``); ``head_norms``: (q weight, k weight, q eps, k eps), the weights empty for a
+    model without per-head norms."""
     w_qkv, w_o, w_gate_up, w_down = weights
     normed = np.empty_like(hidden)
     if has_residual:
@@ -125,6 +138,9 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
         for t in range(qkv.shape[0]):
             qkv[t] += qkv_bias
     q, k, v = _qkv_heads(qkv, heads[0], heads[1], heads[2])
+    if head_norms[0].shape[0]:
+        q = _head_norm(q, head_norms[0], head_norms[2])
+        k = _head_norm(k, head_norms[1], head_norms[3])
     positions, cos_sin, is_neox = rotary
     _rotate(q, positions, cos_sin, is_neox)
     _rotate(k, positions, cos_sin, is_neox)
@@ -140,6 +156,9 @@ def _decoder_layer(hidden, residual, has_residual, norms, eps, weights, qkv_bias
     return project(activated, w_down, threads, batch_invariant), summed2
 
 
+_NO_NORM = np.empty(0, np.float32)
+
+
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One layer's weights and constants as the fused kernel reads them: numpy views of the
@@ -148,7 +167,8 @@ class DecoderLayerWeights:
     ``norms``: the input and post-attention RMSNorm weights, ``eps`` theirs; ``linears``: the
     (qkv, o, gate_up, down) weights, ``[out, in]`` contiguous; ``qkv_bias``: empty for none;
     ``heads``: (query heads, KV heads, head dim); ``cos_sin``: the rotary cache; ``window``: the
-    sliding window or 0; ``cap``: the scores' soft cap or 0. A quantized projection is
+    sliding window or 0; ``cap``: the scores' soft cap or 0; ``head_norms``: the per-head q and
+    k RMSNorm weights and their eps (Qwen3; empty weights for none). A quantized projection is
     ``(rows, types, scales, lanes, order)``: ``PARTS`` uint8 row blocks (empty ones padding),
     their type ids (ggml's, or the rows' pagedserve writes of cpu/gguf_blocks.py), their
     per-feature scales (empty: none), the decoders' ``LANES`` as data (``gguf_parts_compiled``
@@ -167,6 +187,7 @@ class DecoderLayerWeights:
     window: int
     cap: np.float32
     batch_invariant: bool = False
+    head_norms: tuple = (_NO_NORM, _NO_NORM, np.float32(0), np.float32(0))
 
     @property
     def reads_blocks(self) -> bool:
@@ -184,11 +205,12 @@ class DecoderLayerWeights:
         rotary: tuple[torch.Tensor, bool],
         attention: tuple[float, int | None, float | None],
         batch_invariant: bool = False,
+        head_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
     ) -> DecoderLayerWeights:
         """From the modules' tensors: ``linears`` fp32 weights, or quantized projections as
         lists of ``(uint8 rows, type id[, scales])`` parts (``_projection``); ``rotary``
         (cos/sin cache, neox?), ``attention`` (scale, sliding window or None, soft cap or
-        None)."""
+        None), ``head_norms`` ((q weight, eps), (k weight, eps)) or None."""
         (norm_in, eps_in), (norm_post, eps_post) = norms
         scale, window, cap = attention
         return cls(
@@ -203,14 +225,21 @@ class DecoderLayerWeights:
             window or 0,
             np.float32(cap or 0.0),
             batch_invariant,
+            *(() if head_norms is None else (_head_norm_weights(*head_norms),)),
         )
+
+
+def _head_norm_weights(q_norm: tuple[torch.Tensor, float], k_norm: tuple[torch.Tensor, float]):
+    (q_weight, q_eps), (k_weight, k_eps) = q_norm, k_norm
+    return (q_weight.detach().numpy(), k_weight.detach().numpy(), np.float32(q_eps),
+            np.float32(k_eps))  # fmt: skip
 
 
 def supports(
     hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: StepPlan
 ) -> bool:
     """Whether a step can take this path: fp32 CPU rows (at most the decode GEMM's
-    ``MAX_ROWS``), contiguous fp32, fp16 or bf16 caches, and every sequence in the attention
+    ``MAX_ROWS``), contiguous fp32, fp16, bf16 or fp8 caches, and every sequence in the attention
     plan's work items (none long enough for SDPA's prefill)."""
     return (
         hidden.dtype is torch.float32
@@ -241,7 +270,7 @@ def decoder_layer_numba(
         (cache_as_numpy(kv_cache[0]), cache_as_numpy(kv_cache[1]), _int64(slot_mapping)),
         (plan.layout, plan.work, plan.merges, plan.parallel, layer.scale, layer.window, layer.cap,
          NO_SINKS),
-        follow_torch_threads(), layer.batch_invariant,
+        follow_torch_threads(), layer.batch_invariant, layer.head_norms,
     )  # fmt: skip
     return torch.from_numpy(out), torch.from_numpy(summed)
 
@@ -283,10 +312,10 @@ def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,), gguf: bool
     attention's serial and parallel kernels sit behind its branches and compile with it."""
     from pagedserve.kernels.cpu.paged_attention_plan import step_plan
 
-    hidden, head_dim = 32, 16
+    hidden, head_dim = 32, 32  # a head of one q8_0 group
     shapes = (
-        (4 * head_dim, hidden),
-        (hidden, 2 * head_dim),
+        (3 * head_dim, hidden),
+        (hidden, head_dim),
         (2 * hidden, hidden),
         (hidden, hidden),
     )
@@ -296,7 +325,7 @@ def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,), gguf: bool
         linears = tuple(torch.zeros(n, k) for n, k in shapes)
     weights = DecoderLayerWeights.of(
         ((torch.ones(hidden), 1e-6), (torch.ones(hidden), 1e-6)), linears,
-        None, (2, 1, head_dim), (torch.zeros(4, head_dim), True), (1.0, None, None),
+        None, (1, 1, head_dim), (torch.zeros(4, head_dim), True), (1.0, None, None),
     )  # fmt: skip
     one = torch.zeros(1, dtype=torch.int64)
     plan = step_plan(
@@ -305,5 +334,5 @@ def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,), gguf: bool
     )  # fmt: skip
     for dtype in cache_dtypes:
         if dtype in CACHE_DTYPES:
-            cache = tuple(torch.zeros(2, 4, 1, head_dim, dtype=dtype) for _ in range(2))
+            cache = tuple(zeros_cache((2, 4, 1, head_dim), dtype) for _ in range(2))
             decoder_layer_numba(torch.zeros(1, hidden), None, weights, one, cache, one, plan)

@@ -217,6 +217,6 @@ def cache_as_numpy(cache: torch.Tensor) -> np.ndarray:
         return cache.view(torch.uint16).numpy()
     if cache.dtype == torch.float8_e4m3fn:
         return cache.view(torch.uint8).numpy()
-    if cache.dtype == torch.float32:
+    if cache.dtype in (torch.float32, torch.int8):  # int8: q8_0 rows (kv_q8.py)
         return cache.numpy()
     raise ValueError(f"numba kernels: unsupported KV cache dtype {cache.dtype}")

@@ -33,8 +33,10 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu.cache_rows import write_row
 from pagedserve.kernels.cpu.fast_exp import exp_f32
-from pagedserve.kernels.cpu.half import cache_as_numpy, to_cache_element
+from pagedserve.kernels.cpu.half import cache_as_numpy
+from pagedserve.kernels.kv_q8 import zeros_cache
 
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -87,7 +89,7 @@ def _rotary_kernel(positions, query, key, cos_sin, is_neox):
 def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping):
     """fp32 ``key``/``value`` rows into the caches' slots, rounded to a narrower cache's element
     (uint16: fp16 bits, int16: bf16 bits, as torch's ``.to()`` rounds; uint8: fp8 e4m3 bits,
-    saturated as kv_fp8.py says)."""
+    saturated as kv_fp8.py says; int8: q8_0 rows, kv_q8.py)."""
     block_size = k_cache.shape[1]
     for t in range(key.shape[0]):
         slot = slot_mapping[t]
@@ -96,9 +98,8 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping):
         keys = k_cache[slot // block_size, slot % block_size]
         values = v_cache[slot // block_size, slot % block_size]
         for h in range(key.shape[1]):
-            for d in range(key.shape[2]):
-                keys[h, d] = to_cache_element(key[t, h, d], k_cache)
-                values[h, d] = to_cache_element(value[t, h, d], v_cache)
+            write_row(keys[h], key[t, h], k_cache)
+            write_row(values[h], value[t, h], v_cache)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
@@ -121,8 +122,8 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# what the KV store writes
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+# what the KV store writes (int8: q8_0 rows, kv_q8.py)
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 
 
 def supports_caches(*caches: torch.Tensor) -> bool:
@@ -204,18 +205,19 @@ def warm_up(cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Compile (or load from disk) each kernel for the layouts a decoder layer passes: rows
     and views of a fused qkv output, int64 and int32 positions and slots, caches of these
     dtypes."""
-    x = torch.zeros(2, 8)
+    d = 32  # a head: one q8_0 group
+    x = torch.zeros(2, d)
     silu_and_mul_numba(x)
-    rms_norm_numba(x, torch.ones(8), 1e-6)
-    rms_norm_numba(x, torch.ones(8), 1e-6, x.clone())
-    qkv = torch.zeros(2, 4 * 8)
-    q, k, v = qkv.split([2 * 8, 8, 8], dim=-1)
-    q, k, v = q.view(2, 2, 8), k.view(2, 1, 8), v.contiguous().view(2, 1, 8)
+    rms_norm_numba(x, torch.ones(d), 1e-6)
+    rms_norm_numba(x, torch.ones(d), 1e-6, x.clone())
+    qkv = torch.zeros(2, 4 * d)
+    q, k, v = qkv.split([2 * d, d, d], dim=-1)
+    q, k, v = q.view(2, 2, d), k.view(2, 1, d), v.contiguous().view(2, 1, d)
     for index in (torch.int64, torch.int32):
         positions = torch.tensor([0, 1], dtype=index)
-        rotary_embedding_numba(positions, q, k, torch.zeros(4, 8))
-        rotary_embedding_numba(positions, q.contiguous(), k.contiguous(), torch.zeros(4, 8))
+        rotary_embedding_numba(positions, q, k, torch.zeros(4, d))
+        rotary_embedding_numba(positions, q.contiguous(), k.contiguous(), torch.zeros(4, d))
         for dtype in cache_dtypes:
-            cache = torch.zeros(2, 4, 1, 8, dtype=dtype)
+            cache = zeros_cache((2, 4, 1, d), dtype)
             store_kv_numba(k, v, cache, cache.clone(), positions)
             store_kv_numba(k.contiguous(), v, cache, cache.clone(), positions)

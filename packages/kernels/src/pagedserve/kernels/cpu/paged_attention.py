@@ -52,6 +52,7 @@ from pagedserve.kernels.cpu.paged_attention_plan import (
     step_plan,
 )
 from pagedserve.kernels.cpu.paged_attention_tile import _FASTMATH, _attend_tile
+from pagedserve.kernels.kv_q8 import zeros_cache
 from pagedserve.kernels.paged_attention_ref import _check, _prefill_ref
 
 # paged_attention_cpu sends a sequence with more new tokens than this to SDPA's flash kernel
@@ -286,9 +287,9 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     one-block batch holding a prefill chunk and a decode: the planners, and both the parallel
     and the serial kernel, whatever the thread count."""
     for dtype in dtypes:
-        cache = torch.zeros(2, 8, 1, 8, dtype=dtype)
+        cache = zeros_cache((2, 8, 1, 32), dtype)  # a head of one q8_0 group
         args = (
-            torch.zeros(3, 2, 8, dtype=dtype), cache, cache.clone(),
+            torch.zeros(3, 2, 32), cache, cache.clone(),
             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
             torch.tensor([0, 2, 3], dtype=torch.int32), 1.0,
         )  # fmt: skip

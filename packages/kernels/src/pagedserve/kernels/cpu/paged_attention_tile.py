@@ -3,7 +3,7 @@ new tokens of one work item (cpu/paged_attention.py has the contract, the work i
 their launch).
 
 For a tile, :func:`_score_tile` dots every query row with the tile's K rows (read in place
-through the block table), :func:`_online_softmax` turns a row's scores into probabilities
+through the block table, in whatever the cache holds: cpu/cache_rows.py), :func:`_online_softmax` turns a row's scores into probabilities
 rescaled to its running max, and :func:`_accumulate_tile` adds the probability-weighted V rows
 into the row's accumulator; :func:`_attend_tile` walks a KV range tile by tile. A row is
 (token, KV head, query head in the KV head's group), the last fastest, so each K and V row is
@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.cpu.half import to_float32
+from pagedserve.kernels.cpu.cache_rows import add_four_rows, add_weighted_row, dot_row
 from pagedserve.kernels.cpu.paged_attention_plan import TILE_N
 
 # Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
@@ -32,7 +32,7 @@ def _score_tile(q, k_cache, block_table, start, n, group, s, skip):
     tile's token ``r // Hq``. Each position's K rows (all KV heads, contiguous in the block)
     are read in place, each once for its group of query heads. Loops, not ``%``/``//`` per
     row: an integer division costs more than the 64-wide dot product it would index."""
-    block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[1]
     n_tokens = q.shape[0] // (n_kv_heads * group)
     for j in range(skip, n):
         pos = start + j
@@ -42,10 +42,7 @@ def _score_tile(q, k_cache, block_table, start, n, group, s, skip):
             for h in range(n_kv_heads):
                 key = keys[h]
                 for _ in range(group):
-                    dot = np.float32(0.0)
-                    for d in range(head_dim):
-                        dot += q[r, d] * to_float32(key[d])
-                    s[r, j] = dot
+                    s[r, j] = dot_row(q, r, key, head_dim)
                     r += 1
 
 
@@ -55,7 +52,7 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
     probability is exactly 0 at a position (past its own) skips that V row. Positions go four
     at a time where a row weighs all four (every decode row): one pass over ``acc[r]`` adds
     four V rows, a quarter of the loads and stores of ``acc`` (the loop is store-bound)."""
-    block_size, n_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    block_size, n_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], acc.shape[1]
     n_tokens = p.shape[0] // (n_kv_heads * group)
     for j in range(0, n - n % 4, 4):
         pos = start + j
@@ -70,10 +67,7 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
                 for _ in range(group):
                     w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
                     if w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0:
-                        for d in range(head_dim):
-                            acc[r, d] += (w0 * to_float32(v0[d]) + w1 * to_float32(v1[d])) + (
-                                w2 * to_float32(v2[d]) + w3 * to_float32(v3[d])
-                            )
+                        add_four_rows(acc, r, w0, w1, w2, w3, v0, v1, v2, v3, head_dim)
                     else:
                         _add_weighted(acc, r, w0, v0)
                         _add_weighted(acc, r, w1, v1)
@@ -97,8 +91,7 @@ def _add_weighted(acc, r, weight, value):
     row's own), so that an inf or NaN there cannot reach the row, as the reference's mask
     keeps it out."""
     if weight != 0:
-        for d in range(acc.shape[1]):
-            acc[r, d] += weight * to_float32(value[d])
+        add_weighted_row(acc, r, weight, value, acc.shape[1])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
