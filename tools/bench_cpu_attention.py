@@ -11,6 +11,9 @@ block size 16, shuffled block tables, seed 0):
 - crossover: one sequence, q_len 1..128 new tokens over 200 and 1,000 positions, numba vs
   SDPA: where ``paged_attention_cpu`` switches (``NUMBA_MAX_Q_LEN``).
 
+``--cache-dtypes float16 fp8 q8_0``: the decode rows again over caches of those dtypes, each
+with its ratio to the fp32 cache's time on the same sequences.
+
 Each figure is the best of ``--repeats`` calls, after a warm-up call. numba uses
 ``min(torch threads, NUMBA_NUM_THREADS)`` threads: set both, e.g.
 
@@ -83,6 +86,29 @@ def decode_rows(repeats: int) -> list[str]:
     return lines
 
 
+CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                "fp8": torch.float8_e4m3fn, "q8_0": torch.int8}  # fmt: skip
+
+
+def cache_dtype_rows(names: list[str], repeats: int) -> list[str]:
+    """The numba decode over caches of other dtypes (``--kv-cache-dtype``), each against the
+    fp32 cache's time on the same batch (the same sequences, the values rounded to the cache)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for n_seqs in (1, 16, 64):
+        seqs = [(n, 1) for n in rng.integers(300, 1001, n_seqs).tolist()]
+        fp32 = best_of(
+            paged_attention_numba, make_paged_batch(seqs, *HEADS, BLOCK_SIZE).args(), repeats
+        )
+        cells = [f"fp32 {fp32 * 1e3:7.3f} ms"]
+        for name in names:
+            batch = make_paged_batch(seqs, *HEADS, BLOCK_SIZE, cache_dtype=CACHE_DTYPES[name])
+            took = best_of(paged_attention_numba, batch.args(), repeats)
+            cells.append(f"{name} {took * 1e3:7.3f} ms ({took / fp32:4.2f}x)")
+        lines.append(f"decode {n_seqs:>3} seqs   " + "   ".join(cells))
+    return lines
+
+
 def prefill_rows(repeats: int) -> list[str]:
     lines = []
     for seq_len, q_len in ((2000, 2000), (2000, 512)):
@@ -121,9 +147,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument(
+        "--cache-dtypes", nargs="*", default=[], choices=list(CACHE_DTYPES),
+        help="also time the decode over these KV cache dtypes, against fp32's",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    warm_up()
+    warm_up((torch.float32, *(CACHE_DTYPES[n] for n in args.cache_dtypes)))
     import numba
 
     print(
@@ -132,7 +162,8 @@ def main() -> None:
         f"({min(args.threads, numba.config.NUMBA_NUM_THREADS)} threads, "
         f"{numba.threading_layer()} layer); Hq/Hkv/D {HEADS}, block {BLOCK_SIZE}, fp32"
     )
-    rows = decode_rows(args.repeats) + prefill_rows(args.repeats)
+    rows = decode_rows(args.repeats) + cache_dtype_rows(args.cache_dtypes, args.repeats)
+    rows += prefill_rows(args.repeats)
     if not args.skip_crossover:
         rows += crossover_rows(args.repeats)
     print("\n".join(rows))

@@ -3,9 +3,9 @@ new tokens of one work item (cpu/paged_attention.py has the contract, the work i
 their launch).
 
 For a tile, :func:`_score_tile` dots every query row with the tile's K rows (read in place
-through the block table, in whatever the cache holds: cpu/cache_rows.py), :func:`_online_softmax` turns a row's scores into probabilities
-rescaled to its running max, and :func:`_accumulate_tile` adds the probability-weighted V rows
-into the row's accumulator; :func:`_attend_tile` walks a KV range tile by tile. A row is
+through the block table, in whatever the cache holds: cpu/cache_rows.py),
+:func:`_online_softmax` turns a row's scores into probabilities rescaled to its running max,
+and :func:`_accumulate_tile` adds the probability-weighted V rows into the row's accumulator; :func:`_attend_tile` walks a KV range tile by tile. A row is
 (token, KV head, query head in the KV head's group), the last fastest, so each K and V row is
 read once for its whole group (GQA).
 """
@@ -16,7 +16,8 @@ import numba
 import numpy as np
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.cpu.cache_rows import add_four_rows, add_weighted_row, dot_row
+from pagedserve.kernels.cpu.cache_rows import as_float_row, scratch
+from pagedserve.kernels.cpu.half import to_float32
 from pagedserve.kernels.cpu.paged_attention_plan import TILE_N
 
 # Reassociation lets LLVM vectorise the dot-product reductions; the flags that assume no
@@ -34,15 +35,19 @@ def _score_tile(q, k_cache, block_table, start, n, group, s, skip):
     row: an integer division costs more than the 64-wide dot product it would index."""
     block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[1]
     n_tokens = q.shape[0] // (n_kv_heads * group)
+    room = scratch(k_cache, 1, head_dim)
     for j in range(skip, n):
         pos = start + j
         keys = k_cache[block_table[pos // block_size], pos % block_size]
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
-                key = keys[h]
+                key = as_float_row(keys[h], room, 0, head_dim)
                 for _ in range(group):
-                    s[r, j] = dot_row(q, r, key, head_dim)
+                    dot = np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += q[r, d] * to_float32(key[d])
+                    s[r, j] = dot
                     r += 1
 
 
@@ -54,6 +59,7 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
     four V rows, a quarter of the loads and stores of ``acc`` (the loop is store-bound)."""
     block_size, n_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], acc.shape[1]
     n_tokens = p.shape[0] // (n_kv_heads * group)
+    room = scratch(v_cache, 4, head_dim)
     for j in range(0, n - n % 4, 4):
         pos = start + j
         at0 = v_cache[block_table[pos // block_size], pos % block_size]
@@ -63,11 +69,17 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
-                v0, v1, v2, v3 = at0[h], at1[h], at2[h], at3[h]
+                v0 = as_float_row(at0[h], room, 0, head_dim)
+                v1 = as_float_row(at1[h], room, 1, head_dim)
+                v2 = as_float_row(at2[h], room, 2, head_dim)
+                v3 = as_float_row(at3[h], room, 3, head_dim)
                 for _ in range(group):
                     w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
                     if w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0:
-                        add_four_rows(acc, r, w0, w1, w2, w3, v0, v1, v2, v3, head_dim)
+                        for d in range(head_dim):
+                            acc[r, d] += (w0 * to_float32(v0[d]) + w1 * to_float32(v1[d])) + (
+                                w2 * to_float32(v2[d]) + w3 * to_float32(v3[d])
+                            )
                     else:
                         _add_weighted(acc, r, w0, v0)
                         _add_weighted(acc, r, w1, v1)
@@ -80,8 +92,9 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
+                value = as_float_row(values[h], room, 0, head_dim)
                 for _ in range(group):
-                    _add_weighted(acc, r, p[r, j], values[h])
+                    _add_weighted(acc, r, p[r, j], value)
                     r += 1
 
 
@@ -91,7 +104,8 @@ def _add_weighted(acc, r, weight, value):
     row's own), so that an inf or NaN there cannot reach the row, as the reference's mask
     keeps it out."""
     if weight != 0:
-        add_weighted_row(acc, r, weight, value, acc.shape[1])
+        for d in range(acc.shape[1]):
+            acc[r, d] += weight * to_float32(value[d])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
