@@ -58,3 +58,16 @@ def test_tensor_core_branch_over_a_cache_of_another_dtype(step, cache_dtype):
     with taken_as_cuda(multi_processor_count=16):
         out = paged_attention_triton(*batch.args())
     assert_close(out, paged_attention_literal(*batch.args()), attention=True)
+
+
+@contract
+@pytest.mark.parametrize("step", list(STEPS))
+def test_q8_0_cache_with_heads_narrower_than_the_tile(step):
+    """Heads of 96 in a tile of 128: the lanes past the head would address the next head's row
+    for their scales (or past the cache's end), so their loads are masked like the elements'."""
+    batch = make_paged_batch(
+        STEPS[step], 6, 2, 96, 16, torch.float32, DEVICE, seed=9, cache_dtype=torch.int8
+    )
+    assert batch.k_cache.shape[-1] == 96 + 6
+    out = contracts.implementation("paged_attention")(*batch.args())
+    assert_close(out, paged_attention_literal(*batch.args()), attention=True)

@@ -83,9 +83,9 @@ class EngineArgs:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "what the KV cache stores: auto (the model's dtype), float32, float16, bfloat16 or fp8 "
-        "(e4m3); a 16-bit cache under an fp32 model holds twice the tokens, fp8 four times, "
-        "attention still in fp32",
+        "what the KV cache stores: auto (the model's dtype), float32, float16, bfloat16, fp8 "
+        "(e4m3) or q8_0 (llama.cpp's blocks: int8, a scale per 32); a 16-bit cache under an "
+        "fp32 model holds twice the tokens, an 8-bit one about four times",
     )
     gpu_memory_utilization: float = option(0.9, "fraction of free GPU memory for the KV cache")
     num_gpu_blocks_override: int | None = option(

@@ -16,7 +16,7 @@ per-tensor scale is 1.0, vLLM's when a checkpoint carries no calibrated ``k_scal
 ``v_scale``. Reading widens the byte to fp32 exactly; attention computes in fp32. All three
 writers (the reference, Triton, numba) give torch's bits for the saturated value
 (``torch.clamp(x, -448, 448).to(torch.float8_e4m3fn)``): kernels/test_kv_fp8.py and
-tests/kernels/test_kv_fp8_elements.py hold them to it.
+tests/kernels/test_numba_fp8_elements.py hold them to it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ elements follows each group's own range, where fp8's per-tensor scale leaves sma
 to its subnormals: SmolLM2's greedy tokens under a q8_0 cache stay far closer to the fp32
 cache's (docs/cpu.md has the table). Writers (this reference, the Triton kernel, numba)
 compute ``d`` and ``1 / d`` in fp32 and round ``x * (1 / d)`` the same way, so they write the
-same bytes (kernels/test_kv_q8.py, tests/kernels/test_kv_q8_rows.py, kernels/
+same bytes for finite keys and values (a NaN makes its group's bytes undefined, and a group
+whose largest value passes ~8.3e6 overflows its fp16 scale, as in llama.cpp) (kernels/test_kv_q8.py, tests/kernels/test_kv_q8_rows.py, kernels/
 test_numba_layer_ops.py).
 """
 

@@ -31,9 +31,10 @@ Invariants every implementation keeps: block-table entries past a sequence's
 ``ceil(seq_len / block_size)`` blocks are padding and are never read; cache slots past
 ``seq_len`` may hold anything, NaN included, and never reach an output; softmax runs in
 fp32; the output has the query's dtype. The cache may hold another dtype than the query
-(``--kv-cache-dtype``: a 16-bit cache under an fp32 model, or fp8 e4m3 under any): what is
-read is widened to fp32 (or, for a 16-bit query on a GPU, taken as the query's type for the
-tensor-core dots; e4m3 values are exact in either 16-bit type).
+(``--kv-cache-dtype``: a 16-bit cache under an fp32 model, or fp8 e4m3 or q8_0 under any):
+what is read is widened to fp32 (or, for a 16-bit query on a GPU, taken as the query's type
+for the tensor-core dots: e4m3 values are exact in either 16-bit type, a q8_0 element times
+its scale is rounded to it).
 """
 
 from __future__ import annotations

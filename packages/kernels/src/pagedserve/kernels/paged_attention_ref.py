@@ -21,6 +21,11 @@ from pagedserve.kernels.kv_q8 import dequantize_rows, head_dim_of, is_q8
 def _check(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks=None, key_limits=None
 ) -> None:
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"paged_attention: key cache dtype {k_cache.dtype} and value cache dtype "
+            f"{v_cache.dtype} differ"
+        )
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: query {tuple(query.shape)} must be [T, Hq, D] and caches "

@@ -1,10 +1,11 @@
 """Write the new tokens' keys and values into the paged KV cache.
 
-Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token t goes to slot
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a q8_0 cache's last dimension
+is a row's bytes, ``D + D / 16``: kv_q8.py); token t goes to slot
 ``s = slot_mapping[t] = block_id * block_size + offset``, i.e. row ``s`` of the cache viewed
-as ``[num_blocks * block_size, Hkv, D]``. A slot of -1 is padding and is skipped. A cache of another dtype than the keys' takes them
-rounded to its own (an fp8 cache: saturated at ±448, kv_fp8.py; a q8_0 cache: rows of int8
-groups and their scales, kv_q8.py).
+as ``[num_blocks * block_size, Hkv, D]``. A slot of -1 is padding and is skipped. A cache of
+another dtype than the keys' takes them rounded to its own (an fp8 cache: saturated at ±448,
+kv_fp8.py; a q8_0 cache: rows of int8 groups and their scales, kv_q8.py).
 Invariant: the valid slots of one call are distinct (the block manager never maps two new
 tokens to one slot), so the order of the writes does not matter.
 """
@@ -36,9 +37,14 @@ def _store_kv_kernel(
     mask = (heads < n_heads) & (dims < head_dim) & ((heads * 0 + slot) >= 0)
     safe_slot = tl.maximum(slot, 0)
     dst = safe_slot * cache_slot_stride + heads * cache_head_stride + dims
-    k = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
+    # Padding lanes read as 0: a q8_0 row's amax runs over its whole tile.
+    k = tl.load(
+        key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask, other=0.0
+    )
     v = tl.load(
-        value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask
+        value_ptr + token * value_token_stride + heads * value_head_stride + dims,
+        mask=mask,
+        other=0.0,
     )
     if FP8:  # the caches' bytes (kv_fp8.py)
         k, v = float32_to_e4m3(k), float32_to_e4m3(v)
@@ -85,7 +91,12 @@ def _check(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(f"store_kv: key {tuple(key.shape)} / value {tuple(value.shape)}")
     held = (k_cache.shape[2], head_dim_of(k_cache))
-    if k_cache.shape != v_cache.shape or held != tuple(key.shape[1:]):
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"store_kv: key cache {k_cache.dtype} {tuple(k_cache.shape)} and value cache "
+            f"{v_cache.dtype} {tuple(v_cache.shape)} differ"
+        )
+    if held != tuple(key.shape[1:]):
         raise ValueError(
             f"store_kv: caches {tuple(k_cache.shape)} do not hold [*, *, Hkv, D] = "
             f"[*, *, {key.shape[1]}, {key.shape[2]}]"

@@ -18,7 +18,8 @@ from pagedserve.kernels.kv_fp8 import cache_bits
 
 class KVBlockIO:
     """Copies blocks between the KV cache tensors (one ``(k_cache, v_cache)`` per layer, each
-    ``[num_blocks, block_size, Hkv, D]``) and host byte arrays."""
+    ``[num_blocks, block_size, Hkv, W]``, W a head's row: D elements, or a q8_0 row's
+    ``D + D / 16`` bytes) and host byte arrays."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         # fp8 caches as their bytes (views): torch copies no fp8 rows by index on a CPU

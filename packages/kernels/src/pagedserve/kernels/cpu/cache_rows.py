@@ -7,7 +7,7 @@ is read or written: cpu/half.py), or a q8_0 row (kv_q8.py): ``D`` int8 elements 
 32, then each group's fp16 scale. Each function here is an overload on the row's numba type,
 so a float cache compiles exactly the loops it always had. A q8_0 row is widened once into a
 scratch row (each group's elements times its scale) and read from there by every query head
-of its group: read group by group in each head's dot instead (a sum and a scale per group),
+of its group and every new token of the tile: read group by group in each head's dot instead (a sum and a scale per group),
 the decode attention took 2.6x, 3.7x and 1.8x fp32's time at 1, 16 and 64 sequences; widened
 once, 1.8-2.0x, 2.0-2.3x and 1.1-1.2x (2-core AMD EPYC VM, quiet: docs/cpu.md).
 """
@@ -32,10 +32,10 @@ def scratch(cache, rows, head_dim):  # pragma: no cover - compiled
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-def as_float_row(row, room, i, head_dim):  # pragma: no cover - compiled
-    """A cached K or V row as the dots read it: the row itself (each element widened as it is
-    read: cpu/half.py ``to_float32``), or a q8_0 row widened into ``room[i]`` (``q * d``,
-    exact in fp32) and that returned."""
+def as_float_rows(rows, room, head_dim):  # pragma: no cover - compiled
+    """One position's cached K or V rows ``[Hkv, W]`` as the dots read them: the rows
+    themselves (each element widened as it is read: cpu/half.py ``to_float32``), or q8_0 rows
+    widened into ``room[:Hkv]`` (``q * d``, exact in fp32) and those returned."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -66,18 +66,19 @@ def _scratch_impl(cache, rows, head_dim):
     return lambda cache, rows, head_dim: _NO_ROOM
 
 
-@overload(as_float_row, inline="always")
-def _as_float_row_impl(row, room, i, head_dim):
-    if not _is_q8(row):
-        return lambda row, room, i, head_dim: row
+@overload(as_float_rows, inline="always")
+def _as_float_rows_impl(rows, room, head_dim):
+    if not _is_q8(rows):
+        return lambda rows, room, head_dim: rows
 
-    def widen(row, room, i, head_dim):
-        out = room[i]
-        for g in range(head_dim // GROUP):
-            scale = _scale(row, head_dim, g)
-            for d in range(g * GROUP, g * GROUP + GROUP):
-                out[d] = np.float32(row[d]) * scale
-        return out
+    def widen(rows, room, head_dim):
+        for h in range(rows.shape[0]):
+            row, out = rows[h], room[h]
+            for g in range(head_dim // GROUP):
+                scale = _scale(row, head_dim, g)
+                for d in range(g * GROUP, g * GROUP + GROUP):
+                    out[d] = np.float32(row[d]) * scale
+        return room[: rows.shape[0]]
 
     return widen
 

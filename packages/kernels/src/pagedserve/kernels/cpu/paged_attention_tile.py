@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
-from pagedserve.kernels.cpu.cache_rows import as_float_row, scratch
+from pagedserve.kernels.cpu.cache_rows import as_float_rows, scratch
 from pagedserve.kernels.cpu.half import to_float32
 from pagedserve.kernels.cpu.paged_attention_plan import TILE_N
 
@@ -35,14 +35,15 @@ def _score_tile(q, k_cache, block_table, start, n, group, s, skip):
     row: an integer division costs more than the 64-wide dot product it would index."""
     block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[1]
     n_tokens = q.shape[0] // (n_kv_heads * group)
-    room = scratch(k_cache, 1, head_dim)
+    room = scratch(k_cache, n_kv_heads, head_dim)
     for j in range(skip, n):
         pos = start + j
         keys = k_cache[block_table[pos // block_size], pos % block_size]
+        keys = as_float_rows(keys, room, head_dim)
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
-                key = as_float_row(keys[h], room, 0, head_dim)
+                key = keys[h]
                 for _ in range(group):
                     dot = np.float32(0.0)
                     for d in range(head_dim):
@@ -59,20 +60,26 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
     four V rows, a quarter of the loads and stores of ``acc`` (the loop is store-bound)."""
     block_size, n_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], acc.shape[1]
     n_tokens = p.shape[0] // (n_kv_heads * group)
-    room = scratch(v_cache, 4, head_dim)
+    room = scratch(v_cache, 4 * n_kv_heads, head_dim)
+    h1, h2, h3 = n_kv_heads, 2 * n_kv_heads, 3 * n_kv_heads
     for j in range(0, n - n % 4, 4):
         pos = start + j
         at0 = v_cache[block_table[pos // block_size], pos % block_size]
         at1 = v_cache[block_table[(pos + 1) // block_size], (pos + 1) % block_size]
         at2 = v_cache[block_table[(pos + 2) // block_size], (pos + 2) % block_size]
         at3 = v_cache[block_table[(pos + 3) // block_size], (pos + 3) % block_size]
+        at0, at1 = (
+            as_float_rows(at0, room[:h1], head_dim),
+            as_float_rows(at1, room[h1:h2], head_dim),
+        )
+        at2, at3 = (
+            as_float_rows(at2, room[h2:h3], head_dim),
+            as_float_rows(at3, room[h3:], head_dim),
+        )
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
-                v0 = as_float_row(at0[h], room, 0, head_dim)
-                v1 = as_float_row(at1[h], room, 1, head_dim)
-                v2 = as_float_row(at2[h], room, 2, head_dim)
-                v3 = as_float_row(at3[h], room, 3, head_dim)
+                v0, v1, v2, v3 = at0[h], at1[h], at2[h], at3[h]
                 for _ in range(group):
                     w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
                     if w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0:
@@ -89,12 +96,12 @@ def _accumulate_tile(p, v_cache, block_table, start, n, group, acc):
     for j in range(n - n % 4, n):
         pos = start + j
         values = v_cache[block_table[pos // block_size], pos % block_size]
+        values = as_float_rows(values, room, head_dim)
         r = 0
         for _ in range(n_tokens):
             for h in range(n_kv_heads):
-                value = as_float_row(values[h], room, 0, head_dim)
                 for _ in range(group):
-                    _add_weighted(acc, r, p[r, j], value)
+                    _add_weighted(acc, r, p[r, j], values[h])
                     r += 1
 
 
