@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from pagedserve.kernels import store_kv_ref
 from pagedserve.kernels.cpu import layer_ops
-from pagedserve.kernels.kv_q8 import dequantize_rows, quantize_rows, row_width
+from pagedserve.kernels.kv_q8 import dequantize_q8_ref, quantize_q8_ref, row_width
 from pagedserve.kernels.testing import e4m3_rounding_inputs
 
 
@@ -29,21 +29,21 @@ def _rows(head_dim: int) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rows_are_ggufs_q8_0_blocks_rearranged(head_dim):
     x = _rows(head_dim)
-    ours = quantize_rows(x)
+    ours = quantize_q8_ref(x)
     assert ours.shape == (x.shape[0], row_width(head_dim)) and ours.dtype == torch.int8
     blocks = quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(-1, 34)
     groups = ours.numpy().view(np.uint8)[:, :head_dim].reshape(-1, 32)
     scales = ours.numpy().view(np.uint8)[:, head_dim:].reshape(-1, 2)
     assert np.array_equal(groups, blocks[:, 2:]) and np.array_equal(scales, blocks[:, :2])
     want = quants.dequantize(blocks.reshape(x.shape[0], -1), GGMLQuantizationType.Q8_0)
-    assert np.array_equal(dequantize_rows(ours).numpy(), want)
+    assert np.array_equal(dequantize_q8_ref(ours).numpy(), want)
 
 
 def test_rows_keep_each_group_within_half_a_step_of_its_own_scale():
     """Half a step of the group's own ``d``, plus the scale's rounding to fp16 (a relative
     2^-11, times up to 127 steps): a group of small values is not held to a large one's."""
     x = torch.randn(50, 4, 64) * torch.logspace(-2, 2, 64)  # ranges differ along the row
-    error = (dequantize_rows(quantize_rows(x)) - x).abs().view(50, 4, 2, 32)
+    error = (dequantize_q8_ref(quantize_q8_ref(x)) - x).abs().view(50, 4, 2, 32)
     step = x.abs().view(50, 4, 2, 32).amax(-1, keepdim=True) / 127
     assert (error <= step * (0.5 + 127 * 2.0**-11)).all()
     assert (error[..., 0, :] < step[..., 1, :] / 8).all()  # the small group's own scale

@@ -39,7 +39,7 @@ def cache_bits(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if is_fp8(cache) else cache
 
 
-def to_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
+def float32_to_e4m3_ref(x: torch.Tensor) -> torch.Tensor:
     """Reference: ``x`` rounded to e4m3 (saturated at ±448), as uint8 bytes."""
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(FP8_CACHE_DTYPE).view(torch.uint8)
 

@@ -15,9 +15,9 @@ elements follows each group's own range, where fp8's per-tensor scale leaves sma
 to its subnormals: SmolLM2's greedy tokens under a q8_0 cache stay far closer to the fp32
 cache's (docs/cpu.md has the table). Writers (this reference, the Triton kernel, numba)
 compute ``d`` and ``1 / d`` in fp32 and round ``x * (1 / d)`` the same way, so they write the
-same bytes for finite keys and values (a NaN makes its group's bytes undefined, and a group
-whose largest value passes ~8.3e6 overflows its fp16 scale, as in llama.cpp) (kernels/test_kv_q8.py, tests/kernels/test_kv_q8_rows.py, kernels/
-test_numba_layer_ops.py).
+same bytes for finite keys and values (kernels/test_kv_q8.py, tests/kernels/test_kv_q8_rows.py,
+kernels/test_numba_layer_ops.py). A NaN makes its group's bytes undefined, and a group whose
+largest value passes ~8.3e6 overflows its fp16 scale, as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def head_dim_of(cache: torch.Tensor) -> int:
     return width * 16 // 17 if is_q8(cache) else width
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+def quantize_q8_ref(x: torch.Tensor) -> torch.Tensor:
     """Reference: rows ``x [..., D]`` as q8_0 rows ``int8 [..., D + D / 16]``."""
     head_dim = x.shape[-1]
     groups = x.float().reshape(*x.shape[:-1], head_dim // GROUP, GROUP)
@@ -64,7 +64,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.to(torch.int8).reshape(x.shape), scales], dim=-1)
 
 
-def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+def dequantize_q8_ref(rows: torch.Tensor) -> torch.Tensor:
     """Reference: q8_0 rows ``int8 [..., W]`` widened to fp32 ``[..., D]``."""
     head_dim = rows.shape[-1] * 16 // 17
     q = rows[..., :head_dim].float().reshape(*rows.shape[:-1], head_dim // GROUP, GROUP)
@@ -74,7 +74,7 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def widened(rows: torch.Tensor) -> torch.Tensor:
     """Cache rows ``[..., W]`` as fp32 ``[..., D]``: q8_0 rows dequantized, others cast."""
-    return dequantize_rows(rows) if is_q8(rows) else rows.float()
+    return dequantize_q8_ref(rows) if is_q8(rows) else rows.float()
 
 
 def zeros_cache(shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -96,7 +96,7 @@ def q8_scales(scale_ptrs, mask):
 @triton.jit
 def quantize_q8(x, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``x [BLOCK_H, BLOCK_D]`` (padding zero) as q8_0: the int8 elements and each group's
-    fp16 scale as int32 bits ``[BLOCK_H, BLOCK_D // 32]``; :func:`quantize_rows`'s arithmetic
+    fp16 scale as int32 bits ``[BLOCK_H, BLOCK_D // 32]``; :func:`quantize_q8_ref`'s arithmetic
     (IEEE divisions: Triton's ``/`` is approximate on a GPU)."""
     groups = tl.reshape(x.to(tl.float32), [BLOCK_H, BLOCK_D // 32, 32])
     scale = tl.math.div_rn(tl.max(tl.abs(groups), axis=2), 127.0)

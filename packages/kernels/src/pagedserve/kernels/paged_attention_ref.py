@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.kv_q8 import dequantize_rows, head_dim_of, is_q8
+from pagedserve.kernels.kv_q8 import dequantize_q8_ref, head_dim_of, is_q8
 
 
 def _check(
@@ -95,7 +95,7 @@ def _gather_kv(
     rows = cache.view(-1, n_kv_heads * width).index_select(0, slots.flatten())
     rows = rows.view(n_seqs, max_len, n_kv_heads, width)
     if is_q8(rows):  # q8_0 rows: their elements times their groups' scales (kv_q8.py)
-        rows = dequantize_rows(rows)
+        rows = dequantize_q8_ref(rows)
     kv = torch.empty(n_kv_heads, n_seqs, max_len, rows.shape[-1], device=cache.device)
     return kv.copy_(rows.permute(2, 0, 1, 3))
 

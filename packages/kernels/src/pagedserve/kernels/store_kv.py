@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.dispatch import kernel_path
-from pagedserve.kernels.kv_fp8 import cache_bits, float32_to_e4m3, is_fp8, to_e4m3_bits
-from pagedserve.kernels.kv_q8 import head_dim_of, is_q8, quantize_q8, quantize_rows
+from pagedserve.kernels.kv_fp8 import cache_bits, float32_to_e4m3, float32_to_e4m3_ref, is_fp8
+from pagedserve.kernels.kv_q8 import head_dim_of, is_q8, quantize_q8, quantize_q8_ref
 
 
 @triton.jit
@@ -122,9 +122,9 @@ def store_kv_ref(
         slots, key, value = slots[valid], key[valid], value[valid]
     for cache, new in ((k_cache, key), (v_cache, value)):
         if is_fp8(cache):
-            new = to_e4m3_bits(new)
+            new = float32_to_e4m3_ref(new)
         elif is_q8(cache):
-            new = quantize_rows(new)
+            new = quantize_q8_ref(new)
         else:
             new = new.to(cache.dtype)
         cache_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, new)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.kv_q8 import Q8_CACHE_DTYPE, dequantize_rows, quantize_rows, row_width
+from pagedserve.kernels.kv_q8 import Q8_CACHE_DTYPE, dequantize_q8_ref, quantize_q8_ref, row_width
 
 
 @dataclass
@@ -109,12 +109,12 @@ def _nan_cache(shape: tuple[int, ...], cache_dtype: torch.dtype) -> torch.Tensor
 
 
 def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    return quantize_rows(x) if cache_dtype == Q8_CACHE_DTYPE else x.to(cache_dtype)
+    return quantize_q8_ref(x) if cache_dtype == Q8_CACHE_DTYPE else x.to(cache_dtype)
 
 
 def _held(stored: torch.Tensor) -> torch.Tensor:
     """The values stored rows hold: q8_0 rows dequantized, others as they are."""
-    return dequantize_rows(stored) if stored.dtype == Q8_CACHE_DTYPE else stored
+    return dequantize_q8_ref(stored) if stored.dtype == Q8_CACHE_DTYPE else stored
 
 
 # Byte offsets of the fp16 fields (scales, mins) in one block of each GGUF block type.

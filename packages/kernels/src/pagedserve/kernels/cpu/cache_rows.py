@@ -7,9 +7,10 @@ is read or written: cpu/half.py), or a q8_0 row (kv_q8.py): ``D`` int8 elements 
 32, then each group's fp16 scale. Each function here is an overload on the row's numba type,
 so a float cache compiles exactly the loops it always had. A q8_0 row is widened once into a
 scratch row (each group's elements times its scale) and read from there by every query head
-of its group and every new token of the tile: read group by group in each head's dot instead (a sum and a scale per group),
-the decode attention took 2.6x, 3.7x and 1.8x fp32's time at 1, 16 and 64 sequences; widened
-once, 1.8-2.0x, 2.0-2.3x and 1.1-1.2x (2-core AMD EPYC VM, quiet: docs/cpu.md).
+of its group and every new token of the tile. Read group by group in each head's dot instead
+(a sum and a scale per group), the decode attention took 2.6x, 3.7x and 1.8x fp32's time at 1,
+16 and 64 sequences; widened once, 1.8-2.0x, 2.0-2.3x and 1.1-1.2x (2-core AMD EPYC VM,
+quiet; not measured on the Intel VM or beside a busy neighbour: docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _write_row_impl(out, x, cache):
 
 @numba.njit(cache=True)
 def _quantize_q8_row(out, x):  # pragma: no cover - compiled
-    """kv_q8.quantize_rows, operation for operation (the same bytes). A function of its own,
+    """kv_q8.quantize_q8_ref, operation for operation (the same bytes). A function of its own,
     not inlined: numba's inliner trips over the loops' reassigned locals."""
     head_dim = x.shape[0]
     for g in range(head_dim // GROUP):

@@ -240,8 +240,7 @@ def supports(
 ) -> bool:
     """Whether a step can take this path: fp32 CPU rows (at most the decode GEMM's
     ``MAX_ROWS``), contiguous caches of ``CACHE_DTYPES`` (fp32, fp16, bf16, fp8, q8_0), and every
-    sequence in the attention
-    plan's work items (none long enough for SDPA's prefill)."""
+    sequence in the attention plan's work items (none long enough for SDPA's prefill)."""
     return (
         hidden.dtype is torch.float32
         and hidden.is_cpu
