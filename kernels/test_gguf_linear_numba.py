@@ -1,22 +1,27 @@
-"""The CPU's GGUF GEMM (cpu/gguf_linear.py) and its block decoders (cpu/gguf_blocks.py), for
-every type a GGUF file holds, against the reference on rows whose quant and scale bits are
-random: each decoded row bit for bit ``gguf_dequantize_ref``'s (itself held to gguf's own
-decoder: tests/kernels/test_gguf_dequant_ref.py), ``x @ W.T`` within the GEMM tolerance for a
-decode step's rows and a prefill's, on one thread and two, and a row's result the same bits
-alone or among fifteen others."""
+"""The CPU's GGUF GEMM (cpu/gguf_linear.py), its block decoders (cpu/gguf_blocks.py) and its
+integer dots (cpu/integer_dot.py), for every type a GGUF file holds, against the reference on
+rows whose quant and scale bits are random: each decoded row bit for bit
+``gguf_dequantize_ref``'s (itself held to gguf's own decoder:
+tests/kernels/test_gguf_dequant_ref.py), ``x @ W.T`` within the GEMM tolerance for a decode
+step's rows and a prefill's (for the integer types' decode rows, within that plus what
+rounding the activations to 16 bits allows, and within the GEMM tolerance alone where the
+rounding is exact), on one thread and two, and a row's result the same bits alone or among
+fifteen others."""
 
 import numpy as np
 import pytest
 import torch
-from tolerances import assert_close
+from tolerances import assert_close, tolerance
 
 from pagedserve.kernels.cpu import gguf_linear as cpu
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
+from pagedserve.kernels.cpu.integer_dot import ACTIVATION_MAX, GROUP, INTEGER_TYPES
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, GGUF_TYPES, gguf_dequantize_ref
 from pagedserve.kernels.gguf_linear import gguf_linear_ref
 from pagedserve.kernels.testing import random_gguf_rows
 
 TYPES = list(GGUF_TYPE_IDS)
+INTEGER_NAMES = [name for name in TYPES if GGUF_TYPE_IDS[name] in INTEGER_TYPES]
 ROWS = [1, 3, cpu.MAX_ROWS, cpu.MAX_ROWS + 1, 40]  # decode rows, then prefill tiles
 
 
@@ -27,6 +32,24 @@ def _operands(name: str, rows: int, n: int, k: int, seed: int = 0):
     spread = 1.0 if GGUF_TYPES[qtype].block_size < 256 else 1 / 32
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)) * k**-0.5
     return x * spread, qweight, qtype
+
+
+def _assert_matches_reference(out, x, qweight, qtype, bias=None):
+    """Within the GEMM tolerance of the reference; for a decode step's rows of an integer type
+    (cpu/integer_dot.py) within that plus the activations' rounding: each activation is within
+    half its group's step (``max |x| / ACTIVATION_MAX`` over ``GROUP``) of its value, so an output is within
+    ``sum |w| * step / 2`` of the exact product."""
+    want = gguf_linear_ref(x, qweight, qtype, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if qtype not in INTEGER_TYPES or x2.shape[0] > cpu.MAX_ROWS:
+        assert_close(out, want, gemm=True)
+        return
+    steps = x2.abs().view(x2.shape[0], -1, GROUP).amax(-1) / ACTIVATION_MAX
+    weights = gguf_dequantize_ref(qweight, qtype)
+    bound = (steps.repeat_interleave(GROUP, -1) / 2) @ weights.abs().T
+    atol, rtol = tolerance(torch.float32, gemm=True)
+    error = (out.reshape(bound.shape) - want.reshape(bound.shape)).abs()
+    assert (error <= bound + atol + rtol * want.reshape(bound.shape).abs()).all()
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t != "F32"])
@@ -47,10 +70,32 @@ def test_every_type_matches_the_reference(name, rows, threads):
     x, qweight, qtype = _operands(name, rows, 70, 512, seed=rows)
     out = cpu.gguf_linear_numba(x, qweight, qtype)
     assert out.shape == (rows, 70)
+    _assert_matches_reference(out, x, qweight, qtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, cpu.MAX_ROWS])
+@pytest.mark.parametrize("name", INTEGER_NAMES)
+def test_integer_dots_equal_the_reference_where_rounding_is_exact(name, rows, threads):
+    """Activations on the 16-bit grid (integers times ``2^-20``, each group's largest
+    ``ACTIVATION_MAX`` of them) round to themselves, so the integer dots must give the
+    reference's product to fp32's rounding: every quant, scale and minimum in its place, for
+    rows in calls of four and of one. K = 768: three 8-block calls of the 32-weight types,
+    three K-quant blocks."""
+    qtype = GGUF_TYPE_IDS[name]
+    qweight = random_gguf_rows(qtype, 70, 768, seed=rows)
+    grid = torch.randint(
+        -ACTIVATION_MAX,
+        ACTIVATION_MAX + 1,
+        (rows, 768),
+        generator=torch.Generator().manual_seed(rows),
+    )
+    grid[:, ::GROUP] = ACTIVATION_MAX
+    x = grid.float() * 2.0**-20
+    out = cpu.gguf_linear_numba(x, qweight, qtype)
     assert_close(out, gguf_linear_ref(x, qweight, qtype), gemm=True)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"])
 def test_a_rows_result_does_not_depend_on_its_batch_or_threads(name, threads):
     x, qweight, qtype = _operands(name, cpu.MAX_ROWS, 263, 768, seed=5)
     together = cpu.gguf_linear_numba(x, qweight, qtype)
@@ -82,23 +127,28 @@ def test_a_fused_projection_of_parts_of_several_types(threads):
         np.linspace(0.5, 2, 24, dtype=np.float32),
         np.empty(0, np.float32),
     )
-    got = cpu.gguf_parts_compiled(x.numpy(), rows, qtypes, scales, cpu.LANES, threads)
-    want = [gguf_linear_ref(x, q, t) for _, q, t in parts]
-    want[2] = want[2] * torch.from_numpy(scales[2])  # a part's own scales, after its product
-    assert_close(torch.from_numpy(got), torch.cat(want, dim=-1), gemm=True)
+    got = torch.from_numpy(
+        cpu.gguf_parts_compiled(x.numpy(), rows, qtypes, scales, cpu.LANES, threads)
+    )
+    first = 0
+    for (_, qweight, qtype), part_scales in zip(parts, scales):
+        part = got[:, first : first + qweight.shape[0]]
+        if part_scales.shape[0]:  # a part's own scales, after its product
+            part = part / torch.from_numpy(part_scales)
+        _assert_matches_reference(part, x, qweight, qtype)
+        first += qweight.shape[0]
 
 
 def test_bias_leading_dims_and_strided_rows():
     x, qweight, qtype = _operands("Q5_K", 6, 20, 256, seed=3)
     bias = torch.randn(20)
-    want = gguf_linear_ref(x, qweight, qtype, bias)
     wide = torch.zeros(6, 512)
     wide[:, ::2] = x
     strided = wide[:, ::2].view(2, 3, 256)
     for rows in (strided, torch.cat([strided] * 4, dim=1)):  # decode rows, then a prefill
         out = cpu.gguf_linear_numba(rows, qweight, qtype, bias)
         assert out.shape == (*rows.shape[:-1], 20)
-        assert_close(out[:, :3], want.view(2, 3, 20), gemm=True)
+        _assert_matches_reference(out[:, :3], strided, qweight, qtype, bias)
 
 
 def test_a_row_that_is_not_its_types_blocks_is_refused():

@@ -13,7 +13,8 @@ import pytest
 from pagedserve.kernels.cpu import numba_cache
 
 NUMBA_MODULES = [
-    "cache_rows", "decoder_layer", "dense_linear", "gguf_blocks", "gguf_linear", "layer_ops",
+    "cache_rows", "decoder_layer", "dense_linear", "gguf_blocks", "gguf_linear", "integer_dot",
+    "layer_ops",
     "paged_attention", "paged_attention_tile", "paged_attention_plan",
 ]  # fmt: skip
 

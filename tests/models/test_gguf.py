@@ -194,7 +194,10 @@ def test_the_shipped_smollm2_gguf_served_in_blocks_matches_its_converted_folder(
     """The default model's Q4_1 GGUF, served natively, against the fp32 folder setup made
     from it (transformers dequantized those same blocks): one prompt's log-probabilities
     and 6 greedy tokens (each costs the CPU path a decode of every block: ~1 s). Measured
-    (tools/bench_gguf.py): 32 greedy tokens identical on 4 prompts."""
+    (tools/bench_gguf.py): 32 greedy tokens identical on 4 prompts. The log-probabilities
+    differ by up to 6e-4 (not the fp32 path's 1e-5): the CPU's integer dots round each 32
+    activations to 16 bits (cpu/integer_dot.py), and a group that holds one of SmolLM2's
+    large activations rounds its small ones coarsely."""
     from pagedserve.models.default_model import find_default_gguf
 
     small = dict(block_size=16, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2)
@@ -205,7 +208,7 @@ def test_the_shipped_smollm2_gguf_served_in_blocks_matches_its_converted_folder(
     torch.testing.assert_close(
         prompt_token_logprobs(gguf, prompt),
         prompt_token_logprobs(folder, prompt),
-        atol=1e-4,
+        atol=2e-3,
         rtol=1e-4,
     )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -96,9 +96,11 @@ def test_the_file_describes_the_folders_model(tiny_checkpoint, tmp_path):
 
 def test_mxfp4_experts_serve_the_files_model(tiny_checkpoint, tmp_path):
     """MXFP4 experts decoded into fp32 at load, Q8_0 projections multiplied in their blocks:
-    the prompt's log-probabilities (1e-4) and 32 greedy tokens of four prompts, split into
-    chunks and hitting the prefix cache, are transformers' on the file's model, which the
-    unquantized folder is not."""
+    the prompt's log-probabilities and 32 greedy tokens of four prompts, split into chunks
+    and hitting the prefix cache, are transformers' on the file's model, which the
+    unquantized folder is not. The log-probabilities (up to 18 in size here) within 1e-3 of
+    their size, not fp32's 1e-4: the Q8_0 dots round activations to 16 bits per 32
+    (cpu/integer_dot.py; measured 6e-3 at most, against 3.3 from the unquantized folder)."""
     folder = tiny_checkpoint("gpt_oss", **DESCRIBABLE)
     path = write_gguf(folder, tmp_path / "gpt-oss.gguf", mxfp4_experts_q8_0_dense)
     llm = LLM(
@@ -111,9 +113,9 @@ def test_mxfp4_experts_serve_the_files_model(tiny_checkpoint, tmp_path):
         weights_decoded(folder, tmp_path / "decoded", file_model), dtype=torch.float32
     ).eval()
     ours = prompt_token_logprobs(llm, LONG)
-    torch.testing.assert_close(ours, transformers_token_logprobs(hf, LONG), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, transformers_token_logprobs(hf, LONG), atol=1e-3, rtol=1e-3)
     unquantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert (ours - transformers_token_logprobs(unquantized, LONG)).abs().max() > 1e-3
+    assert (ours - transformers_token_logprobs(unquantized, LONG)).abs().max() > 0.1
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = [  # LONG first, alone: the others come once its blocks are in the prefix cache
         *llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False),

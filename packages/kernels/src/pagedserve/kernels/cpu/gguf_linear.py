@@ -6,9 +6,10 @@ Same contract as :func:`pagedserve.kernels.gguf_linear.gguf_linear` for fp32 act
 paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then MKL):
 
 - **Decode (up to ``MAX_ROWS`` rows).** Blocks of sixteen output features are shared out over
-  the threads (``prange``); a task decodes four weight rows at a time into an fp32 buffer
-  (cpu/gguf_blocks.py: a few vector instructions per 8 or 16 weights; the buffer stays in L1
-  or L2) and dots each row of ``x`` against the four in one loop, where one load of ``x``
+  the threads (``prange``); for the integer types each weight row is dotted with every row
+  of ``x`` in integers (below); for the others a task decodes four weight rows at a time
+  into an fp32 buffer (cpu/gguf_blocks.py: a few vector instructions per 8 or 16 weights;
+  the buffer stays in L1 or L2) and dots each row of ``x`` against the four in one loop, where one load of ``x``
   feeds four FMAs. So each block is read from memory once per step whatever the batch, and
   a step's bytes shrink with the type: Q4_0 is 18 bytes per 32 weights against fp32's 128.
   (The fp32 kernel dots one weight row against four rows of ``x`` instead, repeating the last
@@ -19,19 +20,17 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
   tile's columns of the output): the GEMM's cost grows with the rows and the decode's does
   not, so from a few dozen rows on this runs at the dense GEMM's speed.
 
-**Decoding to fp32, not integer dot products.** llama.cpp quantizes the activations to 8 bits
-per block and multiplies integers (AVX-512 VNNI does 64 byte products per instruction). Here
-the weights are decoded to fp32 and multiplied in fp32: the result is the reference's
-(``gguf_dequantize_ref`` and an fp32 GEMM) up to summation order, not an 8-bit approximation
-of the activations, so a GGUF model's greedy tokens are those of transformers on its
-dequantized weights. And here it costs little: an integer version of Q8_0's loop (activations
-quantized per 32, ``int8 x int8`` sums in 32 bits, which LLVM lowers to ``vpmaddwd``; numba
-reaches no VNNI instruction) took 1.26 ms against this kernel's 1.37 ms for one row of a
-8192 x 1536 matrix on one core of the Intel VM (min of 15, loaded machine), with a relative
-error of 0.55 % from the 8-bit activations.
+**Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K: all of the 1B Llama's Q4_K_M and Q8_0 files, and the shipped Q4_1) the decode
+rows dot the blocks with activations rounded to 16 bits per 32 (cpu/integer_dot.py): no
+weight is decoded to fp32, and on the 1B Llama a Q8_0 decode step went from 101 to 65 ms, a
+Q4_K_M one from 86 to 72 ms (docs/benchmarks.md). The other types decode to fp32 as above,
+and the prefill path decodes every type into MKL's tiles, as before (integer dots were not
+measured against it).
 
 **Batch invariance.** A row's result does not depend on the other rows or the thread count:
-the decoded weights are exact (bit for bit the reference's), and every output element comes
+the integer dots' operations per row are the same in any call (cpu/integer_dot.py); the
+decoded weights are exact (bit for bit the reference's), and every output element comes
 out of ``_dot_four_weights`` for one row of ``x``, output feature ``o`` always in slot
 ``o % 4`` of its group of four (tasks start on multiples of sixteen; a short last group
 repeats its last weight row and does not write the repeats), with the same summation order
@@ -47,6 +46,7 @@ import torch
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS, dense_linear_compiled
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
+from pagedserve.kernels.cpu.integer_dot import has_integer_dot, integer_dot_rows, rounded_for
 from pagedserve.kernels.cpu.threads import follow_torch_threads
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type
 from pagedserve.kernels.linear import linear
@@ -81,10 +81,17 @@ def _dot_four_weights(xr, w, out, r, o, last):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _features(x, qweight, qtype, lanes, out, first, stop):  # pragma: no cover - compiled
-    """Output features ``first:stop`` for every row of ``x``: four weight rows decoded at a
-    time into one buffer (the last group repeats row ``stop - 1``), then dotted against each
-    row of ``x`` in turn."""
+def _features(x, rounded, qweight, qtype, lanes, out, first, stop):  # pragma: no cover
+    """Output features ``first:stop`` for every row of ``x``: each weight row's integer dot
+    with each row's ``rounded`` activations (cpu/integer_dot.py); for the other types, four
+    weight rows decoded at a time into one buffer (the last group repeats row ``stop - 1``),
+    then dotted against each row of ``x`` in turn."""
+    if has_integer_dot(qtype):
+        xq, dx, sums = rounded
+        scales, mins = np.empty(16, np.float32), np.empty(8, np.float32)
+        for o in range(first, stop):
+            integer_dot_rows(qweight[o], qtype, xq, dx, sums, out, o, scales, mins)
+        return
     w = np.empty((_W, x.shape[1]), np.float32)
     for o in range(first, stop, _W):
         for i in range(_W):
@@ -95,15 +102,17 @@ def _features(x, qweight, qtype, lanes, out, first, stop):  # pragma: no cover -
 
 @numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
 def gguf_linear_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
+    rounded = rounded_for(x, qtype)
     blocks = qweight.shape[0] // _BLOCK
     for block in numba.prange(blocks):
-        _features(x, qweight, qtype, lanes, out, block * _BLOCK, block * _BLOCK + _BLOCK)
-    _features(x, qweight, qtype, lanes, out, blocks * _BLOCK, qweight.shape[0])
+        first = block * _BLOCK
+        _features(x, rounded, qweight, qtype, lanes, out, first, first + _BLOCK)
+    _features(x, rounded, qweight, qtype, lanes, out, blocks * _BLOCK, qweight.shape[0])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def gguf_linear_serial(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
-    _features(x, qweight, qtype, lanes, out, 0, qweight.shape[0])
+    _features(x, rounded_for(x, qtype), qweight, qtype, lanes, out, 0, qweight.shape[0])
 
 
 @numba.njit(cache=True)
