@@ -331,13 +331,12 @@ def _q3_k(raw, out, lanes):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, inline="always")
 def _k_scale_min(raw, at, j):  # pragma: no cover - compiled
-    """Q4_K's / Q5_K's 6-bit scale and min of sub-block ``j`` from the 12 bytes at ``at``, as
-    integers (cpu/integer_dot.py multiplies integer sums by them)."""
+    """Q4_K's / Q5_K's 6-bit scale and min of sub-block ``j`` from the 12 bytes at ``at``."""
     if j < 4:
-        return np.int64(_i(raw[at + j], 0, 63)), np.int64(_i(raw[at + j + 4], 0, 63))
+        return _f(raw[at + j], 0, 63), _f(raw[at + j + 4], 0, 63)
     scale = _i(raw[at + j + 4], 0, 15) + 16 * _i(raw[at + j - 4], 6, 3)
     minimum = _i(raw[at + j + 4], 4, 15) + 16 * _i(raw[at + j], 6, 3)
-    return scale, minimum
+    return np.float32(scale), np.float32(minimum)
 
 
 @numba.njit(cache=True)
@@ -352,8 +351,7 @@ def _q45_k(raw, out, lanes, fifth_bit):  # pragma: no cover - compiled
         for c in range(4):
             s0, m0 = _k_scale_min(raw, base + 4, 2 * c)
             s1, m1 = _k_scale_min(raw, base + 4, 2 * c + 1)
-            d0, d1 = d * np.float32(s0), d * np.float32(s1)
-            m0, m1 = dmin * np.float32(m0), dmin * np.float32(m1)
+            d0, d1, m0, m1 = d * s0, d * s1, dmin * m0, dmin * m1
             at, to = base + qs + 32 * c, o + 64 * c
             if fifth_bit:
                 for j in range(2 * lanes):

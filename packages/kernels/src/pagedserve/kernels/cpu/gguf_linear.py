@@ -23,8 +23,8 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
 **Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q8_0, Q4_K,
 Q5_K, Q6_K: all of the 1B Llama's Q4_K_M and Q8_0 files, and the shipped Q4_1) the decode
 rows dot the blocks with activations rounded to 16 bits per 32 (cpu/integer_dot.py): no
-weight is decoded to fp32, and on the 1B Llama a Q8_0 decode step went from 101 to 65 ms, a
-Q4_K_M one from 86 to 72 ms (docs/benchmarks.md). The other types decode to fp32 as above,
+weight is decoded to fp32, and on the 1B Llama a one-stream decode step went from 1.33x to
+2.10x fp32's speed in Q8_0, from 1.57x to 1.98x in Q4_K_M (docs/benchmarks.md). The other types decode to fp32 as above,
 and the prefill path decodes every type into MKL's tiles, as before (integer dots were not
 measured against it).
 
@@ -46,7 +46,11 @@ import torch
 from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
 from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS, dense_linear_compiled
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
-from pagedserve.kernels.cpu.integer_dot import has_integer_dot, integer_dot_rows, rounded_for
+from pagedserve.kernels.cpu.integer_dot import (
+    has_integer_dot,
+    integer_dot_rows,
+    round_activations,
+)
 from pagedserve.kernels.cpu.threads import follow_torch_threads
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, gguf_type
 from pagedserve.kernels.linear import linear
@@ -81,17 +85,10 @@ def _dot_four_weights(xr, w, out, r, o, last):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _features(x, rounded, qweight, qtype, lanes, out, first, stop):  # pragma: no cover
-    """Output features ``first:stop`` for every row of ``x``: each weight row's integer dot
-    with each row's ``rounded`` activations (cpu/integer_dot.py); for the other types, four
-    weight rows decoded at a time into one buffer (the last group repeats row ``stop - 1``),
-    then dotted against each row of ``x`` in turn."""
-    if has_integer_dot(qtype):
-        xq, dx, sums = rounded
-        scales, mins = np.empty(16, np.float32), np.empty(8, np.float32)
-        for o in range(first, stop):
-            integer_dot_rows(qweight[o], qtype, xq, dx, sums, out, o, scales, mins)
-        return
+def _features(x, qweight, qtype, lanes, out, first, stop):  # pragma: no cover - compiled
+    """Output features ``first:stop`` for every row of ``x``: four weight rows decoded at a
+    time into one buffer (the last group repeats row ``stop - 1``), then dotted against each
+    row of ``x`` in turn."""
     w = np.empty((_W, x.shape[1]), np.float32)
     for o in range(first, stop, _W):
         for i in range(_W):
@@ -101,18 +98,60 @@ def _features(x, rounded, qweight, qtype, lanes, out, first, stop):  # pragma: n
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def gguf_linear_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
-    rounded = rounded_for(x, qtype)
+def _decoded_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
     blocks = qweight.shape[0] // _BLOCK
     for block in numba.prange(blocks):
-        first = block * _BLOCK
-        _features(x, rounded, qweight, qtype, lanes, out, first, first + _BLOCK)
-    _features(x, rounded, qweight, qtype, lanes, out, blocks * _BLOCK, qweight.shape[0])
+        _features(x, qweight, qtype, lanes, out, block * _BLOCK, block * _BLOCK + _BLOCK)
+    _features(x, qweight, qtype, lanes, out, blocks * _BLOCK, qweight.shape[0])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
+def _decoded_serial(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
+    _features(x, qweight, qtype, lanes, out, 0, qweight.shape[0])
+
+
+@numba.njit(cache=True, inline="always")
+def _integer_features(rounded, qweight, qtype, out, first, stop):  # pragma: no cover
+    xq, dx, sums = rounded
+    for o in range(first, stop):
+        integer_dot_rows(qweight[o], qtype, xq, dx, sums, out, o)
+
+
+@numba.njit(cache=True, parallel=True)
+def _integer_parallel(x, qweight, qtype, out):  # pragma: no cover - compiled
+    rounded = round_activations(x)
+    blocks = qweight.shape[0] // _BLOCK
+    for block in numba.prange(blocks):
+        first = block * _BLOCK
+        _integer_features(rounded, qweight, qtype, out, first, first + _BLOCK)
+    _integer_features(rounded, qweight, qtype, out, blocks * _BLOCK, qweight.shape[0])
+
+
+@numba.njit(cache=True)
+def _integer_serial(x, qweight, qtype, out):  # pragma: no cover - compiled
+    _integer_features(round_activations(x), qweight, qtype, out, 0, qweight.shape[0])
+
+
+@numba.njit(cache=True)
+def gguf_linear_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
+    """``out = x @ W.T`` over the threads: the integer dots for ``INTEGER_TYPES``, else the
+    decoded rows. Neither this function nor the integer path is compiled with fast-math: in
+    a fast-math function LLVM contracted the integer path's multiplies and adds into FMAs
+    where it could, and where it could depended on the code around a row (its result then
+    depended on its batch)."""
+    if has_integer_dot(qtype):
+        _integer_parallel(x, qweight, qtype, out)
+    else:
+        _decoded_parallel(x, qweight, qtype, lanes, out)
+
+
+@numba.njit(cache=True)
 def gguf_linear_serial(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
-    _features(x, rounded_for(x, qtype), qweight, qtype, lanes, out, 0, qweight.shape[0])
+    """``gguf_linear_parallel`` in this thread."""
+    if has_integer_dot(qtype):
+        _integer_serial(x, qweight, qtype, out)
+    else:
+        _decoded_serial(x, qweight, qtype, lanes, out)
 
 
 @numba.njit(cache=True)
