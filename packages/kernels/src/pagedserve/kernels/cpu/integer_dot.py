@@ -31,7 +31,7 @@ every weight. Here the same, with choices of our own:
   times.
 
 **Exact, then rounded in a fixed order.** A pair of products is exact in 32 bits and in fp32
-(at most ``2 * 2^6 * 2^15``); each run's pairs are scaled (``scale * dx``) and added lane by
+(at most ``2 * 2^7 * 2^15 < 2^24``); each run's pairs are scaled (``scale * dx``) and added lane by
 lane, and the lanes summed in a fixed tree, the minimums' share subtracted last. Every row
 meets the same operations whichever rows share its call and whichever thread runs it, so a
 row's result does not depend on its batch (the batch-invariant mode's promise, kept by the
@@ -49,7 +49,7 @@ Measured (AMD EPYC VM with AVX-512, one thread, a 1B Llama's layers, `tools/benc
 at one row, 0.9-1.2x at sixteen (not measured on the Intel VM nor beside a busy neighbour).
 
 Why one file: the layouts, the intrinsic each compiles to, and the loops that choose one by
-type id and feed it scales are one mechanism; numba compiles every layout into the loops.
+type id are one mechanism; numba compiles every layout into the loops.
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ GROUP = 32  # activations rounded together, under one step
 
 
 class Run(NamedTuple):
-    """``width`` consecutive quants of a block that share one scale: quant ``l`` is ``((raw[low +
-    l] >> shift) & 15) | (((raw[high + l] >> high_shift) & high_mask) << 4)``, less
+    """``width`` consecutive quants of a block under one scale (or two, one per half): quant
+    ``l`` is ``((raw[low + l] >> shift) & 15) | (((raw[high + l] >> high_shift) & high_mask)
+    << 4)``, less
     ``offset`` (``signed``: the int8 ``raw[low + l]`` itself, Q8_0's), and multiplies activation
-    ``x + l``; its scale is ``scales[scale]`` (``second_scale``, when set: for the second half
-    of the run) times the activations' step ``dx[row, g0 + group]``. Offsets are from the
-    call's first byte and first activation."""
+    ``x + l``; its scale is the layout's ``scale``-th (``second_scale``, when set: for the
+    second half of the run) times the activations' step ``dx[row, g0 + group]``. Offsets are
+    from the call's first byte and first activation."""
 
     low: int
     x: int
@@ -326,7 +327,7 @@ def _block_dots(runs, block_scales):
     The scales and each run's quants are decoded once for all the rows. Per row: the quants
     and 16-bit activations widened to 32 bits and multiplied, adjacent products added in pairs
     (the shape LLVM turns into ``vpmaddwd``; exact, and exact in fp32: two products of at
-    most ``2^6 * 2^15``), the pairs converted to fp32 and accumulated lane by lane under the
+    most ``2^7 * 2^15`` each), the pairs converted to fp32 and accumulated lane by lane under the
     run's scale; the lanes are summed once per call (``_row_sum``), the minimums' share
     subtracted last. A row's operations do not depend on the other rows of the call."""
     width = runs[0].width
