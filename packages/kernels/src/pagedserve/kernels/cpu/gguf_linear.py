@@ -9,8 +9,8 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
   the threads (``prange``); for the integer types each weight row is dotted with every row
   of ``x`` in integers (below); for the others a task decodes four weight rows at a time
   into an fp32 buffer (cpu/gguf_blocks.py: a few vector instructions per 8 or 16 weights;
-  the buffer stays in L1 or L2) and dots each row of ``x`` against the four in one loop, where one load of ``x``
-  feeds four FMAs. So each block is read from memory once per step whatever the batch, and
+  the buffer stays in L1 or L2) and dots each row of ``x`` against the four in one loop,
+  where one load of ``x`` feeds four FMAs. So each block is read from memory once per step whatever the batch, and
   a step's bytes shrink with the type: Q4_0 is 18 bytes per 32 weights against fp32's 128.
   (The fp32 kernel dots one weight row against four rows of ``x`` instead, repeating the last
   row of a short batch: at one row that is four FMAs for one result, which a memory-bound
@@ -24,9 +24,10 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
 Q5_K, Q6_K: all of the 1B Llama's Q4_K_M and Q8_0 files, and the shipped Q4_1) the decode
 rows dot the blocks with activations rounded to 16 bits per 32 (cpu/integer_dot.py): no
 weight is decoded to fp32, and on the 1B Llama a one-stream decode step went from 1.33x to
-2.10x fp32's speed in Q8_0, from 1.57x to 1.98x in Q4_K_M (docs/benchmarks.md). The other types decode to fp32 as above,
-and the prefill path decodes every type into MKL's tiles, as before (integer dots were not
-measured against it).
+2.10x fp32's speed in Q8_0, from 1.57x to 1.98x in Q4_K_M (docs/benchmarks.md; the AVX-512
+EPYC VM only, quiet or nearly: not measured on the Intel VM, the AVX2 EPYC or beside a busy
+neighbour). The other types decode to fp32 as above, and the prefill path decodes every type
+into MKL's tiles, as before (integer dots were not measured against it).
 
 **Batch invariance.** A row's result does not depend on the other rows or the thread count:
 the integer dots' operations per row are the same in any call (cpu/integer_dot.py); the

@@ -117,29 +117,23 @@ def _lanes(builder, vector, picks):
     return builder.shuffle_vector(vector, vector, indices)
 
 
-def _quants(context, builder, raw_type, raw, base, run):
+def _quants(block, builder, run):
     """A run's quants, as a vector of 32-bit integers."""
     width = run.width
-    byte_vector = ir.VectorType(ir.IntType(8), width)
     wide = ir.VectorType(ir.IntType(32), width)
 
-    def load(offset):
-        at = builder.add(base, _i64(offset))
-        return builder.load(
-            _element_at(context, builder, raw_type, raw, None, at, byte_vector), align=1
-        )
-
     def splat(value):
-        return ir.Constant(byte_vector, [value] * width)
+        return ir.Constant(ir.VectorType(ir.IntType(8), width), [value] * width)
 
+    low = block.bytes(run.low, width)
     if run.signed:
-        return builder.sext(load(run.low), wide)
-    quants = builder.and_(builder.lshr(load(run.low), splat(run.shift)), splat(15))
+        return builder.sext(low, wide)
+    quants = builder.and_(builder.lshr(low, splat(run.shift)), splat(15))
     if run.high_mask:
-        high = builder.and_(
-            builder.lshr(load(run.high), splat(run.high_shift)), splat(run.high_mask)
+        high = builder.lshr(block.bytes(run.high, width), splat(run.high_shift))
+        quants = builder.or_(
+            quants, builder.shl(builder.and_(high, splat(run.high_mask)), splat(4))
         )
-        quants = builder.or_(quants, builder.shl(high, splat(4)))
     quants = builder.zext(quants, wide)
     if run.offset:
         quants = builder.sub(quants, ir.Constant(wide, [run.offset] * width))
@@ -344,7 +338,7 @@ def _block_dots(runs, block_scales):
             row_values = [builder.extract_value(args[5], i) for i in range(count)]
             totals = [ir.Constant(floats, [0.0] * (width // 2))] * count
             for run in runs:
-                quants = _quants(context, builder, signature.args[0], args[0], args[1], run)
+                quants = _quants(block, builder, run)
                 for i, row in enumerate(row_values):
                     totals[i] = _row_term(
                         context, builder, signature, args, quants, run, row, totals[i], scales
