@@ -15,7 +15,12 @@ from tolerances import assert_close, tolerance
 
 from pagedserve.kernels.cpu import gguf_linear as cpu
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
-from pagedserve.kernels.cpu.integer_dot import ACTIVATION_MAX, GROUP, INTEGER_TYPES
+from pagedserve.kernels.cpu.integer_dot import (
+    ACTIVATION_MAX,
+    GROUP,
+    INTEGER_TYPES,
+    activation_group,
+)
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, GGUF_TYPES, gguf_dequantize_ref
 from pagedserve.kernels.gguf_linear import gguf_linear_ref
 from pagedserve.kernels.testing import random_gguf_rows
@@ -37,16 +42,17 @@ def _operands(name: str, rows: int, n: int, k: int, seed: int = 0):
 def _assert_matches_reference(out, x, qweight, qtype, bias=None):
     """Within the GEMM tolerance of the reference; for a decode step's rows of an integer type
     (cpu/integer_dot.py) within that plus the activations' rounding: each activation is within
-    half its group's step (``max |x| / ACTIVATION_MAX`` over ``GROUP``) of its value, so an output is within
-    ``sum |w| * step / 2`` of the exact product."""
+    half its group's step (``max |x| / ACTIVATION_MAX`` over the type's ``activation_group``) of
+    its value, so an output is within ``sum |w| * step / 2`` of the exact product."""
     want = gguf_linear_ref(x, qweight, qtype, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if qtype not in INTEGER_TYPES or x2.shape[0] > cpu.MAX_ROWS:
         assert_close(out, want, gemm=True)
         return
-    steps = x2.abs().view(x2.shape[0], -1, GROUP).amax(-1) / ACTIVATION_MAX
+    group = activation_group(qtype)
+    steps = x2.abs().view(x2.shape[0], -1, group).amax(-1) / ACTIVATION_MAX
     weights = gguf_dequantize_ref(qweight, qtype)
-    bound = (steps.repeat_interleave(GROUP, -1) / 2) @ weights.abs().T
+    bound = (steps.repeat_interleave(group, -1) / 2) @ weights.abs().T
     atol, rtol = tolerance(torch.float32, gemm=True)
     error = (out.reshape(bound.shape) - want.reshape(bound.shape)).abs()
     assert (error <= bound + atol + rtol * want.reshape(bound.shape).abs()).all()
@@ -79,14 +85,16 @@ def test_integer_dots_equal_the_reference_where_rounding_is_exact(name, rows, th
     """Activations on the 16-bit grid (integers times ``2^-20``, each group's largest
     ``ACTIVATION_MAX`` of them) round to themselves, so the integer dots must give the
     reference's product to fp32's rounding: every quant, scale and minimum in its place, for
-    rows in calls of four and of one. K = 768: three 8-block calls of the 32-weight types,
-    three K-quant blocks."""
+    rows in calls of four and of one, in calls of several blocks and of one: K = 1280 for the
+    K-quants (a call of ``K_GROUPED`` blocks, then one), 800 for the 32-weight types (three
+    calls of ``GROUPED``, then one)."""
     qtype = GGUF_TYPE_IDS[name]
-    qweight = random_gguf_rows(qtype, 70, 768, seed=rows)
+    k = 1280 if GGUF_TYPES[qtype].block_size == 256 else 800
+    qweight = random_gguf_rows(qtype, 70, k, seed=rows)
     grid = torch.randint(
         -ACTIVATION_MAX,
         ACTIVATION_MAX + 1,
-        (rows, 768),
+        (rows, k),
         generator=torch.Generator().manual_seed(rows),
     )
     grid[:, ::GROUP] = ACTIVATION_MAX
@@ -95,9 +103,10 @@ def test_integer_dots_equal_the_reference_where_rounding_is_exact(name, rows, th
     assert_close(out, gguf_linear_ref(x, qweight, qtype), gemm=True)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("name", [*INTEGER_NAMES, "F16"])
 def test_a_rows_result_does_not_depend_on_its_batch_or_threads(name, threads):
-    x, qweight, qtype = _operands(name, cpu.MAX_ROWS, 263, 768, seed=5)
+    """K = 1280: calls of several blocks and of one, for every type."""
+    x, qweight, qtype = _operands(name, cpu.MAX_ROWS, 263, 1280, seed=5)
     together = cpu.gguf_linear_numba(x, qweight, qtype)
     for size in (1, 2, 5):
         for start in range(0, cpu.MAX_ROWS - size + 1, size):

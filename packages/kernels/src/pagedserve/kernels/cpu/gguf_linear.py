@@ -20,14 +20,15 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
   tile's columns of the output): the GEMM's cost grows with the rows and the decode's does
   not, so from a few dozen rows on this runs at the dense GEMM's speed.
 
-**Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_K, Q6_K: all of the 1B Llama's Q4_K_M and Q8_0 files, and the shipped Q4_1) the decode
-rows dot the blocks with activations rounded to 16 bits per 32 (cpu/integer_dot.py): no
-weight is decoded to fp32, and on the 1B Llama a one-stream decode step went from 1.33x to
-2.10x fp32's speed in Q8_0, from 1.57x to 1.98x in Q4_K_M (docs/benchmarks.md; the AVX-512
-EPYC VM only, quiet or nearly: not measured on the Intel VM, the AVX2 EPYC or beside a busy
-neighbour). The other types decode to fp32 as above, and the prefill path decodes every type
-into MKL's tiles, as before (integer dots were not measured against it).
+**Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K: every quantized type in the 1B Llama's Q4_K_M and Q8_0 files, in
+SmolLM2's Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0, and in the shipped Q4_1) the decode rows dot the blocks with activations rounded to
+16 bits per block (cpu/integer_dot.py): no weight is decoded to fp32. On the 1B Llama a
+one-stream decode step went from 1.33x to 2.10x fp32's speed in Q8_0, and from 1.57x to
+2.34x in Q4_K_M (docs/benchmarks.md; the AVX-512 EPYC VM only, quiet or nearly: not
+measured on the Intel VM, the AVX2 EPYC or beside a busy neighbour). The other types decode
+to fp32 as above, and the prefill path decodes every type into MKL's tiles, as before
+(integer dots were not measured against it).
 
 **Batch invariance.** A row's result does not depend on the other rows or the thread count:
 the integer dots' operations per row are the same in any call (cpu/integer_dot.py); the
@@ -48,6 +49,7 @@ from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached
 from pagedserve.kernels.cpu.dense_linear import PARALLEL_FROM_WEIGHTS, dense_linear_compiled
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
 from pagedserve.kernels.cpu.integer_dot import (
+    activation_group,
     has_integer_dot,
     integer_dot_rows,
     round_activations,
@@ -120,7 +122,7 @@ def _integer_features(rounded, qweight, qtype, out, first, stop):  # pragma: no 
 
 @numba.njit(cache=True, parallel=True)
 def _integer_parallel(x, qweight, qtype, out):  # pragma: no cover - compiled
-    rounded = round_activations(x)
+    rounded = round_activations(x, activation_group(qtype))
     blocks = qweight.shape[0] // _BLOCK
     for block in numba.prange(blocks):
         first = block * _BLOCK
@@ -130,7 +132,8 @@ def _integer_parallel(x, qweight, qtype, out):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _integer_serial(x, qweight, qtype, out):  # pragma: no cover - compiled
-    _integer_features(round_activations(x), qweight, qtype, out, 0, qweight.shape[0])
+    rounded = round_activations(x, activation_group(qtype))
+    _integer_features(rounded, qweight, qtype, out, 0, qweight.shape[0])
 
 
 @numba.njit(cache=True)

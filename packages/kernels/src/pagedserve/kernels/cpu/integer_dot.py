@@ -1,6 +1,7 @@
 """A GGUF row of blocks dotted with activations rounded to 16-bit integers, compiled with numba:
 the decode GEMM's inner product (cpu/gguf_linear.py) for the types whose weights are small
-integers under a block's scales (``INTEGER_TYPES``: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
+integers under a block's scales (``INTEGER_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K).
 
 **Why integers.** Decoding a block to fp32 costs more than the dot that follows: a Q4_K weight
 is a shift, a mask, a conversion, a multiply and a subtract before its one FMA (about 7 G
@@ -9,36 +10,44 @@ was arithmetic, not bandwidth). llama.cpp rounds each block of activations to 8-
 and sums ``q * x`` products in integer registers; a block's scales then multiply a sum, not
 every weight. Here the same, with choices of our own:
 
-- **16-bit activations, not 8.** Each group of ``GROUP`` (32) activations is rounded to
-  ``round(x / dx)`` with ``dx = max|x| / ACTIVATION_MAX``: an element's error is at most
-  ``dx / 2``, ``1.5e-5`` of its group's largest (8 bits would be 256 times coarser). Where a
-  group holds one large activation its small ones round coarsely: SmolLM2's Q4_1 prompt
-  log-probabilities move by up to 6e-4 (tests/models/test_gguf.py); its greedy tokens stay
-  those of transformers on the dequantized weights.
-- **``vpmaddwd`` from portable IR.** A 4- to 8-bit quant times a 16-bit activation, adjacent
-  products added in pairs into 32 bits, is what ``vpmaddwd`` does (16 products an instruction
-  on AVX2, 32 on AVX-512). The dots are written as plain LLVM vector operations (load, shift,
-  mask, widen, multiply, pairwise add) through numba intrinsics, and LLVM picks the
-  instruction itself; no x86 intrinsic is named, so another CPU still gets vector code.
-  numba's own loops would widen every integer to 64 bits.
+- **16-bit activations, not 8.** Each group of activations is rounded to ``round(x / dx)``
+  with ``dx = max|x| / ACTIVATION_MAX``: an element's error is at most ``dx / 2``,
+  ``1.5e-5`` of its group's largest (8 bits would be 256 times coarser). A group is a block's
+  32 for the 32-weight types and a K-quant block's 256 (``activation_group``; llama.cpp rounds
+  256 to 8 bits for these). Where a group holds one large activation its small ones round
+  coarsely: SmolLM2's Q4_1 prompt log-probabilities move by up to 6e-4
+  (tests/models/test_gguf.py); its greedy tokens stay those of transformers on the dequantized
+  weights.
+- **``vpmaddwd`` from portable IR.** A quant times a 16-bit activation, adjacent products
+  added in pairs into 32 bits, is what ``vpmaddwd`` does (32 products an instruction on
+  AVX-512; ``vpdpwssd`` with the add where VNNI is); cpu/block_ir.py writes it as plain LLVM
+  vector operations, through numba intrinsics, and says why.
 - **Layouts as data.** Each type's block is a list of ``Run`` s (where a run's quant bits
-  live, which activations and which scale it meets); ``_block_dots`` turns a list into an
-  intrinsic. The 32-weight types are dotted eight blocks a call, so every call sums one fp32
-  vector once per 256 weights.
+  live, which activations and which scale it meets); ``_block_dots`` and ``_k_block_dots``
+  turn a list into an intrinsic. Calls take several blocks (``GROUPED`` 32-weight blocks,
+  ``K_GROUPED`` K-quant blocks) while that many are left, so a row's fp32 or fp64 lanes are
+  summed once a call.
+- **The K-quants' scales folded into their quants.** A K-quant's sub-block scales are small
+  integers, so each run's quants are multiplied by theirs in 16 bits and a block's products
+  summed in 32-bit integer lanes: one conversion per 256 weights and row, not one per 32
+  (``_k_block_dots`` says why nothing overflows). This is why their activations are rounded
+  per 256.
 - **Four rows a call.** A call unpacks its blocks' scales (vector code, in the intrinsic)
   and decodes each run's quants once, and dots them with four rows of activations (then one
   a call for the rest), so a decode step of 16 sequences does not decode its weights 16
   times.
 
 **Exact, then rounded in a fixed order.** A pair of products is exact in 32 bits and in fp32
-(at most ``2 * 2^7 * 2^15 < 2^24``); each run's pairs are scaled (``scale * dx``) and added lane by
-lane, and the lanes summed in a fixed tree, the minimums' share subtracted last. Every row
-meets the same operations whichever rows share its call and whichever thread runs it, so a
-row's result does not depend on its batch (the batch-invariant mode's promise, kept by the
-GEMM whatever the mode). No multiply and add are contracted into an FMA: LLVM would contract
-some and not others depending on the surrounding code (a row alone and among four differed
-in their last bit when it was allowed, by ``contract`` flags or by being inlined into a
-fast-math function; cpu/gguf_linear.py calls this path from functions without fast-math).
+(at most ``2 * 2^7 * 2^15 < 2^24``); in the 32-weight types each run's pairs are scaled
+(``scale * dx``) and added lane by lane in fp32, in the K-quants a block's integer lanes go to
+fp64 under ``d * dx``; the lanes are summed in a fixed tree, the minimums' share subtracted
+last. Every row meets the same operations whichever rows share its call and whichever thread
+runs it, so a row's result does not depend on its batch (the batch-invariant mode's promise,
+kept by the GEMM whatever the mode). No multiply and add are contracted into an FMA: LLVM
+would contract some and not others depending on the surrounding code (a row alone and among
+four differed in their last bit when it was allowed, by ``contract`` flags or by being inlined
+into a fast-math function; cpu/gguf_linear.py calls this path from functions without
+fast-math).
 
 How far from the reference: for an output, at most ``sum |w| * dx / 2`` over its weights plus
 fp32's rounding; and exactly the reference's product (to fp32's rounding) where the
@@ -46,7 +55,8 @@ activations are on the 16-bit grid (kernels/test_gguf_linear_numba.py holds both
 
 Measured (AMD EPYC VM with AVX-512, one thread, a 1B Llama's layers, `tools/bench_gguf_cpu.py
 --model llama-1b --layers 2`; docs/benchmarks.md): 1.3-2.1x the fp32-decoding GEMM's speed
-at one row, 0.9-1.2x at sixteen (not measured on the Intel VM nor beside a busy neighbour).
+at one row; the K-quants' folded scales then made Q4_K, Q5_K and Q6_K 1.1-1.4x faster at one
+row and 1.4-1.8x at sixteen (not measured on the Intel VM nor beside a busy neighbour).
 
 Why one file: the layouts, the intrinsic each compiles to, and the loops that choose one by
 type id are one mechanism; numba compiles every layout into the loops.
@@ -54,102 +64,27 @@ type id are one mechanism; numba compiles every layout into the loops.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pagedserve.kernels.cpu import numba_cache  # noqa: F401  (before any cached @njit)
+from pagedserve.kernels.cpu import (
+    block_ir,
+    numba_cache,  # noqa: F401  (before any cached @njit)
+)
+from pagedserve.kernels.cpu.block_ir import Run
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS
 
 Q4_0, Q4_1, Q8_0 = GGUF_TYPE_IDS["Q4_0"], GGUF_TYPE_IDS["Q4_1"], GGUF_TYPE_IDS["Q8_0"]
+Q5_0, Q5_1 = GGUF_TYPE_IDS["Q5_0"], GGUF_TYPE_IDS["Q5_1"]
 Q4_K, Q5_K, Q6_K = GGUF_TYPE_IDS["Q4_K"], GGUF_TYPE_IDS["Q5_K"], GGUF_TYPE_IDS["Q6_K"]
-INTEGER_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+INTEGER_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 ACTIVATION_MAX = 32767  # the largest 16-bit integer an activation is rounded to
-GROUP = 32  # activations rounded together, under one step
-
-
-class Run(NamedTuple):
-    """``width`` consecutive quants of a block under one scale (or two, one per half): quant
-    ``l`` is ``((raw[low + l] >> shift) & 15) | (((raw[high + l] >> high_shift) & high_mask)
-    << 4)``, less
-    ``offset`` (``signed``: the int8 ``raw[low + l]`` itself, Q8_0's), and multiplies activation
-    ``x + l``; its scale is the layout's ``scale``-th (``second_scale``, when set: for the
-    second half of the run) times the activations' step ``dx[row, g0 + group]``. Offsets are
-    from the call's first byte and first activation."""
-
-    low: int
-    x: int
-    scale: int
-    shift: int = 0
-    high: int = 0
-    high_shift: int = 0
-    high_mask: int = 0
-    offset: int = 0
-    width: int = 32
-    signed: bool = False
-    group: int = 0
-    second_scale: int = -1
-
-
-def _i64(value):
-    return ir.Constant(ir.IntType(64), value)
-
-
-def _element_at(context, builder, array_type, array, row, column, vector_type=None):
-    """A pointer to ``array[row, column]`` of a C-contiguous 2-D array (``row`` None: the 1-D
-    ``array[column]``), cast to ``vector_type``'s when given. Addressed here: a view of the
-    row would be reference-counted on every call."""
-    parts = context.make_array(array_type)(context, builder, array)
-    at = column
-    if row is not None:
-        at = builder.add(builder.mul(row, builder.extract_value(parts.shape, 1)), column)
-    pointer = builder.gep(parts.data, [at])
-    return pointer if vector_type is None else builder.bitcast(pointer, ir.PointerType(vector_type))
-
-
-def _lanes(builder, vector, picks):
-    """The vector of ``vector``'s lanes ``picks``."""
-    indices = ir.Constant(ir.VectorType(ir.IntType(32), len(picks)), list(picks))
-    return builder.shuffle_vector(vector, vector, indices)
-
-
-def _quants(block, builder, run):
-    """A run's quants, as a vector of 32-bit integers."""
-    width = run.width
-    wide = ir.VectorType(ir.IntType(32), width)
-
-    def splat(value):
-        return ir.Constant(ir.VectorType(ir.IntType(8), width), [value] * width)
-
-    low = block.bytes(run.low, width)
-    if run.signed:
-        return builder.sext(low, wide)
-    quants = builder.and_(builder.lshr(low, splat(run.shift)), splat(15))
-    if run.high_mask:
-        high = builder.lshr(block.bytes(run.high, width), splat(run.high_shift))
-        quants = builder.or_(
-            quants, builder.shl(builder.and_(high, splat(run.high_mask)), splat(4))
-        )
-    quants = builder.zext(quants, wide)
-    if run.offset:
-        quants = builder.sub(quants, ir.Constant(wide, [run.offset] * width))
-    return quants
-
-
-def _row_sum(builder, total):
-    """The lanes of ``total`` added in a fixed tree (so a row's result is the same bits
-    whatever rows share the call)."""
-    lanes = total.type.count
-    while lanes > 1:
-        lanes //= 2
-        total = builder.fadd(
-            _lanes(builder, total, range(lanes)), _lanes(builder, total, range(lanes, 2 * lanes))
-        )
-    return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+GROUP = 32  # activations rounded together under one step for the 32-weight types
+K_GROUP = 256  # and for the K-quants (activation_group)
+CHAINS = 4  # independent integer sums per row and block: one would wait on each add's latency
 
 
 def _floats(width):
@@ -157,45 +92,12 @@ def _floats(width):
     return ir.VectorType(ir.FloatType(), width // 2)
 
 
-class _Block:
-    """Reads the bytes of a call's blocks in LLVM IR, from byte ``base`` of the 1-D ``raw``."""
-
-    def __init__(self, context, builder, raw_type, raw, base):
-        self.context, self.builder = context, builder
-        self.raw_type, self.raw, self.base = raw_type, raw, base
-
-    def bytes(self, offset, count):
-        """``count`` bytes from ``offset``, as a vector of ``i8``."""
-        at = self.builder.add(self.base, _i64(offset))
-        vector = ir.VectorType(ir.IntType(8), count)
-        pointer = _element_at(self.context, self.builder, self.raw_type, self.raw, None, at, vector)
-        return self.builder.load(pointer, align=1)
-
-    def half(self, offset):
-        """The fp16 at ``offset``, widened to fp32 (exact)."""
-        at = self.builder.add(self.base, _i64(offset))
-        pointer = _element_at(self.context, self.builder, self.raw_type, self.raw, None, at)
-        pointer = self.builder.bitcast(pointer, ir.PointerType(ir.HalfType()))
-        return self.builder.fpext(self.builder.load(pointer, align=1), ir.FloatType())
-
-
-def _splat_float(builder, value, count):
-    vector = ir.VectorType(ir.FloatType(), count)
-    one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(ir.IntType(32), 0))
-    return _lanes(builder, one, [0] * count)
-
-
-def _lanes_of(builder, vector):
-    """A vector's lanes, as a list of scalars."""
-    i32 = ir.IntType(32)
-    return [builder.extract_element(vector, ir.Constant(i32, i)) for i in range(vector.type.count)]
-
-
 def _k_scales(block, builder):
-    """Q4_K's / Q5_K's eight 6-bit scales and minimums (the 12 bytes at 4, unpacked as
-    cpu/gguf_blocks.py's ``_k_scale_min``, eight lanes at once), times ``d`` and ``dmin``.
-    Sub-blocks 0-3 keep six bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take four bits
-    of bytes 8-11 and their top two from the top bits of bytes 0-3 and 4-7."""
+    """Q4_K's / Q5_K's ``d`` and ``dmin`` (fp16 at 0 and 2) and eight 6-bit scales and
+    minimums (the 12 bytes at 4, unpacked as cpu/gguf_blocks.py's ``_k_scale_min``, eight
+    lanes at once), the scales as 16-bit integers and the minimums as 32-bit. Sub-blocks 0-3
+    keep six bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take four bits of bytes 8-11
+    and their top two from the top bits of bytes 0-3 and 4-7."""
     i8x8 = ir.VectorType(ir.IntType(8), 8)
     raw = block.bytes(4, 16)  # 12 used; the block goes on past them
     zero = ir.Constant(ir.VectorType(ir.IntType(8), 16), [0] * 16)
@@ -219,18 +121,16 @@ def _k_scales(block, builder):
         builder.and_(low_mins, six_or_four),
         builder.shl(builder.lshr(pick(top_bits + [4, 5, 6, 7]), const([6] * 8)), const([4] * 8)),
     )
-    floats = ir.VectorType(ir.FloatType(), 8)
-    d, dmin = _splat_float(builder, block.half(0), 8), _splat_float(builder, block.half(2), 8)
-    scales = builder.fmul(d, builder.uitofp(scales, floats))
-    mins = builder.fmul(dmin, builder.uitofp(mins, floats))
-    return _lanes_of(builder, scales), _lanes_of(builder, mins)
+    scales = builder.zext(scales, ir.VectorType(ir.IntType(16), 8))
+    mins = builder.zext(mins, ir.VectorType(ir.IntType(32), 8))
+    return block.half(0, ir.DoubleType()), scales, block.half(2, ir.DoubleType()), mins
 
 
 def _q6_k_scales(block, builder):
-    """Q6_K's sixteen int8 scales at 192, times ``d`` (at 208); no minimums."""
-    floats = ir.VectorType(ir.FloatType(), 16)
-    scales = builder.sitofp(block.bytes(192, 16), floats)
-    return _lanes_of(builder, builder.fmul(_splat_float(builder, block.half(208), 16), scales)), []
+    """Q6_K's ``d`` (fp16 at 208) and sixteen int8 scales (at 192) as 16-bit integers; no
+    minimums."""
+    scales = builder.sext(block.bytes(192, 16), ir.VectorType(ir.IntType(16), 16))
+    return block.half(208, ir.DoubleType()), scales, None, None
 
 
 def _block_d_scales(size, count, with_min):
@@ -247,20 +147,13 @@ def _block_d_scales(size, count, with_min):
 
 
 def _scale_lanes(context, builder, signature, args, run, row, scales):
-    """The run's scale times its activations' step ``dx[row, g0 + run.group]``, in every lane
-    (``second_scale``: in the second half's lanes)."""
-    lanes = run.width // 2
-    step_at = builder.add(args[7], _i64(run.group))
-    step = builder.load(_element_at(context, builder, signature.args[3], args[3], row, step_at))
-    first = builder.fmul(scales[run.scale], step)
-    vector = builder.insert_element(
-        ir.Constant(_floats(run.width), None), first, ir.Constant(ir.IntType(32), 0)
+    """The run's scale times its activations' step ``dx[row, g0 + run.group]``, in every
+    lane."""
+    step_at = builder.add(args[7], block_ir.i64(run.group))
+    step = builder.load(
+        block_ir.element_at(context, builder, signature.args[3], args[3], row, step_at)
     )
-    if run.second_scale < 0:
-        return _lanes(builder, vector, [0] * lanes)
-    second = builder.fmul(scales[run.second_scale], step)
-    vector = builder.insert_element(vector, second, ir.Constant(ir.IntType(32), 1))
-    return _lanes(builder, vector, [0] * (lanes // 2) + [1] * (lanes // 2))
+    return block_ir.splat(builder, builder.fmul(scales[run.scale], step), run.width // 2)
 
 
 def _row_term(context, builder, signature, args, quants, run, row, total, scales):
@@ -268,16 +161,7 @@ def _row_term(context, builder, signature, args, quants, run, row, total, scales
     and an add, never contracted into one FMA: LLVM contracts where it can, and where it
     can depends on what surrounds a row (measured: a row alone and among four differed in
     its last bit)."""
-    column = builder.add(args[6], _i64(run.x))
-    vector = ir.VectorType(ir.IntType(16), run.width)
-    x = builder.load(
-        _element_at(context, builder, signature.args[2], args[2], row, column, vector), align=2
-    )
-    products = builder.mul(quants, builder.sext(x, quants.type))
-    pairs = builder.add(
-        _lanes(builder, products, range(0, run.width, 2)),
-        _lanes(builder, products, range(1, run.width, 2)),
-    )
+    pairs = block_ir.pairs(context, builder, signature, args, quants, run, row)
     scaled = builder.fmul(
         builder.sitofp(pairs, _floats(run.width)),
         _scale_lanes(context, builder, signature, args, run, row, scales),
@@ -292,21 +176,14 @@ def _minimums(context, builder, signature, args, row, mins):
     groups = ir.VectorType(ir.FloatType(), count)
     g0 = args[7]
     steps = builder.load(
-        _element_at(context, builder, signature.args[3], args[3], row, g0, groups), align=4
+        block_ir.element_at(context, builder, signature.args[3], args[3], row, g0, groups), align=4
     )
     counts = ir.VectorType(ir.IntType(32), count)
     sums = builder.load(
-        _element_at(context, builder, signature.args[4], args[4], row, g0, counts), align=4
+        block_ir.element_at(context, builder, signature.args[4], args[4], row, g0, counts), align=4
     )
     terms = builder.fmul(builder.fmul(mins, steps), builder.sitofp(sums, groups))
-    return _row_sum(builder, terms)
-
-
-def _as_vector(builder, values):
-    vector = ir.Constant(ir.VectorType(ir.FloatType(), len(values)), None)
-    for i, value in enumerate(values):
-        vector = builder.insert_element(vector, value, ir.Constant(ir.IntType(32), i))
-    return vector
+    return block_ir.lane_sum(builder, terms)
 
 
 def _block_dots(runs, block_scales):
@@ -322,7 +199,7 @@ def _block_dots(runs, block_scales):
     and 16-bit activations widened to 32 bits and multiplied, adjacent products added in pairs
     (the shape LLVM turns into ``vpmaddwd``; exact, and exact in fp32: two products of at
     most ``2^7 * 2^15`` each), the pairs converted to fp32 and accumulated lane by lane under the
-    run's scale; the lanes are summed once per call (``_row_sum``), the minimums' share
+    run's scale; the lanes are summed once per call (``block_ir.lane_sum``), the minimums' share
     subtracted last. A row's operations do not depend on the other rows of the call."""
     width = runs[0].width
     assert all(run.width == width for run in runs)
@@ -333,19 +210,19 @@ def _block_dots(runs, block_scales):
         count = rows.count
 
         def codegen(context, builder, signature, args):
-            block = _Block(context, builder, signature.args[0], args[0], args[1])
+            block = block_ir.BlockReader(context, builder, signature.args[0], args[0], args[1])
             scales, mins = block_scales(block, builder)
             row_values = [builder.extract_value(args[5], i) for i in range(count)]
             totals = [ir.Constant(floats, [0.0] * (width // 2))] * count
             for run in runs:
-                quants = _quants(block, builder, run)
+                quants = block_ir.quants(block, builder, run)
                 for i, row in enumerate(row_values):
                     totals[i] = _row_term(
                         context, builder, signature, args, quants, run, row, totals[i], scales
                     )
-            results = [_row_sum(builder, total) for total in totals]
+            results = [block_ir.lane_sum(builder, total) for total in totals]
             if mins:
-                vector = _as_vector(builder, mins)
+                vector = block_ir.as_vector(builder, mins)
                 results = [
                     builder.fsub(result, _minimums(context, builder, signature, args, row, vector))
                     for result, row in zip(results, row_values)
@@ -358,8 +235,122 @@ def _block_dots(runs, block_scales):
     return block_dots
 
 
-# The block layouts (gguf_dequant.py documents them) as runs of quants under one scale. The
-# 32-weight types come one block a call and eight blocks a call (one reduction per 256).
+def _run_scales(builder, scales, run):
+    """The run's integer scale in each of its lanes (``second_scale``: in the second half's)."""
+    second = run.scale if run.second_scale < 0 else run.second_scale
+    return block_ir.lanes(
+        builder, scales, [run.scale] * (run.width // 2) + [second] * (run.width // 2)
+    )
+
+
+def _k_terms(context, builder, signature, args, total, row, scales, k):
+    """Block ``k`` of the call (activation step ``b = g0 + k``) with one row, from its integer
+    lanes ``total``: the lanes in fp64 times ``d * dx[row, b]``, and the minimums' share
+    ``dmin * dx[row, b] * sum_j mins[j] * sums[row, 8 b + j]`` (summed exactly in 32 bits;
+    0.0 for Q6_K)."""
+    d, _, dmin, mins = scales
+    double = ir.DoubleType()
+    b = builder.add(args[7], block_ir.i64(k))
+    step = builder.load(block_ir.element_at(context, builder, signature.args[3], args[3], row, b))
+    step = builder.fpext(step, double)
+    lanes = ir.VectorType(double, total.type.count)
+    scaled = builder.fmul(
+        builder.sitofp(total, lanes), block_ir.splat(builder, builder.fmul(d, step), lanes.count)
+    )
+    if mins is None:
+        return scaled, ir.Constant(double, 0.0)
+    at = builder.mul(b, block_ir.i64(mins.type.count))
+    sums = builder.load(
+        block_ir.element_at(context, builder, signature.args[4], args[4], row, at, mins.type),
+        align=4,
+    )
+    minimums = builder.sitofp(block_ir.lane_sum(builder, builder.mul(mins, sums)), double)
+    return scaled, builder.fmul(builder.fmul(dmin, step), minimums)
+
+
+def _k_integer_lanes(codegen_args, block, scales, runs, row_values):
+    """Each row's 32-bit lanes of one K-quant block: its ``runs``' quants times their integer
+    ``scales`` (once for all rows), dotted in pairs with each row's activations, the runs
+    spread over ``CHAINS`` sums added last (integers: exact in any order)."""
+    context, builder, signature, args = codegen_args
+    lanes = runs[0].width // 2
+    zero = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    chains = [[zero] * CHAINS for _ in row_values]
+    for j, run in enumerate(runs):
+        weighted = builder.mul(
+            block_ir.quants(block, builder, run), _run_scales(builder, scales, run)
+        )
+        for i, row in enumerate(row_values):
+            pairs = block_ir.pairs(context, builder, signature, args, weighted, run, row)
+            chains[i][j % CHAINS] = builder.add(chains[i][j % CHAINS], pairs)
+    totals = []
+    for row_chains in chains:
+        total = row_chains[0]
+        for chain in row_chains[1:]:
+            total = builder.add(total, chain)
+        totals.append(total)
+    return totals
+
+
+def _k_block_dots(runs, read_scales, size, count=1):
+    """An intrinsic for ``count`` K-quant blocks of ``size`` bytes side by side (256 weights
+    each, in ``runs`` of 32) whose integer scales ``read_scales(block, builder)`` reads (``d``,
+    the scales, ``dmin`` and the minimums; the last two None for Q6_K): ``block_dots(raw,
+    base, xq, dx, sums, rows, xat, g0)`` is, for each row of the tuple ``rows``, the sum over
+    blocks ``k`` (at byte ``base + size k``, activations from ``xat + 256 k``, one step ``dx[row,
+    g0 + k]``: ``activation_group``) of ``dx * (d * sum_l scale_l * q_l * xq[row, l] - dmin *
+    sum_j min_j * sums[row, 8 (g0 + k) + j])``.
+
+    **The scales folded into the quants.** Per run, once for all the rows: its quants times
+    their sub-block's integer scale, in 16 bits (at most 31 * 63 for Q5_K, 32 * 128 for Q6_K).
+    Per row: those times the activations, in pairs into 32-bit lanes (``block_ir.pairs``),
+    accumulated over the block's eight runs (``_k_integer_lanes``). A lane then holds 16 products, at most ``16 * 4096 * 32767 <
+    2^31`` (Q6_K's, the largest): no overflow, and exact. Then per block the lanes go to fp64
+    under ``d * dx`` (exact: an fp16 times 31 bits) and add into the row's fp64 lanes, summed
+    in a fixed tree once a call, the minimums' share subtracted, and rounded once to fp32. A
+    block costs a row one conversion, not one a run, and a row meets the same operations
+    whatever rows share its call."""
+    runs = [run._replace(x=run.x + 256 * k) for k in range(count) for run in runs]
+    per_block = len(runs) // count
+    lanes = runs[0].width // 2
+
+    @intrinsic
+    def block_dots(typingctx, raw, base, xq, dx, sums, rows, xat, g0):
+        def codegen(context, builder, signature, args):
+            row_values = [builder.extract_value(args[5], i) for i in range(rows.count)]
+            wide = ir.VectorType(ir.DoubleType(), lanes)
+            results = [(ir.Constant(wide, [0.0] * lanes), ir.Constant(ir.DoubleType(), 0.0))]
+            results *= rows.count
+            for k in range(count):
+                at = builder.add(args[1], block_ir.i64(size * k))
+                block = block_ir.BlockReader(context, builder, signature.args[0], args[0], at)
+                scales = read_scales(block, builder)
+                block_runs = runs[k * per_block : (k + 1) * per_block]
+                totals = _k_integer_lanes(
+                    (context, builder, signature, args), block, scales[1], block_runs, row_values
+                )
+                for i, row in enumerate(row_values):
+                    terms = _k_terms(context, builder, signature, args, totals[i], row, scales, k)
+                    results[i] = (
+                        builder.fadd(results[i][0], terms[0]),
+                        builder.fadd(results[i][1], terms[1]),
+                    )
+            values = [
+                builder.fptrunc(
+                    builder.fsub(block_ir.lane_sum(builder, vector), mins), ir.FloatType()
+                )
+                for vector, mins in results
+            ]
+            return context.make_tuple(builder, signature.return_type, values)
+
+        result = types.UniTuple(types.float32, rows.count)
+        return result(raw, base, xq, dx, sums, rows, xat, g0), codegen
+
+    return block_dots
+
+
+# The block layouts (gguf_dequant.py documents them) as runs of quants under one scale, each
+# type one block a call and several a call (one reduction per call).
 def _blocks(size, runs, count):
     """``count`` blocks of ``size`` bytes side by side, block ``k``'s runs under scale and
     activation group ``k``."""
@@ -372,86 +363,107 @@ def _blocks(size, runs, count):
     ]
 
 
-_Q8_0_RUNS = [Run(low=2, x=0, scale=0, signed=True)]
-_Q4_0_RUNS = [Run(2, 0, 0, width=16, offset=8), Run(2, 16, 0, shift=4, width=16, offset=8)]
-_Q4_1_RUNS = [Run(4, 0, 0, width=16), Run(4, 16, 0, shift=4, width=16)]
+def _dots_of_32(size, runs, with_min=False):
+    """A 32-weight type's two intrinsics: one block a call, and ``GROUPED`` blocks a call."""
+    return (
+        _block_dots(runs, _block_d_scales(size, 1, with_min)),
+        _block_dots(_blocks(size, runs, GROUPED), _block_d_scales(size, GROUPED, with_min)),
+    )
+
+
 GROUPED = 8  # 32-weight blocks per call when at least that many are left
-_Q8_0 = _block_dots(_Q8_0_RUNS, _block_d_scales(34, 1, False))
-_Q8_0_GROUPED = _block_dots(_blocks(34, _Q8_0_RUNS, GROUPED), _block_d_scales(34, GROUPED, False))
-_Q4_0 = _block_dots(_Q4_0_RUNS, _block_d_scales(18, 1, False))
-_Q4_0_GROUPED = _block_dots(_blocks(18, _Q4_0_RUNS, GROUPED), _block_d_scales(18, GROUPED, False))
-_Q4_1 = _block_dots(_Q4_1_RUNS, _block_d_scales(20, 1, True))
-_Q4_1_GROUPED = _block_dots(_blocks(20, _Q4_1_RUNS, GROUPED), _block_d_scales(20, GROUPED, True))
+_Q8_0, _Q8_0_GROUPED = _dots_of_32(34, [Run(low=2, x=0, scale=0, signed=True)])
+_Q4_0, _Q4_0_GROUPED = _dots_of_32(18, [Run(2, 0, 0, offset=8, halves=True)])
+_Q4_1, _Q4_1_GROUPED = _dots_of_32(20, [Run(4, 0, 0, halves=True)], with_min=True)
+# Q5_0 / Q5_1: byte j's nibbles are weights j and j + 16, their fifth bits bits j and j + 16
+# of the word before the nibbles; Q5_0's quants less 16, Q5_1's under a minimum.
+_Q5_0_RUN = Run(6, 0, 0, high=2, offset=16, packed_high=True, halves=True)
+_Q5_0, _Q5_0_GROUPED = _dots_of_32(22, [_Q5_0_RUN])
+_Q5_1, _Q5_1_GROUPED = _dots_of_32(24, [Run(8, 0, 0, high=4, packed_high=True, halves=True)], True)
 # Q4_K / Q5_K: run c's 32 bytes hold sub-block 2c in their low nibbles, 2c + 1 in their high
 # ones; Q5_K's fifth bit of weight 32 j + l is bit j of byte 16 + l.
-_Q4_K = _block_dots(
-    [Run(16 + 32 * (j // 2), 32 * j, j, shift=4 * (j % 2), group=j) for j in range(8)],
-    _k_scales,
-)
-_Q5_K = _block_dots(
-    [Run(48 + 32 * (j // 2), 32 * j, j, 4 * (j % 2), 16, j, 1, group=j) for j in range(8)],
-    _k_scales,
-)
+_Q4_K_RUNS = [Run(16 + 32 * (j // 2), 32 * j, j, shift=4 * (j % 2)) for j in range(8)]
+_Q5_K_RUNS = [Run(48 + 32 * (j // 2), 32 * j, j, 4 * (j % 2), 16, j, 1) for j in range(8)]
 # Q6_K, per 128-weight half h: ql bytes l and l + 32 and qh byte l give weights l, 32 + l,
 # 64 + l, 96 + l (cpu/gguf_blocks.py's _q6_k); a run of 32 holds two 16-weight sub-blocks,
 # under scales 8h + 2f and 8h + 2f + 1 (f the run of the half).
-_Q6_K = _block_dots(
-    [
-        Run(
-            low=64 * h + 32 * (f % 2), x=128 * h + 32 * f, scale=8 * h + 2 * f,
-            second_scale=8 * h + 2 * f + 1, shift=4 * (f // 2), high=128 + 32 * h,
-            high_shift=2 * f, high_mask=3, offset=32, group=4 * h + f,
-        )
-        for h in range(2)
-        for f in range(4)
-    ],
-    _q6_k_scales,
-)  # fmt: skip
+_Q6_K_RUNS = [
+    Run(
+        low=64 * h + 32 * (f % 2), x=128 * h + 32 * f, scale=8 * h + 2 * f,
+        second_scale=8 * h + 2 * f + 1, shift=4 * (f // 2), high=128 + 32 * h,
+        high_shift=2 * f, high_mask=3, offset=32,
+    )
+    for h in range(2)
+    for f in range(4)
+]  # fmt: skip
+K_GROUPED = 4  # K-quant blocks per call when at least that many are left
+
+
+def _k_dots(runs, read_scales, size):
+    """A K-quant's two intrinsics: one block a call, and ``K_GROUPED`` blocks a call."""
+    return _k_block_dots(runs, read_scales, size), _k_block_dots(runs, read_scales, size, K_GROUPED)
+
+
+_Q4_K, _Q4_K_GROUPED = _k_dots(_Q4_K_RUNS, _k_scales, 144)
+_Q5_K, _Q5_K_GROUPED = _k_dots(_Q5_K_RUNS, _k_scales, 176)
+_Q6_K, _Q6_K_GROUPED = _k_dots(_Q6_K_RUNS, _q6_k_scales, 210)
 
 
 @numba.njit(cache=True, inline="always")
 def has_integer_dot(qtype):  # pragma: no cover - compiled
     """Whether ``qtype`` is one of ``INTEGER_TYPES``."""
     k_quant = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
-    return k_quant or qtype == Q4_0 or qtype == Q4_1 or qtype == Q8_0
+    five = qtype == Q5_0 or qtype == Q5_1
+    return k_quant or five or qtype == Q4_0 or qtype == Q4_1 or qtype == Q8_0
+
+
+@numba.njit(cache=True, inline="always")
+def activation_group(qtype):  # pragma: no cover - compiled
+    """How many activations ``qtype``'s dots round under one step: a K-quant block's 256
+    (its integer scales fold into its quants, ``_k_block_dots``), else a block's 32."""
+    return K_GROUP if qtype == Q4_K or qtype == Q5_K or qtype == Q6_K else GROUP
 
 
 @numba.njit(cache=True)
-def round_activations(x):  # pragma: no cover - compiled
-    """Each row of fp32 ``x [M, K]`` as 16-bit integers per ``GROUP`` elements: ``xq`` (int16
-    ``[M, K]``), ``dx`` (the groups' steps, ``x ~ dx * xq``) and ``sums`` (the groups' int32
-    sums of ``xq``, for the types whose weights carry a minimum). A group of zeros has step
-    0."""
+def round_activations(x, group):  # pragma: no cover - compiled
+    """Each row of fp32 ``x [M, K]`` as 16-bit integers per ``group`` elements (a multiple of
+    ``GROUP``): ``xq`` (int16 ``[M, K]``), ``dx`` (the groups' steps, ``x ~ dx * xq``) and
+    ``sums`` (the int32 sums of ``xq`` per ``GROUP``, for the types whose weights carry a
+    minimum). A group of zeros has step 0."""
     m, k = x.shape
     xq = np.empty((m, k), np.int16)
-    dx = np.empty((m, k // GROUP), np.float32)
-    sums = np.empty((m, k // GROUP), np.int32)
+    dx = np.empty((m, k // group), np.float32)
+    sums = np.zeros((m, k // GROUP), np.int32)
     for r in range(m):
-        for g in range(k // GROUP):
+        for g in range(k // group):
             largest = np.float32(0.0)
-            for j in range(g * GROUP, g * GROUP + GROUP):
+            for j in range(g * group, g * group + group):
                 largest = max(largest, abs(x[r, j]))
             dx[r, g] = largest / np.float32(ACTIVATION_MAX)
             inverse = np.float32(ACTIVATION_MAX) / largest if largest > 0 else np.float32(0.0)
-            total = 0
-            for j in range(g * GROUP, g * GROUP + GROUP):
+            for j in range(g * group, g * group + group):
                 q = min(max(np.round(x[r, j] * inverse), -ACTIVATION_MAX), ACTIVATION_MAX)
                 xq[r, j] = np.int16(q)
-                total += xq[r, j]
-            sums[r, g] = total
+                sums[r, j // GROUP] += xq[r, j]
     return xq, dx, sums
 
 
 @numba.njit(cache=True, inline="always")
 def _dots(kind, raw, base, xq, dx, sums, rows, xat, g0):  # pragma: no cover - compiled
-    """Layout ``kind`` (a type id; negated: ``GROUPED`` blocks of a 32-weight type) at byte
-    ``base``, dotted with ``rows``."""
+    """Layout ``kind`` (a type id; negated: its grouped layout, ``GROUPED`` or ``K_GROUPED``
+    blocks) at byte ``base``, dotted with ``rows``."""
     if kind == Q4_K:
         return _Q4_K(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == -Q4_K:
+        return _Q4_K_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
     if kind == Q5_K:
         return _Q5_K(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == -Q5_K:
+        return _Q5_K_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
     if kind == Q6_K:
         return _Q6_K(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == -Q6_K:
+        return _Q6_K_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
     if kind == Q8_0:
         return _Q8_0(raw, base, xq, dx, sums, rows, xat, g0)
     if kind == -Q8_0:
@@ -462,7 +474,15 @@ def _dots(kind, raw, base, xq, dx, sums, rows, xat, g0):  # pragma: no cover - c
         return _Q4_0_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
     if kind == Q4_1:
         return _Q4_1(raw, base, xq, dx, sums, rows, xat, g0)
-    return _Q4_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == -Q4_1:
+        return _Q4_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == Q5_0:
+        return _Q5_0(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == -Q5_0:
+        return _Q5_0_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
+    if kind == Q5_1:
+        return _Q5_1(raw, base, xq, dx, sums, rows, xat, g0)
+    return _Q5_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
 
 
 @numba.njit(cache=True, inline="always")
@@ -481,24 +501,36 @@ def _add_dots(kind, raw, base, xq, dx, sums, xat, g0, out, o):  # pragma: no cov
         r += 1
 
 
+@numba.njit(cache=True, inline="always")
+def _block_shape(qtype):  # pragma: no cover - compiled
+    """A ``qtype`` block's bytes and weights, and how many blocks a grouped call takes."""
+    if qtype == Q6_K:
+        return 210, 256, K_GROUPED
+    if qtype == Q5_K:
+        return 176, 256, K_GROUPED
+    if qtype == Q4_K:
+        return 144, 256, K_GROUPED
+    if qtype == Q8_0:
+        return 34, 32, GROUPED
+    if qtype == Q5_0 or qtype == Q5_1:
+        return (24 if qtype == Q5_1 else 22), 32, GROUPED
+    return (20 if qtype == Q4_1 else 18), 32, GROUPED
+
+
 @numba.njit(cache=True)
 def integer_dot_rows(raw, qtype, xq, dx, sums, out, o):  # pragma: no cover - compiled
     """``out[r, o] =`` one weight row of blocks ``raw`` (a type of ``INTEGER_TYPES``) dotted
     with row ``r`` of the rounded activations (``round_activations``' ``xq``, ``dx``,
-    ``sums``), for every row: a K-quant block a call; the 32-weight types ``GROUPED`` blocks
-    a call while that many are left, then one a call. A row's arithmetic is the same
-    whichever rows share the call."""
+    ``sums``), for every row: ``GROUPED`` blocks a call (``K_GROUPED`` of a K-quant) while
+    that many are left, then one a call. A row's arithmetic is the same whichever rows share
+    the call."""
     for r in range(xq.shape[0]):
         out[r, o] = 0.0
-    if qtype == Q4_K or qtype == Q5_K or qtype == Q6_K:
-        size = 210 if qtype == Q6_K else (176 if qtype == Q5_K else 144)
-        for b in range(dx.shape[1] // 8):
-            _add_dots(qtype, raw, size * b, xq, dx, sums, 256 * b, 8 * b, out, o)
-        return
-    size = 34 if qtype == Q8_0 else (20 if qtype == Q4_1 else 18)
+    size, weights, grouped = _block_shape(qtype)
+    blocks = xq.shape[1] // weights
     b = 0
-    while b < dx.shape[1]:
-        count = GROUPED if dx.shape[1] - b >= GROUPED else 1
-        kind = -qtype if count == GROUPED else qtype
-        _add_dots(kind, raw, size * b, xq, dx, sums, 32 * b, b, out, o)
+    while b < blocks:
+        count = grouped if blocks - b >= grouped else 1
+        kind = -qtype if count == grouped else qtype
+        _add_dots(kind, raw, size * b, xq, dx, sums, weights * b, b, out, o)
         b += count
