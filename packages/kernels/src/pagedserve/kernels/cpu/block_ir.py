@@ -29,9 +29,7 @@ class Run(NamedTuple):
     """``width`` consecutive quants of a block under one scale (or two, one per half): quant
     ``l`` is ``((raw[low + l] >> shift) & 15) | (((raw[high + l] >> high_shift) & high_mask)
     << 4)`` (``halves``: the low nibbles of the 16 bytes at ``low``, then their high nibbles,
-    as the 32-weight 4- and 5-bit blocks hold them; ``packed_high``: the fifth bit is bit
-    ``high_shift + l`` of the little-endian 32-bit word at ``high``, Q5_0's and Q5_1's), less
-    ``offset`` (``signed``: the int8
+    as Q4_0 and Q4_1 hold them), less ``offset`` (``signed``: the int8
     ``raw[low + l]`` itself, Q8_0's), and multiplies activation ``x + l``; its scale is the
     layout's ``scale``-th (``second_scale``, when set: for the second half of the run) times
     the activations' step ``dx[row, g0 + group]``. Offsets are from the call's first byte and
@@ -49,7 +47,6 @@ class Run(NamedTuple):
     signed: bool = False
     group: int = 0
     second_scale: int = -1
-    packed_high: bool = False
     halves: bool = False
 
 
@@ -118,13 +115,6 @@ class BlockReader:
         pointer = element_at(self.context, self.builder, self.raw_type, self.raw, None, at, vector)
         return self.builder.load(pointer, align=1)
 
-    def word(self, offset):
-        """The little-endian 32-bit integer at ``offset``."""
-        at = self.builder.add(self.base, i64(offset))
-        pointer = element_at(self.context, self.builder, self.raw_type, self.raw, None, at)
-        pointer = self.builder.bitcast(pointer, ir.PointerType(ir.IntType(32)))
-        return self.builder.load(pointer, align=1)
-
     def half(self, offset, to=None):
         """The fp16 at ``offset``, widened to fp32 (or ``to``; exact)."""
         at = self.builder.add(self.base, i64(offset))
@@ -155,12 +145,6 @@ def quants(block, builder, run):
             values, builder.shl(builder.and_(high, bytes_of(run.high_mask)), bytes_of(4))
         )
     values = builder.zext(values, wide)
-    if run.packed_high:
-        word = splat(builder, block.word(run.high), width)
-        shifts = ir.Constant(word.type, [run.high_shift + lane for lane in range(width)])
-        bits = builder.and_(builder.lshr(word, shifts), ir.Constant(word.type, [1] * width))
-        fifth = builder.shl(builder.trunc(bits, wide), ir.Constant(wide, [4] * width))
-        values = builder.or_(values, fifth)
     if run.offset:
         values = builder.sub(values, ir.Constant(wide, [run.offset] * width))
     return values

@@ -20,10 +20,12 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
   tile's columns of the output): the GEMM's cost grows with the rows and the decode's does
   not, so from a few dozen rows on this runs at the dense GEMM's speed.
 
-**Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q5_K, Q6_K: every quantized type in the 1B Llama's Q4_K_M and Q8_0 files, in
-SmolLM2's Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0, and in the shipped Q4_1) the decode rows dot the blocks with activations rounded to
-16 bits per block (cpu/integer_dot.py): no weight is decoded to fp32. On the 1B Llama a
+**Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K: every quantized type in the 1B Llama's Q4_K_M and Q8_0 files, and the shipped
+Q4_1) the decode rows dot the blocks with activations rounded to 16 bits per block
+(cpu/integer_dot.py): no weight is decoded to fp32. (Q5_0 and Q5_1, most of SmolLM2's
+Q4_K_M and Q5_K_M, were tried: 1.2x faster at one row, 1.8x slower at sixteen on its
+3072 x 576 projection, and a sixteen-stream step 1.4x slower; they stay decoded.) On the 1B Llama a
 one-stream decode step went from 1.33x to 2.10x fp32's speed in Q8_0, and from 1.57x to
 2.34x in Q4_K_M (docs/benchmarks.md; the AVX-512 EPYC VM only, quiet or nearly: not
 measured on the Intel VM, the AVX2 EPYC or beside a busy neighbour). The other types decode

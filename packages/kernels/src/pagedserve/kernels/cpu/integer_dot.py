@@ -1,7 +1,6 @@
 """A GGUF row of blocks dotted with activations rounded to 16-bit integers, compiled with numba:
 the decode GEMM's inner product (cpu/gguf_linear.py) for the types whose weights are small
-integers under a block's scales (``INTEGER_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-Q6_K).
+integers under a block's scales (``INTEGER_TYPES``: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 **Why integers.** Decoding a block to fp32 costs more than the dot that follows: a Q4_K weight
 is a shift, a mask, a conversion, a multiply and a subtract before its one FMA (about 7 G
@@ -78,9 +77,8 @@ from pagedserve.kernels.cpu.block_ir import Run
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS
 
 Q4_0, Q4_1, Q8_0 = GGUF_TYPE_IDS["Q4_0"], GGUF_TYPE_IDS["Q4_1"], GGUF_TYPE_IDS["Q8_0"]
-Q5_0, Q5_1 = GGUF_TYPE_IDS["Q5_0"], GGUF_TYPE_IDS["Q5_1"]
 Q4_K, Q5_K, Q6_K = GGUF_TYPE_IDS["Q4_K"], GGUF_TYPE_IDS["Q5_K"], GGUF_TYPE_IDS["Q6_K"]
-INTEGER_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+INTEGER_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
 ACTIVATION_MAX = 32767  # the largest 16-bit integer an activation is rounded to
 GROUP = 32  # activations rounded together under one step for the 32-weight types
 K_GROUP = 256  # and for the K-quants (activation_group)
@@ -375,11 +373,6 @@ GROUPED = 8  # 32-weight blocks per call when at least that many are left
 _Q8_0, _Q8_0_GROUPED = _dots_of_32(34, [Run(low=2, x=0, scale=0, signed=True)])
 _Q4_0, _Q4_0_GROUPED = _dots_of_32(18, [Run(2, 0, 0, offset=8, halves=True)])
 _Q4_1, _Q4_1_GROUPED = _dots_of_32(20, [Run(4, 0, 0, halves=True)], with_min=True)
-# Q5_0 / Q5_1: byte j's nibbles are weights j and j + 16, their fifth bits bits j and j + 16
-# of the word before the nibbles; Q5_0's quants less 16, Q5_1's under a minimum.
-_Q5_0_RUN = Run(6, 0, 0, high=2, offset=16, packed_high=True, halves=True)
-_Q5_0, _Q5_0_GROUPED = _dots_of_32(22, [_Q5_0_RUN])
-_Q5_1, _Q5_1_GROUPED = _dots_of_32(24, [Run(8, 0, 0, high=4, packed_high=True, halves=True)], True)
 # Q4_K / Q5_K: run c's 32 bytes hold sub-block 2c in their low nibbles, 2c + 1 in their high
 # ones; Q5_K's fifth bit of weight 32 j + l is bit j of byte 16 + l.
 _Q4_K_RUNS = [Run(16 + 32 * (j // 2), 32 * j, j, shift=4 * (j % 2)) for j in range(8)]
@@ -413,8 +406,7 @@ _Q6_K, _Q6_K_GROUPED = _k_dots(_Q6_K_RUNS, _q6_k_scales, 210)
 def has_integer_dot(qtype):  # pragma: no cover - compiled
     """Whether ``qtype`` is one of ``INTEGER_TYPES``."""
     k_quant = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
-    five = qtype == Q5_0 or qtype == Q5_1
-    return k_quant or five or qtype == Q4_0 or qtype == Q4_1 or qtype == Q8_0
+    return k_quant or qtype == Q4_0 or qtype == Q4_1 or qtype == Q8_0
 
 
 @numba.njit(cache=True, inline="always")
@@ -474,15 +466,7 @@ def _dots(kind, raw, base, xq, dx, sums, rows, xat, g0):  # pragma: no cover - c
         return _Q4_0_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
     if kind == Q4_1:
         return _Q4_1(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q4_1:
-        return _Q4_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q5_0:
-        return _Q5_0(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q5_0:
-        return _Q5_0_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q5_1:
-        return _Q5_1(raw, base, xq, dx, sums, rows, xat, g0)
-    return _Q5_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
+    return _Q4_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
 
 
 @numba.njit(cache=True, inline="always")
@@ -512,8 +496,6 @@ def _block_shape(qtype):  # pragma: no cover - compiled
         return 144, 256, K_GROUPED
     if qtype == Q8_0:
         return 34, 32, GROUPED
-    if qtype == Q5_0 or qtype == Q5_1:
-        return (24 if qtype == Q5_1 else 22), 32, GROUPED
     return (20 if qtype == Q4_1 else 18), 32, GROUPED
 
 
