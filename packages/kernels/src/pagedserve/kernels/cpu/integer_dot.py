@@ -54,7 +54,7 @@ activations are on the 16-bit grid (kernels/test_gguf_linear_numba.py holds both
 
 Measured (AMD EPYC VM with AVX-512, one thread, a 1B Llama's layers, `tools/bench_gguf_cpu.py
 --model llama-1b --layers 2`; docs/benchmarks.md): 1.3-2.1x the fp32-decoding GEMM's speed
-at one row; the K-quants' folded scales then made Q4_K, Q5_K and Q6_K 1.1-1.4x faster at one
+at one row; the K-quants' folded scales then made Q4_K, Q5_K and Q6_K 1.0-1.4x faster at one
 row and 1.4-1.8x at sixteen (not measured on the Intel VM nor beside a busy neighbour).
 
 Why one file: the layouts, the intrinsic each compiles to, and the loops that choose one by
