@@ -32,8 +32,8 @@ class Run(NamedTuple):
     as Q4_0 and Q4_1 hold them), less ``offset`` (``signed``: the int8
     ``raw[low + l]`` itself, Q8_0's), and multiplies activation ``x + l``; its scale is the
     layout's ``scale``-th (``second_scale``, when set: for the second half of the run) times
-    the activations' step ``dx[row, g0 + group]``. Offsets are from the call's first byte and
-    first activation."""
+    the activations' step (the 32-weight types': ``dx[row, g0 + group]``; a K-quant block has
+    one). Offsets are from the call's first byte and first activation."""
 
     low: int
     x: int
@@ -75,13 +75,8 @@ def splat(builder, value, count):
     return lanes(builder, one, [0] * count)
 
 
-def lanes_of(builder, vector):
-    """A vector's lanes, as a list of scalars."""
-    i32 = ir.IntType(32)
-    return [builder.extract_element(vector, ir.Constant(i32, i)) for i in range(vector.type.count)]
-
-
 def as_vector(builder, values):
+    """The fp32 scalars ``values`` as one vector."""
     vector = ir.Constant(ir.VectorType(ir.FloatType(), len(values)), None)
     for i, value in enumerate(values):
         vector = builder.insert_element(vector, value, ir.Constant(ir.IntType(32), i))
