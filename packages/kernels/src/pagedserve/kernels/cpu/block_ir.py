@@ -29,8 +29,8 @@ class Run(NamedTuple):
     """``width`` consecutive quants of a block under one scale (or two, one per half): quant
     ``l`` is ``((raw[low + l] >> shift) & 15) | (((raw[high + l] >> high_shift) & high_mask)
     << 4)`` (``halves``: the low nibbles of the 16 bytes at ``low``, then their high nibbles,
-    as Q4_0 and Q4_1 hold them), less ``offset`` (``signed``: the int8
-    ``raw[low + l]`` itself, Q8_0's), and multiplies activation ``x + l``; its scale is the
+    as Q4_0 and Q4_1 hold them), less ``offset`` (``signed``: the int8 ``raw[low + l]``
+    itself, Q8_0's), and multiplies activation ``x + l``; its scale is the
     layout's ``scale``-th (``second_scale``, when set: for the second half of the run) times
     the activations' step (the 32-weight types': ``dx[row, g0 + group]``; a K-quant block has
     one). Offsets are from the call's first byte and first activation."""

@@ -10,8 +10,9 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
   of ``x`` in integers (below); for the others a task decodes four weight rows at a time
   into an fp32 buffer (cpu/gguf_blocks.py: a few vector instructions per 8 or 16 weights;
   the buffer stays in L1 or L2) and dots each row of ``x`` against the four in one loop,
-  where one load of ``x`` feeds four FMAs. So each block is read from memory once per step whatever the batch, and
-  a step's bytes shrink with the type: Q4_0 is 18 bytes per 32 weights against fp32's 128.
+  where one load of ``x`` feeds four FMAs. So each block is read from memory once per step
+  whatever the batch, and a step's bytes shrink with the type: Q4_0 is 18 bytes per 32
+  weights against fp32's 128.
   (The fp32 kernel dots one weight row against four rows of ``x`` instead, repeating the last
   row of a short batch: at one row that is four FMAs for one result, which a memory-bound
   fp32 step can afford and a decoding one cannot.)
@@ -25,8 +26,8 @@ Q5_K, Q6_K: every quantized type in the 1B Llama's Q4_K_M and Q8_0 files, and th
 Q4_1) the decode rows dot the blocks with activations rounded to 16 bits per block
 (cpu/integer_dot.py): no weight is decoded to fp32. (Q5_0 and Q5_1, most of SmolLM2's
 Q4_K_M and Q5_K_M, were tried: 1.2x faster at one row, 1.8x slower at sixteen on its
-3072 x 576 projection, and a sixteen-stream step 1.4x slower; they stay decoded.) On the 1B Llama a
-one-stream decode step went from 1.33x to 2.10x fp32's speed in Q8_0, and from 1.57x to
+3072 x 576 projection, and a sixteen-stream step 1.4x slower; they stay decoded.) On the 1B
+Llama a one-stream decode step went from 1.33x to 2.10x fp32's speed in Q8_0, and from 1.57x to
 2.34x in Q4_K_M (docs/benchmarks.md; the AVX-512 EPYC VM only, quiet or nearly: not
 measured on the Intel VM, the AVX2 EPYC or beside a busy neighbour). The other types decode
 to fp32 as above, and the prefill path decodes every type into MKL's tiles, as before

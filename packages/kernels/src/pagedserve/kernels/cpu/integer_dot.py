@@ -74,11 +74,14 @@ from pagedserve.kernels.cpu import (
     numba_cache,  # noqa: F401  (before any cached @njit)
 )
 from pagedserve.kernels.cpu.block_ir import Run
-from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS
+from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, GGUF_TYPES
 
 Q4_0, Q4_1, Q8_0 = GGUF_TYPE_IDS["Q4_0"], GGUF_TYPE_IDS["Q4_1"], GGUF_TYPE_IDS["Q8_0"]
 Q4_K, Q5_K, Q6_K = GGUF_TYPE_IDS["Q4_K"], GGUF_TYPE_IDS["Q5_K"], GGUF_TYPE_IDS["Q6_K"]
 INTEGER_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# Bytes per block, from the project's one table of GGUF types
+Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES = (GGUF_TYPES[t].block_bytes for t in (Q4_0, Q4_1, Q8_0))
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = (GGUF_TYPES[t].block_bytes for t in (Q4_K, Q5_K, Q6_K))
 ACTIVATION_MAX = 32767  # the largest 16-bit integer an activation is rounded to
 GROUP = 32  # activations rounded together under one step for the 32-weight types
 K_GROUP = 256  # and for the K-quants (activation_group)
@@ -373,9 +376,9 @@ def _dots_of_32(size, runs, with_min=False):
 
 
 GROUPED = 8  # 32-weight blocks per call when at least that many are left
-_Q8_0, _Q8_0_GROUPED = _dots_of_32(34, [Run(low=2, x=0, scale=0, signed=True)])
-_Q4_0, _Q4_0_GROUPED = _dots_of_32(18, [Run(2, 0, 0, offset=8, halves=True)])
-_Q4_1, _Q4_1_GROUPED = _dots_of_32(20, [Run(4, 0, 0, halves=True)], with_min=True)
+_Q8_0, _Q8_0_GROUPED = _dots_of_32(Q8_0_BYTES, [Run(low=2, x=0, scale=0, signed=True)])
+_Q4_0, _Q4_0_GROUPED = _dots_of_32(Q4_0_BYTES, [Run(2, 0, 0, offset=8, halves=True)])
+_Q4_1, _Q4_1_GROUPED = _dots_of_32(Q4_1_BYTES, [Run(4, 0, 0, halves=True)], with_min=True)
 # Q4_K / Q5_K: run c's 32 bytes hold sub-block 2c in their low nibbles, 2c + 1 in their high
 # ones; Q5_K's fifth bit of weight 32 j + l is bit j of byte 16 + l.
 _Q4_K_RUNS = [Run(16 + 32 * (j // 2), 32 * j, j, shift=4 * (j % 2)) for j in range(8)]
@@ -400,9 +403,9 @@ def _k_dots(runs, read_scales, size):
     return _k_block_dots(runs, read_scales, size), _k_block_dots(runs, read_scales, size, K_GROUPED)
 
 
-_Q4_K, _Q4_K_GROUPED = _k_dots(_Q4_K_RUNS, _k_scales, 144)
-_Q5_K, _Q5_K_GROUPED = _k_dots(_Q5_K_RUNS, _k_scales, 176)
-_Q6_K, _Q6_K_GROUPED = _k_dots(_Q6_K_RUNS, _q6_k_scales, 210)
+_Q4_K, _Q4_K_GROUPED = _k_dots(_Q4_K_RUNS, _k_scales, Q4_K_BYTES)
+_Q5_K, _Q5_K_GROUPED = _k_dots(_Q5_K_RUNS, _k_scales, Q5_K_BYTES)
+_Q6_K, _Q6_K_GROUPED = _k_dots(_Q6_K_RUNS, _q6_k_scales, Q6_K_BYTES)
 
 
 @numba.njit(cache=True, inline="always")
@@ -492,14 +495,14 @@ def _add_dots(kind, raw, base, xq, dx, sums, xat, g0, out, o):  # pragma: no cov
 def _block_shape(qtype):  # pragma: no cover - compiled
     """A ``qtype`` block's bytes and weights, and how many blocks a grouped call takes."""
     if qtype == Q6_K:
-        return 210, 256, K_GROUPED
+        return Q6_K_BYTES, K_GROUP, K_GROUPED
     if qtype == Q5_K:
-        return 176, 256, K_GROUPED
+        return Q5_K_BYTES, K_GROUP, K_GROUPED
     if qtype == Q4_K:
-        return 144, 256, K_GROUPED
+        return Q4_K_BYTES, K_GROUP, K_GROUPED
     if qtype == Q8_0:
-        return 34, 32, GROUPED
-    return (20 if qtype == Q4_1 else 18), 32, GROUPED
+        return Q8_0_BYTES, GROUP, GROUPED
+    return (Q4_1_BYTES if qtype == Q4_1 else Q4_0_BYTES), GROUP, GROUPED
 
 
 @numba.njit(cache=True)
