@@ -1,15 +1,19 @@
 """The CPU's 8-bit weight GEMM (cpu/weight_only_linear.py: int8 and fp8 e4m3 rows through the
-GGUF GEMM's decoders) against the reference: every byte decoded to the reference's value,
+GGUF GEMM) against the reference: every byte decoded to the reference's value,
 ``x (scale * Q)^T + bias`` within the GEMM tolerance for a decode step's rows and a prefill's,
-on one thread and two, and a row's result the same bits alone or among fifteen others."""
+on one thread and two, and a row's result the same bits alone or among fifteen others. int8
+rows of whole 32-weight groups take the integer dots (cpu/integer_dot.py) for a decode step's
+rows: the reference's product where the activations are on their 16-bit grid, and within
+what rounding them allows elsewhere."""
 
 import numpy as np
 import pytest
 import torch
-from tolerances import assert_close, assert_rows_invariant
+from tolerances import assert_close, assert_rows_invariant, tolerance
 
 from pagedserve.kernels.cpu import gguf_linear as cpu
 from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS, decode_row
+from pagedserve.kernels.cpu.integer_dot import ACTIVATION_MAX, GROUP, has_integer_dot
 from pagedserve.kernels.cpu.weight_only_linear import weight_only_linear_numba
 from pagedserve.kernels.weight_only_linear import quantize_per_channel, weight_only_linear_ref
 
@@ -44,6 +48,46 @@ def test_matches_the_reference(fmt, rows, threads):
     out = weight_only_linear_numba(x, qweight, scale, bias)
     assert out.shape == (rows, 70)
     assert_close(out, weight_only_linear_ref(x, qweight, scale, bias), gemm=True)
+
+
+def test_int8_rows_of_whole_groups_take_the_integer_dots():
+    assert has_integer_dot(INT8_ROWS, 768) and has_integer_dot(INT8_ROWS, 32)
+    assert not has_integer_dot(INT8_ROWS, 200)  # decoded: the integer dots take whole groups
+    assert not has_integer_dot(E4M3_ROWS, 768)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, cpu.MAX_ROWS])
+def test_int8_integer_dots_equal_the_reference_where_rounding_is_exact(rows, threads):
+    """Activations on the 16-bit grid (integers times ``2^-20``, each group's largest
+    ``ACTIVATION_MAX`` of them) round to themselves: the reference's product to fp32's
+    rounding, for rows in calls of four and of one, K = 800 (three calls of eight groups,
+    then one)."""
+    _, qweight, scale = _operands("int8", 1, 70, 800, seed=rows)
+    grid = torch.randint(
+        -ACTIVATION_MAX,
+        ACTIVATION_MAX + 1,
+        (rows, 800),
+        generator=torch.Generator().manual_seed(rows),
+    )
+    grid[:, ::GROUP] = ACTIVATION_MAX
+    x = grid.float() * 2.0**-20
+    out = weight_only_linear_numba(x, qweight, scale)
+    assert_close(out, weight_only_linear_ref(x, qweight, scale), gemm=True)
+
+
+@pytest.mark.parametrize("rows", [1, 5, cpu.MAX_ROWS])
+def test_int8_integer_dots_are_within_the_activations_rounding(rows, threads):
+    """Each activation is within half its group's step (``max |x| / ACTIVATION_MAX`` over 32) of
+    its value, so an output is within ``sum |w| * step / 2`` of the exact product (plus the
+    GEMM tolerance)."""
+    x, qweight, scale = _operands("int8", rows, 70, 768, seed=rows)
+    out = weight_only_linear_numba(x, qweight, scale)
+    want = weight_only_linear_ref(x, qweight, scale)
+    steps = x.abs().view(rows, -1, GROUP).amax(-1) / ACTIVATION_MAX
+    weights = qweight.float() * scale[:, None]
+    bound = (steps.repeat_interleave(GROUP, -1) / 2) @ weights.abs().T
+    atol, rtol = tolerance(torch.float32, gemm=True)
+    assert ((out - want).abs() <= bound + atol + rtol * want.abs()).all()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

@@ -23,15 +23,19 @@ paths, by the number of rows, as the dense layer has (cpu/dense_linear.py, then 
 
 **Integer dots where the weights are integers.** For ``INTEGER_TYPES`` (Q4_0, Q4_1, Q8_0, Q4_K,
 Q5_K, Q6_K: every quantized type in the 1B Llama's Q4_K_M and Q8_0 files, and the shipped
-Q4_1) the decode rows dot the blocks with activations rounded to 16 bits per block
-(cpu/integer_dot.py): no weight is decoded to fp32. (Q5_0 and Q5_1, most of SmolLM2's
-Q4_K_M and Q5_K_M, were tried: 1.2x faster at one row, 1.8x slower at sixteen on its
-3072 x 576 projection, and a sixteen-stream step 1.4x slower; they stay decoded.) On the 1B
+Q4_1; and int8 rows quantized at load, cpu/weight_only_linear.py) the decode rows dot the
+blocks with activations rounded to 16 bits per block (cpu/integer_dot.py): no weight is
+decoded to fp32. (Q5_0 and Q5_1, most of SmolLM2's Q4_K_M and Q5_K_M, were tried: 1.2x faster
+at one row, 1.8x slower at sixteen on its 3072 x 576 projection, and a sixteen-stream step 1.4x
+slower; they stay decoded.) On the 1B
 Llama a one-stream decode step went from 1.33x to 2.10x fp32's speed in Q8_0, and from 1.57x to
 2.34x in Q4_K_M (docs/benchmarks.md; the AVX-512 EPYC VM only, quiet or nearly: not
 measured on the Intel VM, the AVX2 EPYC or beside a busy neighbour). The other types decode
-to fp32 as above, and the prefill path decodes every type into MKL's tiles, as before
-(integer dots were not measured against it).
+to fp32 as above, and the prefill path decodes every type into MKL's tiles, as before. The
+integer dots cost in proportion to the rows; against the tiles on the 1B's 8192 x 2048 Q4_K
+projection (2 threads): 9.2 against 13.7 ms at 32 rows, even at 64, 1.3x slower at 128 (a
+1B prefill runs at MKL's fp32 speed, about 160 GFLOP/s here: only arithmetic faster than fp32
+FMAs, an integer GEMM, would make it faster).
 
 **Batch invariance.** A row's result does not depend on the other rows or the thread count:
 the integer dots' operations per row are the same in any call (cpu/integer_dot.py); the
@@ -146,7 +150,7 @@ def gguf_linear_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - c
     a fast-math function LLVM contracted the integer path's multiplies and adds into FMAs
     where it could, and where it could depended on the code around a row (its result then
     depended on its batch)."""
-    if has_integer_dot(qtype):
+    if has_integer_dot(qtype, x.shape[1]):
         _integer_parallel(x, qweight, qtype, out)
     else:
         _decoded_parallel(x, qweight, qtype, lanes, out)
@@ -155,7 +159,7 @@ def gguf_linear_parallel(x, qweight, qtype, lanes, out):  # pragma: no cover - c
 @numba.njit(cache=True)
 def gguf_linear_serial(x, qweight, qtype, lanes, out):  # pragma: no cover - compiled
     """``gguf_linear_parallel`` in this thread."""
-    if has_integer_dot(qtype):
+    if has_integer_dot(qtype, x.shape[1]):
         _integer_serial(x, qweight, qtype, out)
     else:
         _decoded_serial(x, qweight, qtype, lanes, out)

@@ -1,6 +1,8 @@
 """A GGUF row of blocks dotted with activations rounded to 16-bit integers, compiled with numba:
 the decode GEMM's inner product (cpu/gguf_linear.py) for the types whose weights are small
-integers under a block's scales (``INTEGER_TYPES``: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
+integers under a block's scales (``INTEGER_TYPES``: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), and for
+int8 weights quantized at load (``INT8_ROWS``: Q8_0's layout without the scale, which is one per
+output and applied after the sum, cpu/weight_only_linear.py).
 
 **Why integers.** Decoding a block to fp32 costs more than the dot that follows: a Q4_K weight
 is a shift, a mask, a conversion, a multiply and a subtract before its one FMA (about 7 G
@@ -55,7 +57,9 @@ activations are on the 16-bit grid (kernels/test_gguf_linear_numba.py holds both
 Measured (AMD EPYC VM with AVX-512, one thread, a 1B Llama's layers, `tools/bench_gguf_cpu.py
 --model llama-1b --layers 2`; docs/benchmarks.md): 1.3-2.1x the fp32-decoding GEMM's speed
 at one row; the K-quants' folded scales then made Q4_K, Q5_K and Q6_K 1.0-1.4x faster at one
-row and 1.4-1.8x at sixteen (not measured on the Intel VM nor beside a busy neighbour).
+row and 1.4-1.8x at sixteen; int8 at load, decoded before, made the 1B model's one-stream
+decode step 1.9x faster (95.9 -> 51.2 ms, fp32 107 ms). Not measured on the Intel VM nor beside
+a busy neighbour.
 
 Why one file: the layouts, the intrinsic each compiles to, and the loops that choose one by
 type id are one mechanism; numba compiles every layout into the loops.
@@ -74,11 +78,14 @@ from pagedserve.kernels.cpu import (
     numba_cache,  # noqa: F401  (before any cached @njit)
 )
 from pagedserve.kernels.cpu.block_ir import Run
+from pagedserve.kernels.cpu.gguf_blocks import INT8_ROWS
 from pagedserve.kernels.gguf_dequant import GGUF_TYPE_IDS, GGUF_TYPES
 
 Q4_0, Q4_1, Q8_0 = GGUF_TYPE_IDS["Q4_0"], GGUF_TYPE_IDS["Q4_1"], GGUF_TYPE_IDS["Q8_0"]
 Q4_K, Q5_K, Q6_K = GGUF_TYPE_IDS["Q4_K"], GGUF_TYPE_IDS["Q5_K"], GGUF_TYPE_IDS["Q6_K"]
-INTEGER_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# The GGUF types whose weights are integers under a block's scales, and int8 weights quantized
+# at load (``INT8_ROWS``: a signed byte a weight, its one scale per output applied after)
+INTEGER_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, INT8_ROWS)
 # Bytes per block, from the project's one table of GGUF types
 Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES = (GGUF_TYPES[t].block_bytes for t in (Q4_0, Q4_1, Q8_0))
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = (GGUF_TYPES[t].block_bytes for t in (Q4_K, Q5_K, Q6_K))
@@ -187,6 +194,16 @@ def _minimums(context, builder, signature, args, row, mins):
     )
     terms = builder.fmul(builder.fmul(mins, steps), builder.sitofp(sums, groups))
     return block_ir.lane_sum(builder, terms)
+
+
+def _unit_scales(count):
+    """The scales of ``count`` blocks of ``INT8_ROWS``: none in the bytes, so each is 1 (the
+    output's scale is applied after the sum, cpu/weight_only_linear.py)."""
+
+    def scales(block, builder):
+        return [ir.Constant(ir.FloatType(), 1.0)] * count, []
+
+    return scales
 
 
 def _block_dots(runs, block_scales):
@@ -367,11 +384,16 @@ def _blocks(size, runs, count):
     ]
 
 
-def _dots_of_32(size, runs, with_min=False):
-    """A 32-weight type's two intrinsics: one block a call, and ``GROUPED`` blocks a call."""
+def _dots_of_32(size, runs, with_min=False, scaled=True):
+    """A 32-weight type's two intrinsics: one block a call, and ``GROUPED`` blocks a call;
+    ``scaled``: its blocks start with their scale ``d`` (all but ``INT8_ROWS``)."""
+
+    def scales(count):
+        return _block_d_scales(size, count, with_min) if scaled else _unit_scales(count)
+
     return (
-        _block_dots(runs, _block_d_scales(size, 1, with_min)),
-        _block_dots(_blocks(size, runs, GROUPED), _block_d_scales(size, GROUPED, with_min)),
+        _block_dots(runs, scales(1)),
+        _block_dots(_blocks(size, runs, GROUPED), scales(GROUPED)),
     )
 
 
@@ -379,6 +401,7 @@ GROUPED = 8  # 32-weight blocks per call when at least that many are left
 _Q8_0, _Q8_0_GROUPED = _dots_of_32(Q8_0_BYTES, [Run(low=2, x=0, scale=0, signed=True)])
 _Q4_0, _Q4_0_GROUPED = _dots_of_32(Q4_0_BYTES, [Run(2, 0, 0, offset=8, halves=True)])
 _Q4_1, _Q4_1_GROUPED = _dots_of_32(Q4_1_BYTES, [Run(4, 0, 0, halves=True)], with_min=True)
+_I8, _I8_GROUPED = _dots_of_32(GROUP, [Run(low=0, x=0, scale=0, signed=True)], scaled=False)
 # Q4_K / Q5_K: run c's 32 bytes hold sub-block 2c in their low nibbles, 2c + 1 in their high
 # ones; Q5_K's fifth bit of weight 32 j + l is bit j of byte 16 + l.
 _Q4_K_RUNS = [Run(16 + 32 * (j // 2), 32 * j, j, shift=4 * (j % 2)) for j in range(8)]
@@ -409,10 +432,13 @@ _Q6_K, _Q6_K_GROUPED = _k_dots(_Q6_K_RUNS, _q6_k_scales, Q6_K_BYTES)
 
 
 @numba.njit(cache=True, inline="always")
-def has_integer_dot(qtype):  # pragma: no cover - compiled
-    """Whether ``qtype`` is one of ``INTEGER_TYPES``."""
+def has_integer_dot(qtype, k):  # pragma: no cover - compiled
+    """Whether rows of ``k`` weights of ``qtype`` take the integer dots: ``qtype`` one of
+    ``INTEGER_TYPES``, and ``k`` whole blocks (a GGUF row always is; ``INT8_ROWS`` of another
+    width are decoded)."""
     k_quant = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
-    return k_quant or qtype == Q4_0 or qtype == Q4_1 or qtype == Q8_0
+    of_32 = qtype == Q4_0 or qtype == Q4_1 or qtype == Q8_0 or qtype == INT8_ROWS
+    return k_quant or (of_32 and k % GROUP == 0)
 
 
 @numba.njit(cache=True, inline="always")
@@ -447,47 +473,38 @@ def round_activations(x, group):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, inline="always")
-def _dots(kind, raw, base, xq, dx, sums, rows, xat, g0):  # pragma: no cover - compiled
-    """Layout ``kind`` (a type id; negated: its grouped layout, ``GROUPED`` or ``K_GROUPED``
-    blocks) at byte ``base``, dotted with ``rows``."""
-    if kind == Q4_K:
-        return _Q4_K(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q4_K:
-        return _Q4_K_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q5_K:
-        return _Q5_K(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q5_K:
-        return _Q5_K_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q6_K:
-        return _Q6_K(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q6_K:
-        return _Q6_K_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q8_0:
-        return _Q8_0(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q8_0:
-        return _Q8_0_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q4_0:
-        return _Q4_0(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == -Q4_0:
-        return _Q4_0_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
-    if kind == Q4_1:
-        return _Q4_1(raw, base, xq, dx, sums, rows, xat, g0)
-    return _Q4_1_GROUPED(raw, base, xq, dx, sums, rows, xat, g0)
+def _dots(qtype, grouped, raw, base, xq, dx, sums, rows, xat, g0):  # pragma: no cover - compiled
+    """``qtype``'s layout at byte ``base`` (``grouped``: ``GROUPED`` or ``K_GROUPED`` blocks,
+    else one), dotted with ``rows``."""
+    args = (raw, base, xq, dx, sums, rows, xat, g0)
+    if qtype == Q4_K:
+        return _Q4_K_GROUPED(*args) if grouped else _Q4_K(*args)
+    if qtype == Q5_K:
+        return _Q5_K_GROUPED(*args) if grouped else _Q5_K(*args)
+    if qtype == Q6_K:
+        return _Q6_K_GROUPED(*args) if grouped else _Q6_K(*args)
+    if qtype == Q8_0:
+        return _Q8_0_GROUPED(*args) if grouped else _Q8_0(*args)
+    if qtype == INT8_ROWS:
+        return _I8_GROUPED(*args) if grouped else _I8(*args)
+    if qtype == Q4_0:
+        return _Q4_0_GROUPED(*args) if grouped else _Q4_0(*args)
+    return _Q4_1_GROUPED(*args) if grouped else _Q4_1(*args)
 
 
 @numba.njit(cache=True, inline="always")
-def _add_dots(kind, raw, base, xq, dx, sums, xat, g0, out, o):  # pragma: no cover - compiled
-    """``out[r, o] +=`` layout ``kind``'s dot with row ``r``, for every row: four rows a call
-    (the quants decoded once for the four), the last few one a call."""
+def _add_dots(qtype, grouped, raw, base, xq, dx, sums, xat, g0, out, o):  # pragma: no cover
+    """``out[r, o] +=`` the layout's dot (``_dots``) with row ``r``, for every row: four rows a
+    call (the quants decoded once for the four), the last few one a call."""
     m = xq.shape[0]
     r = 0
     while r + 4 <= m:
-        dots = _dots(kind, raw, base, xq, dx, sums, (r, r + 1, r + 2, r + 3), xat, g0)
+        dots = _dots(qtype, grouped, raw, base, xq, dx, sums, (r, r + 1, r + 2, r + 3), xat, g0)
         for i in range(4):
             out[r + i, o] += dots[i]
         r += 4
     while r < m:
-        out[r, o] += _dots(kind, raw, base, xq, dx, sums, (r,), xat, g0)[0]
+        out[r, o] += _dots(qtype, grouped, raw, base, xq, dx, sums, (r,), xat, g0)[0]
         r += 1
 
 
@@ -502,6 +519,8 @@ def _block_shape(qtype):  # pragma: no cover - compiled
         return Q4_K_BYTES, K_GROUP, K_GROUPED
     if qtype == Q8_0:
         return Q8_0_BYTES, GROUP, GROUPED
+    if qtype == INT8_ROWS:
+        return GROUP, GROUP, GROUPED
     return (Q4_1_BYTES if qtype == Q4_1 else Q4_0_BYTES), GROUP, GROUPED
 
 
@@ -518,7 +537,6 @@ def integer_dot_rows(raw, qtype, xq, dx, sums, out, o):  # pragma: no cover - co
     blocks = xq.shape[1] // weights
     b = 0
     while b < blocks:
-        count = grouped if blocks - b >= grouped else 1
-        kind = -qtype if count == grouped else qtype
-        _add_dots(kind, raw, size * b, xq, dx, sums, weights * b, b, out, o)
-        b += count
+        whole = blocks - b >= grouped
+        _add_dots(qtype, whole, raw, size * b, xq, dx, sums, weights * b, b, out, o)
+        b += grouped if whole else 1
