@@ -27,15 +27,16 @@ Q4_1; and int8 rows quantized at load, cpu/weight_only_linear.py) the decode row
 blocks with activations rounded to 16 bits per block (cpu/integer_dot.py): no weight is
 decoded to fp32. (Q5_0 and Q5_1, most of SmolLM2's Q4_K_M and Q5_K_M, were tried: 1.2x faster
 at one row, 1.8x slower at sixteen on its 3072 x 576 projection, and a sixteen-stream step 1.4x
-slower; they stay decoded.) On the 1B
-Llama a one-stream decode step went from 1.33x to 2.10x fp32's speed in Q8_0, and from 1.57x to
-2.34x in Q4_K_M (docs/benchmarks.md; the AVX-512 EPYC VM only, quiet or nearly: not
-measured on the Intel VM, the AVX2 EPYC or beside a busy neighbour). The other types decode
-to fp32 as above, and the prefill path decodes every type into MKL's tiles, as before. The
-integer dots cost in proportion to the rows; against the tiles on the 1B's 8192 x 2048 Q4_K
-projection (2 threads): 9.2 against 13.7 ms at 32 rows, even at 64, 1.3x slower at 128 (a
-1B prefill runs at MKL's fp32 speed, about 160 GFLOP/s here: only arithmetic faster than fp32
-FMAs, an integer GEMM, would make it faster).
+slower; they stay decoded.) On the 1B Llama a one-stream decode step went from 1.33x to 2.10x
+fp32's speed in Q8_0, and from 1.57x to 2.34x in Q4_K_M (docs/benchmarks.md; the AVX-512 EPYC
+VM only, quiet or nearly: not measured on the Intel VM, the AVX2 EPYC or beside a busy
+neighbour). The other types decode to fp32 as above, and the prefill path decodes every type
+into MKL's tiles, as before. The integer dots cost in proportion to the rows; against the
+tiles, 2 threads: on the 1B's 8192 x 2048 Q4_K projection 9.2 against 13.7 ms at 32 rows, even
+at 64, 1.3x slower at 128; Q8_0 even at 32 rows; SmolLM2's 1536 x 576 Q4_0 / Q4_1 already
+slower at 24-32 (so ``MAX_ROWS`` stays 16 for all). A 1B prefill runs at MKL's fp32 speed,
+about 160 GFLOP/s here: only arithmetic faster than fp32 FMAs, an integer GEMM, would make it
+faster.
 
 **Batch invariance.** A row's result does not depend on the other rows or the thread count:
 the integer dots' operations per row are the same in any call (cpu/integer_dot.py); the
