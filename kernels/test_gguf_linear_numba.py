@@ -11,13 +11,11 @@ fifteen others."""
 import numpy as np
 import pytest
 import torch
-from tolerances import assert_close, tolerance
+from tolerances import assert_close, assert_within_rounding, on_the_activation_grid
 
 from pagedserve.kernels.cpu import gguf_linear as cpu
 from pagedserve.kernels.cpu.gguf_blocks import decode_row
 from pagedserve.kernels.cpu.integer_dot import (
-    ACTIVATION_MAX,
-    GROUP,
     INTEGER_TYPES,
     activation_group,
 )
@@ -49,13 +47,8 @@ def _assert_matches_reference(out, x, qweight, qtype, bias=None):
     if qtype not in INTEGER_TYPES or x2.shape[0] > cpu.MAX_ROWS:
         assert_close(out, want, gemm=True)
         return
-    group = activation_group(qtype)
-    steps = x2.abs().view(x2.shape[0], -1, group).amax(-1) / ACTIVATION_MAX
     weights = gguf_dequantize_ref(qweight, qtype)
-    bound = (steps.repeat_interleave(group, -1) / 2) @ weights.abs().T
-    atol, rtol = tolerance(torch.float32, gemm=True)
-    error = (out.reshape(bound.shape) - want.reshape(bound.shape)).abs()
-    assert (error <= bound + atol + rtol * want.reshape(bound.shape).abs()).all()
+    assert_within_rounding(out, want, x2, weights, activation_group(qtype))
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t != "F32"])
@@ -91,14 +84,7 @@ def test_integer_dots_equal_the_reference_where_rounding_is_exact(name, rows, th
     qtype = GGUF_TYPE_IDS[name]
     k = 1280 if GGUF_TYPES[qtype].block_size == 256 else 800
     qweight = random_gguf_rows(qtype, 70, k, seed=rows)
-    grid = torch.randint(
-        -ACTIVATION_MAX,
-        ACTIVATION_MAX + 1,
-        (rows, k),
-        generator=torch.Generator().manual_seed(rows),
-    )
-    grid[:, ::GROUP] = ACTIVATION_MAX
-    x = grid.float() * 2.0**-20
+    x = on_the_activation_grid(rows, k, seed=rows)
     out = cpu.gguf_linear_numba(x, qweight, qtype)
     assert_close(out, gguf_linear_ref(x, qweight, qtype), gemm=True)
 

@@ -9,11 +9,16 @@ what rounding them allows elsewhere."""
 import numpy as np
 import pytest
 import torch
-from tolerances import assert_close, assert_rows_invariant, tolerance
+from tolerances import (
+    assert_close,
+    assert_rows_invariant,
+    assert_within_rounding,
+    on_the_activation_grid,
+)
 
 from pagedserve.kernels.cpu import gguf_linear as cpu
 from pagedserve.kernels.cpu.gguf_blocks import E4M3_ROWS, INT8_ROWS, decode_row
-from pagedserve.kernels.cpu.integer_dot import ACTIVATION_MAX, GROUP, has_integer_dot
+from pagedserve.kernels.cpu.integer_dot import GROUP, has_integer_dot
 from pagedserve.kernels.cpu.weight_only_linear import weight_only_linear_numba
 from pagedserve.kernels.weight_only_linear import quantize_per_channel, weight_only_linear_ref
 
@@ -63,14 +68,7 @@ def test_int8_integer_dots_equal_the_reference_where_rounding_is_exact(rows, thr
     rounding, for rows in calls of four and of one, K = 800 (three calls of eight groups,
     then one)."""
     _, qweight, scale = _operands("int8", 1, 70, 800, seed=rows)
-    grid = torch.randint(
-        -ACTIVATION_MAX,
-        ACTIVATION_MAX + 1,
-        (rows, 800),
-        generator=torch.Generator().manual_seed(rows),
-    )
-    grid[:, ::GROUP] = ACTIVATION_MAX
-    x = grid.float() * 2.0**-20
+    x = on_the_activation_grid(rows, 800, seed=rows)
     out = weight_only_linear_numba(x, qweight, scale)
     assert_close(out, weight_only_linear_ref(x, qweight, scale), gemm=True)
 
@@ -83,11 +81,7 @@ def test_int8_integer_dots_are_within_the_activations_rounding(rows, threads):
     x, qweight, scale = _operands("int8", rows, 70, 768, seed=rows)
     out = weight_only_linear_numba(x, qweight, scale)
     want = weight_only_linear_ref(x, qweight, scale)
-    steps = x.abs().view(rows, -1, GROUP).amax(-1) / ACTIVATION_MAX
-    weights = qweight.float() * scale[:, None]
-    bound = (steps.repeat_interleave(GROUP, -1) / 2) @ weights.abs().T
-    atol, rtol = tolerance(torch.float32, gemm=True)
-    assert ((out - want).abs() <= bound + atol + rtol * want.abs()).all()
+    assert_within_rounding(out, want, x, qweight.float() * scale[:, None], GROUP)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

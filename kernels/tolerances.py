@@ -63,3 +63,30 @@ def assert_rows_invariant(multiply, x: torch.Tensor) -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1])
+
+
+def on_the_activation_grid(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Activations the CPU's integer dots round to themselves (cpu/integer_dot.py): integers
+    times ``2^-20``, each 32-group's first ``ACTIVATION_MAX`` of them, so every group's step is
+    ``2^-20`` whatever group the type rounds under (32 or 256)."""
+    from pagedserve.kernels.cpu.integer_dot import ACTIVATION_MAX, GROUP
+
+    generator = torch.Generator().manual_seed(seed)
+    grid = torch.randint(-ACTIVATION_MAX, ACTIVATION_MAX + 1, (rows, k), generator=generator)
+    grid[:, ::GROUP] = ACTIVATION_MAX
+    return grid.float() * 2.0**-20
+
+
+def assert_within_rounding(out, want, x, weights, group: int) -> None:
+    """``out`` within ``want`` (the exact product ``x @ weights.T``) plus what rounding ``x`` to
+    16 bits per ``group`` allows: each activation is within half its group's step
+    (``max |x| / ACTIVATION_MAX``), so an output is within ``sum |w| * step / 2``, plus the GEMM
+    tolerance."""
+    from pagedserve.kernels.cpu.integer_dot import ACTIVATION_MAX
+
+    x2 = x.reshape(-1, x.shape[-1])
+    steps = x2.abs().view(x2.shape[0], -1, group).amax(-1) / ACTIVATION_MAX
+    bound = (steps.repeat_interleave(group, -1) / 2) @ weights.abs().T
+    atol, rtol = tolerance(torch.float32, gemm=True)
+    error = (out.reshape(bound.shape) - want.reshape(bound.shape)).abs()
+    assert (error <= bound + atol + rtol * want.reshape(bound.shape).abs()).all()

@@ -32,7 +32,7 @@ fp32's speed in Q8_0, and from 1.57x to 2.34x in Q4_K_M (docs/benchmarks.md; the
 VM only, quiet or nearly: not measured on the Intel VM, the AVX2 EPYC or beside a busy
 neighbour). The other types decode to fp32 as above, and the prefill path decodes every type
 into MKL's tiles, as before. The integer dots cost in proportion to the rows; against the
-tiles, 2 threads: on the 1B's 8192 x 2048 Q4_K projection 9.2 against 13.7 ms at 32 rows, even
+tiles, 2 threads, the AVX-512 EPYC VM only: on the 1B's 8192 x 2048 Q4_K projection 9.2 against 13.7 ms at 32 rows, even
 at 64, 1.3x slower at 128; Q8_0 even at 32 rows; SmolLM2's 1536 x 576 Q4_0 / Q4_1 already
 slower at 24-32 (so ``MAX_ROWS`` stays 16 for all). A 1B prefill runs at MKL's fp32 speed,
 about 160 GFLOP/s here: only arithmetic faster than fp32 FMAs, an integer GEMM, would make it

@@ -11,7 +11,9 @@ GGUF GEMM (cpu/gguf_linear.py ``multiply_rows``) as row types of their own:
 - ``INT8_ROWS`` (the signed byte): for a decode step's rows, the integer dots
   (cpu/integer_dot.py: the bytes times activations rounded to 16 bits per 32, summed in
   integers; ``K`` a multiple of 32, else decoded as below), as a Q8_0 block is dotted. On the
-  1B Llama this made one stream's decode step 1.9x faster (95.9 -> 51.2 ms; fp32 107 ms).
+  1B Llama this made one stream's decode step 1.9x faster (95.9 -> 51.2 ms; fp32 107 ms; the
+  AVX-512 EPYC VM only, nearly quiet: not measured on the Intel VM, the AVX2 EPYC or beside a
+  busy neighbour).
 - ``E4M3_ROWS`` (the fp8 byte's bits moved into fp32's places, exact, by cpu/gguf_blocks.py):
   four rows decoded at a time into an fp32 buffer in L1 and dotted against each row of ``x``.
 - A prefill: decoded tiles and MKL, for both.
